@@ -1,0 +1,95 @@
+"""The connector: Canopy's link, one engine's collector and a pricing strategy, together."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import httpx
+
+from ._collector import Collector, EngineStatus
+from ._events import EventHook
+from ._link import CanopyLink, PricePublication, QuoteAnswer, StatusReport
+from ._options import ProviderOptions
+from ._pricing import Decline, Price, PricingStrategy, QuoteContext, QuoteRequest
+from ._snapshot import CheckReport
+from .adapters import EngineAdapter
+
+__all__ = ["Provider"]
+
+logger = logging.getLogger(__name__)
+ENGINE = "engine"
+
+
+class Provider:
+    """Connects to Canopy, checks the engine, publishes prices and answers quotes.
+
+    On each connection it receives the engine model ID, runs the startup checks (health, model
+    discovery and, for engines that publish load, metrics validation) until they pass, reports
+    in, publishes the strategy's list price and then answers quote requests from the latest
+    snapshot. Quote callbacks never wait on the engine.
+    """
+
+    def __init__(
+        self,
+        adapter: EngineAdapter,
+        strategy: PricingStrategy,
+        link: CanopyLink,
+        *,
+        options: ProviderOptions | None = None,
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] = time.time,
+        hooks: Sequence[EventHook] = (),
+    ) -> None:
+        self.adapter = adapter
+        self.strategy = strategy
+        self.link = link
+        self.options = options or ProviderOptions()
+        self._clock = clock
+        self.collector = Collector(options=self.options, client=client, clock=clock, hooks=hooks)
+        self.model_id: str | None = None
+
+    async def run(self) -> None:
+        """Serve until cancelled."""
+        grant = await self.link.connect()
+        self.model_id = grant.engine_model_id
+        async with self.collector:
+            self.collector.add(ENGINE, self.adapter, model_id=grant.engine_model_id, poll=False)
+            report = await self._until_ready()
+            logger.info("engine ready: %s %s", self.adapter.kind.value, report.engine_version)
+            self.collector.start_polling(ENGINE)  # from here on, on its own schedule
+            await self.link.publish(
+                PricePublication(grant.engine_model_id, self.strategy.list_price)
+            )
+            while True:
+                request = await self.link.receive_quote()
+                await self.link.answer(QuoteAnswer.of(request, self.quote(request)))
+
+    async def _until_ready(self) -> CheckReport:
+        while True:
+            report = await self.collector.check(ENGINE)
+            await self.link.report(StatusReport.from_report(report))
+            if report.ok:
+                return report
+            await anyio.sleep(self.options.poll_interval_s)
+
+    def context(self) -> QuoteContext:
+        """What a quote callback sees now: no I/O."""
+        snap = self.collector.snapshot(ENGINE)
+        return QuoteContext(
+            engine=self.adapter.kind,
+            support=self.adapter.support,
+            metrics=snap.metrics if snap is not None else None,
+            collected_at=snap.collected_at if snap is not None else None,
+            capacity=self.collector.capacity(ENGINE),
+            counts=self.link.counts(),
+        )
+
+    def quote(self, request: QuoteRequest) -> Price | Decline:
+        return self.strategy.quote(request, self.context())
+
+    def overview(self) -> EngineStatus:
+        """Which check passed or failed, and the latest snapshot."""
+        return self.collector.status(ENGINE)

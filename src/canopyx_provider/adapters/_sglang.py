@@ -1,0 +1,135 @@
+"""SGLang with ``--enable-metrics``; contract target v0.5.21 (recorded from its sources)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .._errors import InfoParseError, MissingMetricError, SnapshotValidationError
+from .._prom import Sample, finite, parse_samples, select_one
+from .._scrape import Fetcher, RawResponse
+from .._snapshot import Capacity, EngineKind, EngineMetrics, SupportLevel
+from ._base import Discovery, EngineAdapter, Poll, expect_status, int_or_none, json_object
+
+__all__ = ["SglangAdapter"]
+
+RUNNING, WAITING, TOKEN_USAGE = "num_running_reqs", "num_queue_reqs", "token_usage"
+PROMPT_TOKENS, GENERATED_TOKENS = "prompt_tokens_total", "generation_tokens_total"
+_GAUGES = (RUNNING, WAITING, TOKEN_USAGE)
+_COUNTERS = (PROMPT_TOKENS, GENERATED_TOKENS)
+# SGLang itself writes "sglang:"; its model gateway's aggregator (and name-normalising
+# pipelines) rewrite it to "sglang_". Either is accepted, never both for one model.
+PREFIXES = ("sglang:", "sglang_")
+_ALL = tuple(p + n for p in PREFIXES for n in (*_GAUGES, *_COUNTERS))
+
+
+class SglangAdapter(EngineAdapter):
+    """Reads SGLang's scheduler gauges, selected by ``model_name`` and ``labels``."""
+
+    kind = EngineKind.SGLANG
+    support = SupportLevel.SUPPORTED
+
+    async def discover(self, fetch: Fetcher, model_id: str) -> Discovery:
+        resp = await self.get(fetch, self.url("/server_info"))
+        if resp.status == 404:  # before 0.5.6 only the older route exists
+            resp = await self.get(fetch, self.url("/get_server_info"))
+        expect_status(resp, 200, what="server_info")
+        return parse_server_info(resp)
+
+    async def collect(
+        self, fetch: Fetcher, model_id: str, discovery: Discovery, health: RawResponse
+    ) -> Poll:
+        resp = await self.get(fetch, self.metrics_url)
+        expect_status(resp, 200, what="metrics")
+        return self.parse_metrics(resp.text(), model_id, url=resp.url)
+
+    def parse_metrics(self, text: str, model_id: str, *, url: str | None = None) -> Poll:
+        samples = parse_samples(text, _ALL, url=url)
+        selector = {"model_name": model_id, **self.labels}
+        prefix = _prefix(samples, selector)
+
+        def one(name: str) -> Sample:
+            return _select_total(samples, prefix + name, selector)
+
+        def optional(name: str) -> float | None:
+            if not samples[prefix + name]:
+                return None
+            return finite(select_one(samples, prefix + name, selector))
+
+        return Poll(
+            EngineMetrics(
+                running_requests=int(finite(one(RUNNING))),
+                waiting_requests=int(finite(one(WAITING))),
+                kv_cache_usage_ratio=finite(one(TOKEN_USAGE), high=1.0),
+                prompt_tokens_total=optional(PROMPT_TOKENS),
+                generated_tokens_total=optional(GENERATED_TOKENS),
+            )
+        )
+
+
+def _prefix(samples: Mapping[str, list[Sample]], selector: Mapping[str, str]) -> str:
+    found = [
+        p
+        for p in PREFIXES
+        if any(all(s.labels.get(k) == v for k, v in selector.items()) for s in samples[p + RUNNING])
+    ]
+    if len(found) > 1:
+        raise SnapshotValidationError(
+            f"the exposition carries both sglang: and sglang_ metrics for {dict(selector)}; "
+            "scrape one engine's own /metrics",
+            metric="sglang:" + RUNNING,
+        )
+    if not found:
+        seen = [s.labels for p in PREFIXES for s in samples[p + RUNNING]]
+        raise MissingMetricError("sglang:" + RUNNING, selector=selector, seen=seen)
+    return found[0]
+
+
+def _select_total(
+    samples: Mapping[str, list[Sample]], name: str, selector: Mapping[str, str]
+) -> Sample:
+    """With priority scheduling, SGLang publishes the total as ``priority=""`` beside one series
+    per priority. Summing them would double-count; the total series is the one to read."""
+    if "priority" not in selector:
+        candidates = [
+            s for s in samples[name] if all(s.labels.get(k) == v for k, v in selector.items())
+        ]
+        if len(candidates) > 1 and all("priority" in s.labels for s in candidates):
+            return select_one(samples, name, {**selector, "priority": ""})
+    return select_one(samples, name, selector)
+
+
+def parse_server_info(resp: RawResponse) -> Discovery:
+    """Capacity and version from ``/server_info``; unknown figures stay None."""
+    info = json_object(resp, what="server_info")
+    states = info.get("internal_states")
+    per_dp = (
+        [
+            int_or_none(s.get("effective_max_running_requests_per_dp"))
+            for s in states
+            if isinstance(s, dict)
+        ]
+        if isinstance(states, list)
+        else []
+    )
+    notes: list[str] = []
+    if per_dp and all(v is not None for v in per_dp):
+        max_running: int | None = sum(v for v in per_dp if v is not None)
+    else:
+        max_running = int_or_none(info.get("max_running_requests"))
+        if max_running is None:
+            notes.append("server_info publishes no max_running_requests (configured as null)")
+    kv = int_or_none(info.get("max_total_num_tokens"))
+    if kv is None and isinstance(states, list) and states and isinstance(states[0], dict):
+        usage = states[0].get("memory_usage")
+        kv = int_or_none(usage.get("token_capacity")) if isinstance(usage, dict) else None
+    if kv is None:
+        notes.append("server_info publishes no KV token pool size")
+    version = info.get("version")
+    if version is not None and not isinstance(version, str):
+        raise InfoParseError(f"server_info: version is not a string: {version!r}", url=resp.url)
+    start = info.get("startup_time")
+    return Discovery(
+        capacity=Capacity(kv_cache_tokens=kv, max_running_requests=max_running, notes=tuple(notes)),
+        engine_version=version,
+        process_start=float(start) if isinstance(start, (int, float)) else None,
+    )
