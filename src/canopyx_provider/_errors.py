@@ -161,6 +161,7 @@ _CODES: tuple[tuple[type[CanopyxError], str], ...] = (
     (EngineUnreachableError, "unreachable"),
     (ScrapeTimeoutError, "timeout"),
     (UnexpectedStatusError, "unexpected_status"),
+    (ScrapeError, "broken_answer"),
     (ParseError, "unreadable"),
     (MissingMetricError, "missing_metric"),
     (AmbiguousMetricError, "ambiguous_metric"),

@@ -58,7 +58,7 @@ Event = ScrapeSucceeded | ScrapeFailed | ChecksCompleted | EngineRestarted
 
 
 class EventHook(Protocol):
-    def __call__(self, event: Event) -> None: ...
+    def __call__(self, event: Event, /) -> None: ...
 
 
 class LoggingHook:

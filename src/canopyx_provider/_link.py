@@ -10,7 +10,7 @@ codes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Self
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -135,8 +135,8 @@ class InProcessLink:
         self.sent.append(answer)
         waiter = self._waiters.pop(answer.request_id, None)
         if waiter is not None:
-            await waiter.send(answer)
-            await waiter.aclose()
+            with waiter:
+                await waiter.send(answer)
 
     def counts(self) -> CanopyCounts:
         return self.current_counts
@@ -145,6 +145,24 @@ class InProcessLink:
         """Canopy's side: ask the connector for a quote and wait for its answer."""
         send, receive = anyio.create_memory_object_stream[QuoteAnswer](1)
         self._waiters[request.request_id] = send
-        await self._requests_in.send(request)
-        async with receive:
-            return await receive.receive()
+        try:
+            with receive:
+                await self._requests_in.send(request)
+                return await receive.receive()
+        finally:
+            self._waiters.pop(request.request_id, None)
+            send.close()
+
+    def close(self) -> None:
+        """Close the quote channel; a pending `receive_quote` ends."""
+        self._requests_in.close()
+        self._requests_out.close()
+        for waiter in self._waiters.values():
+            waiter.close()
+        self._waiters.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -205,13 +205,16 @@ def watch(
     async def run() -> None:
         async with Collector(options=options) as collector:
             collector.add("engine", adapter, model_id=model, poll=False)
-            polls = 0
-            with Live(console=console, auto_refresh=False) as live:
+            with contextlib.ExitStack() as stack:
+                live = None
+                if console.is_terminal:
+                    live = stack.enter_context(Live(console=console, auto_refresh=False))
+                polls = 0
                 while count is None or polls < count:
                     await collector.refresh("engine")
                     polls += 1
                     table = _status_table(collector.status("engine"), time.time())
-                    if console.is_terminal:
+                    if live is not None:
                         live.update(table, refresh=True)
                     else:
                         console.print(table)
@@ -316,7 +319,8 @@ def simulate(
             console.print(table)
             tg.cancel_scope.cancel()
 
-    anyio.run(run)
+    with link:
+        anyio.run(run)
     raise typer.Exit(0 if ok else 1)
 
 

@@ -13,13 +13,14 @@ from ._base import Discovery, EngineAdapter, Poll, expect_status, int_or_none, j
 __all__ = ["SglangAdapter"]
 
 RUNNING, WAITING, TOKEN_USAGE = "num_running_reqs", "num_queue_reqs", "token_usage"
-PROMPT_TOKENS, GENERATED_TOKENS = "prompt_tokens_total", "generation_tokens_total"
 _GAUGES = (RUNNING, WAITING, TOKEN_USAGE)
-_COUNTERS = (PROMPT_TOKENS, GENERATED_TOKENS)
+# SGLang's token counters come from its tokenizer processes, split by ``is_streaming`` and without
+# the scheduler labels that select an engine: they cannot be read as one engine's single sample,
+# so prompt_tokens_total and generated_tokens_total stay None rather than summed.
 # SGLang itself writes "sglang:"; its model gateway's aggregator (and name-normalising
 # pipelines) rewrite it to "sglang_". Either is accepted, never both for one model.
 PREFIXES = ("sglang:", "sglang_")
-_ALL = tuple(p + n for p in PREFIXES for n in (*_GAUGES, *_COUNTERS))
+_ALL = tuple(p + n for p in PREFIXES for n in _GAUGES)
 
 
 class SglangAdapter(EngineAdapter):
@@ -50,18 +51,11 @@ class SglangAdapter(EngineAdapter):
         def one(name: str) -> Sample:
             return _select_total(samples, prefix + name, selector)
 
-        def optional(name: str) -> float | None:
-            if not samples[prefix + name]:
-                return None
-            return finite(select_one(samples, prefix + name, selector))
-
         return Poll(
             EngineMetrics(
                 running_requests=int(finite(one(RUNNING))),
                 waiting_requests=int(finite(one(WAITING))),
                 kv_cache_usage_ratio=finite(one(TOKEN_USAGE), high=1.0),
-                prompt_tokens_total=optional(PROMPT_TOKENS),
-                generated_tokens_total=optional(GENERATED_TOKENS),
             )
         )
 

@@ -1,0 +1,1 @@
+"""Contract suite: checks of the engines canopyx talks to."""

@@ -1,0 +1,133 @@
+"""The connector end to end: an in-process Canopy, a real socket engine, a strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+from decimal import Decimal
+
+import anyio
+import pytest
+from pytest_httpserver import HTTPServer
+
+from canopyx_provider import (
+    CanopyCounts,
+    Event,
+    InProcessLink,
+    LoadAndAdmission,
+    Price,
+    PricePublication,
+    Provider,
+    ProviderOptions,
+    QuoteAnswer,
+    QuoteRequest,
+    ScrapeSucceeded,
+    StatusReport,
+    vllm,
+)
+from tests.conftest import recorded
+
+pytestmark = pytest.mark.anyio
+LIST = Price(Decimal("0.20"), Decimal("0.60"))
+OPTIONS = ProviderOptions(poll_interval_ms=20, connect_attempts=1)
+
+# Figures no message to Canopy may ever carry.
+DISTINCT = {
+    "running": "7",
+    "waiting": "0",
+    "kv": "0.4242",
+    "prompt": "918273",
+    "generated": "564738",
+}
+
+
+def distinctive_metrics() -> str:
+    text = recorded("vllm/0.31.0/GET_metrics_idle.http").text
+    for name, value in (
+        ("vllm:num_requests_running", DISTINCT["running"]),
+        ("vllm:kv_cache_usage_perc", DISTINCT["kv"]),
+        ("vllm:prompt_tokens_total", DISTINCT["prompt"]),
+        ("vllm:generation_tokens_total", DISTINCT["generated"]),
+    ):
+        prefix = name + '{engine="0",model_name="tiny"} '
+        start = text.index(prefix) + len(prefix)
+        end = text.index("\n", start)
+        text = text[:start] + value + text[end:]
+    return text
+
+
+def serve_engine(engine: HTTPServer, metrics: str) -> None:
+    engine.expect_request("/health").respond_with_data("")
+    engine.expect_request("/version").respond_with_data('{"version":"0.31.0"}')
+    engine.expect_request("/v1/models").respond_with_response(
+        recorded("vllm/0.31.0/GET_v1_models.http").response()
+    )
+    engine.expect_request("/metrics").respond_with_data(metrics)
+
+
+async def test_connect_report_publish_and_quote_without_metrics_crossing_the_link(
+    engine: HTTPServer,
+) -> None:
+    serve_engine(engine, distinctive_metrics())
+    link = InProcessLink("tiny", counts=CanopyCounts(active_requests=1))
+    queued = anyio.Event()
+
+    def hook(event: Event) -> None:
+        if isinstance(event, ScrapeSucceeded) and event.snapshot.metrics.waiting_requests == 3:
+            queued.set()
+
+    provider = Provider(
+        vllm(engine.url_for("/")), LoadAndAdmission(LIST), link, options=OPTIONS, hooks=[hook]
+    )
+    with link:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(provider.run)
+            with anyio.fail_after(10):
+                await link.ready.wait()
+                # 7 running, 0 waiting, KV 0.4242: admitted, above the list price
+                priced = await link.request_quote(QuoteRequest("q1", "tiny", 100, 10))
+            engine.clear()
+            serve_engine(
+                engine,
+                distinctive_metrics().replace('model_name="tiny"} 0.0', 'model_name="tiny"} 3.0'),
+            )
+            with anyio.fail_after(10):
+                await queued.wait()  # the collector has seen the engine's queue
+                declined = await link.request_quote(QuoteRequest("q2", "tiny", 1, 1))
+            tg.cancel_scope.cancel()
+
+    assert priced.price is not None and priced.price.input_per_mtok > LIST.input_per_mtok
+    kinds = [type(m) for m in link.sent]
+    assert kinds[:2] == [StatusReport, PricePublication]
+    report = link.sent[0]
+    assert isinstance(report, StatusReport) and report.ready
+    assert [c.name for c in report.checks] == ["health", "models", "discovery", "metrics"]
+    assert declined.price is None and declined.decline_code == "engine_queue"
+    assert [m for m in link.sent if isinstance(m, QuoteAnswer)] == [priced, declined]
+
+    # Metrics stay on the provider's machine: no message type has a field for them, and no
+    # message, however rendered, contains a collected figure.
+    for message in link.sent:
+        fields = {f.name for f in dataclasses.fields(message)}
+        assert not fields & {"metrics", "snapshot", "running_requests", "kv_cache_usage_ratio"}
+        rendered = repr(message) + str(dataclasses.asdict(message))
+        for value in ("0.4242", DISTINCT["prompt"], DISTINCT["generated"], "running"):
+            assert value not in rendered
+
+
+async def test_failed_startup_reports_but_publishes_no_price(engine: HTTPServer) -> None:
+    serve_engine(engine, recorded("vllm/0.17.1/GET_metrics.http").text)  # another model's metrics
+    link = InProcessLink("tiny")
+    provider = Provider(vllm(engine.url_for("/")), LoadAndAdmission(LIST), link, options=OPTIONS)
+    with link:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(provider.run)
+            with anyio.fail_after(10):
+                await link.reported.wait()
+            tg.cancel_scope.cancel()
+    report = link.sent[0]
+    assert isinstance(report, StatusReport) and not report.ready
+    failed = [c for c in report.checks if not c.ok]
+    assert failed[0].name == "metrics" and failed[0].code == "missing_metric"
+    assert not any(isinstance(m, PricePublication) for m in link.sent)
+    error = provider.overview().error
+    assert error is not None and "vllm:num_requests_running" in error

@@ -1,0 +1,28 @@
+"""The public API is exactly what __all__ says, sorted, and every name resolves."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+
+@pytest.mark.parametrize("module", ["canopyx_provider", "canopyx_provider.adapters"])
+def test_all_is_sorted_and_resolves(module: str) -> None:
+    mod = importlib.import_module(module)
+    names = list(mod.__all__)
+    assert names == sorted(names)
+    for name in names:
+        assert getattr(mod, name) is not None, name
+
+
+def test_public_names_are_exported_and_private_modules_stay_private() -> None:
+    import canopyx_provider as pkg
+
+    public = {n for n in vars(pkg) if not n.startswith("_")}
+    public -= {"adapters", "cli", "annotations"}
+    assert public == set(pkg.__all__)
+    for name in pkg.__all__:
+        obj = getattr(pkg, name)
+        if isinstance(obj, type) or callable(obj) and hasattr(obj, "__code__"):
+            assert obj.__module__.startswith("canopyx_provider."), (name, obj.__module__)
