@@ -1,0 +1,51 @@
+"""Fixtures of the contract suite: real engines, started once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from contract.engines.llamacpp import LlamaServer, ensure_llama_server
+from contract.engines.tiny_gguf import write_tiny_gguf
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent / "live"
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.live)
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary() -> Path:
+    """``llama-server`` build 10798, built once into the wheel cache (minutes the first time)."""
+    return ensure_llama_server()
+
+
+@pytest.fixture(scope="session")
+def llama_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    models = tmp_path_factory.mktemp("gguf")
+    # A long context so that generations last seconds, not milliseconds.
+    write_tiny_gguf(models / "tiny.gguf", seed=0, context_length=65536)
+    router = models / "router"
+    write_tiny_gguf(router / "tiny-a.gguf", seed=1, context_length=65536)
+    write_tiny_gguf(router / "tiny-b.gguf", seed=2, context_length=65536)
+    return models
+
+
+@pytest.fixture(scope="session")
+def llama_server(llama_server_binary: Path, llama_models: Path) -> Iterator[LlamaServer]:
+    with LlamaServer(
+        llama_server_binary, llama_models / "tiny.gguf", parallel=2, ctx=65536
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def llama_router(llama_server_binary: Path, llama_models: Path) -> Iterator[LlamaServer]:
+    with LlamaServer(
+        llama_server_binary, llama_models / "router", parallel=2, ctx=8192, router=True
+    ) as server:
+        yield server

@@ -1,0 +1,1 @@
+"""Launchers for real engines used by the contract suite (llama.cpp, ...)."""

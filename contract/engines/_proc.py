@@ -1,0 +1,185 @@
+"""Process helpers shared by the engine launchers of the contract suite."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+    from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineExitedError", "EngineProcess", "free_port", "log_tail", "wait_ready"]
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free when asked (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def log_tail(path: Path, *, max_bytes: int = 4000) -> str:
+    """The last ``max_bytes`` of a log file, decoded leniently ('' if it is missing)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            return fh.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+class EngineExitedError(RuntimeError):
+    """The engine process ended while it was expected to run."""
+
+
+class EngineProcess:
+    """A subprocess in its own process group, with stdout and stderr sent to a log file.
+
+    ``stop()`` sends SIGTERM to the whole group, waits up to ``term_timeout_s``, then
+    SIGKILLs the group. It is idempotent, and the object is a context manager.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        term_timeout_s: float = 10.0,
+    ) -> None:
+        self.argv = [str(a) for a in argv]
+        self.log_path = log_path
+        self.env = env
+        self.cwd = cwd
+        self.term_timeout_s = term_timeout_s
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._stopped = False
+
+    @property
+    def pid(self) -> int:
+        if self._popen is None:
+            raise RuntimeError("process not started")
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code if the process has ended, else None (polls without blocking)."""
+        if self._popen is None:
+            return None
+        return self._popen.poll()
+
+    def start(self) -> EngineProcess:
+        if self._popen is not None:
+            raise RuntimeError("process already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("starting %s (log %s)", " ".join(self.argv), self.log_path)
+        with self.log_path.open("ab") as out:
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        return self
+
+    def running(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        return log_tail(self.log_path, max_bytes=max_bytes)
+
+    def _signal_group(self, sig: signal.Signals) -> bool:
+        """Signal the process group; False if it no longer exists."""
+        assert self._popen is not None
+        try:
+            os.killpg(self._popen.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(self) -> int | None:
+        """Stop the process group (SIGTERM, then SIGKILL). Returns the exit code."""
+        popen = self._popen
+        if popen is None or self._stopped:
+            return None if popen is None else popen.returncode
+        self._stopped = True
+        if popen.poll() is None:
+            log.info("stopping pid %d (SIGTERM to its group)", popen.pid)
+        # The group may outlive its leader (children of a router), so signal it anyway.
+        self._signal_group(signal.SIGTERM)
+        try:
+            popen.wait(timeout=self.term_timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "pid %d ignored SIGTERM for %.1f s; SIGKILL", popen.pid, self.term_timeout_s
+            )
+            self._signal_group(signal.SIGKILL)
+            popen.wait()
+        else:
+            # Leader is gone; make sure no straggler of its group survives.
+            self._signal_group(signal.SIGKILL)
+        return popen.returncode
+
+    def __enter__(self) -> EngineProcess:
+        if self._popen is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def wait_ready(
+    check: Callable[[], bool],
+    *,
+    timeout_s: float,
+    proc: EngineProcess | None = None,
+    interval_s: float = 0.05,
+    what: str = "engine",
+) -> float:
+    """Poll ``check`` until it returns True; return the seconds waited.
+
+    Exceptions raised by ``check`` count as "not ready yet". If ``proc`` exits first,
+    raise :class:`EngineExitedError` with its log tail; on timeout raise TimeoutError.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last_error: BaseException | None = None
+    while True:
+        if proc is not None and proc.returncode is not None:
+            raise EngineExitedError(
+                f"{what} exited with code {proc.returncode} before it was ready; "
+                f"log tail ({proc.log_path}):\n{proc.log_tail()}"
+            )
+        try:
+            if check():
+                return time.monotonic() - start
+        except Exception as exc:  # any failure means "not ready yet"
+            last_error = exc
+        if time.monotonic() >= deadline:
+            tail = f"\nlog tail ({proc.log_path}):\n{proc.log_tail()}" if proc is not None else ""
+            raise TimeoutError(
+                f"{what} not ready after {timeout_s:.1f} s (last error: {last_error!r}){tail}"
+            )
+        time.sleep(interval_s)
