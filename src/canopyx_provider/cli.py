@@ -23,7 +23,7 @@ from ._link import InProcessLink, StatusReport
 from ._options import ProviderOptions
 from ._pricing import CanopyCounts, LoadAndAdmission, Price, QuoteRequest
 from ._provider import Provider
-from ._snapshot import CheckReport
+from ._snapshot import CheckReport, EngineMetrics
 from .adapters import (
     EngineAdapter,
     llama_cpp,
@@ -302,13 +302,7 @@ def simulate(
                 link.current_counts = CanopyCounts(active_requests=i % 4, pending_quotes=i % 3)
                 request = QuoteRequest(f"q{i}", model, prompt_tokens=512, max_output_tokens=256)
                 answer = await link.request_quote(request)
-                ctx = provider.context()
-                load = (
-                    "stale"
-                    if ctx.metrics is None
-                    else ", ".join(f"{k}={v}" for k, v in ctx.metrics.figures().items())
-                    or "not published"
-                )
+                load = _load_summary(provider.context().metrics)
                 shown = (
                     f"decline ({answer.decline_code})"
                     if answer.price is None
@@ -322,6 +316,20 @@ def simulate(
     with link:
         anyio.run(run)
     raise typer.Exit(0 if ok else 1)
+
+
+def _load_summary(m: EngineMetrics | None) -> str:
+    if m is None:
+        return "no fresh snapshot"
+    if not m.has_engine_load:
+        return "not published"
+    parts = [f"running {m.running_requests}"]
+    if m.waiting_requests is not None:
+        parts.append(f"waiting {m.waiting_requests}")
+    for name, ratio in (("KV", m.kv_cache_usage_ratio), ("slots", m.slot_usage_ratio)):
+        if ratio is not None:
+            parts.append(f"{name} {ratio:.0%}")
+    return ", ".join(parts)
 
 
 def main() -> None:
