@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -11,13 +14,21 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
     from types import TracebackType
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineExitedError", "EngineProcess", "free_port", "log_tail", "wait_ready"]
+__all__ = [
+    "EngineExitedError",
+    "EngineProcess",
+    "file_lock",
+    "free_port",
+    "log_tail",
+    "run_logged",
+    "wait_ready",
+]
 
 
 def free_port() -> int:
@@ -183,3 +194,45 @@ def wait_ready(
                 f"{what} not ready after {timeout_s:.1f} s (last error: {last_error!r}){tail}"
             )
         time.sleep(interval_s)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for lock %s (held by another process)", path)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def run_logged(
+    argv: Sequence[str | Path],
+    *,
+    log_path: Path,
+    what: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> None:
+    """Run ``argv`` with stdout and stderr appended to ``log_path``.
+
+    Raise RuntimeError with the log tail if it exits non-zero.
+    """
+    args = [str(a) for a in argv]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as out:
+        out.write(f"\n$ {shlex.join(args)}\n".encode())
+        out.flush()
+        rc = subprocess.call(
+            args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd
+        )
+    if rc != 0:
+        raise RuntimeError(
+            f"{what} failed with exit code {rc}; log {log_path}, tail:\n{log_tail(log_path)}"
+        )
