@@ -1,0 +1,92 @@
+"""Folding a verified stream into one ``chat.completion`` for a non-streaming client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Assembler"]
+
+_REASONING = ("reasoning_content", "reasoning")
+
+
+class Assembler:
+    """Collects verified chunks (already carrying the public model name)."""
+
+    __slots__ = (
+        "_calls",
+        "_chunk_extra",
+        "_content",
+        "_first",
+        "_logprobs",
+        "_reasoning",
+        "finish",
+    )
+
+    def __init__(self) -> None:
+        self._first: dict[str, Any] | None = None
+        self._content: list[str] = []
+        self._reasoning: dict[str, list[str]] = {}
+        self._calls: dict[int, dict[str, Any]] = {}
+        self._logprobs: list[Any] | None = None
+        self._chunk_extra: dict[str, Any] = {}
+        self.finish: str | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if self._first is None:
+            self._first = chunk
+        for key, value in chunk.items():
+            # null ones (vLLM's prompt_text, prompt_token_ids) are left out
+            if key not in ("id", "object", "created", "model", "choices") and value is not None:
+                self._chunk_extra[key] = value
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content = delta.get("content")
+            if content:
+                self._content.append(content)
+            for key in _REASONING:
+                text = delta.get(key)
+                if text is not None:
+                    self._reasoning.setdefault(key, []).append(text)
+            for call in delta.get("tool_calls") or ():
+                self._fold_call(call)
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                self._logprobs = (self._logprobs or []) + lp["content"]
+            if choice.get("finish_reason") is not None:
+                self.finish = choice["finish_reason"]
+
+    def _fold_call(self, call: dict[str, Any]) -> None:
+        slot = self._calls.setdefault(call["index"], {"function": {"arguments": ""}})
+        if call.get("id") and "id" not in slot:
+            slot["id"] = call["id"]
+        if call.get("type") and "type" not in slot:
+            slot["type"] = call["type"]
+        fn = call.get("function") or {}
+        if fn.get("name") and "name" not in slot["function"]:
+            slot["function"]["name"] = fn["name"]
+        if fn.get("arguments"):
+            slot["function"]["arguments"] += fn["arguments"]
+
+    def result(self) -> dict[str, Any]:
+        first = self._first or {}
+        message: dict[str, Any] = {"role": "assistant"}
+        message["content"] = "".join(self._content) if self._content or not self._calls else None
+        for key, parts in self._reasoning.items():
+            message[key] = "".join(parts)
+        if self._calls:
+            message["tool_calls"] = [
+                {"id": c.get("id"), "type": c.get("type", "function"), "function": c["function"]}
+                for _, c in sorted(self._calls.items())
+            ]
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish}
+        if self._logprobs is not None:
+            choice["logprobs"] = {"content": self._logprobs}
+        out: dict[str, Any] = {
+            "id": first.get("id"),
+            "object": "chat.completion",
+            "created": first.get("created"),
+            "model": first.get("model"),
+            "choices": [choice],
+        }
+        out.update(self._chunk_extra)  # usage, metrics, timings, tensorfold...: the last non-null
+        return out

@@ -1,0 +1,172 @@
+"""The gateway's YAML configuration, validated on load; unknown keys are refused."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "Api",
+    "ConfigError",
+    "Deployment",
+    "EngineFamily",
+    "GatewayConfig",
+    "Instance",
+    "QueueConfig",
+    "load_config",
+]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names the key and the problem."""
+
+
+def _seconds(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m is None:
+            raise ValueError(f"{value!r} is not a duration such as 600s, 2m or 500ms")
+        return float(m.group(1)) * _UNITS[m.group(2)]
+    return value
+
+
+Seconds = Annotated[float, BeforeValidator(_seconds), Field(gt=0)]
+_STRICT = ConfigDict(frozen=True, extra="forbid")
+
+
+class Api(StrEnum):
+    CHAT = "chat"
+    DECISIONS = "decisions"
+
+
+class EngineFamily(StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+    TENSORFOLD = "tensorfold"
+
+    @property
+    def honours_cache_salt(self) -> bool:
+        return self in (EngineFamily.VLLM, EngineFamily.SGLANG)
+
+
+class QueueConfig(BaseModel):
+    model_config = _STRICT
+
+    request_deadline: Seconds = 600.0
+    """First output must arrive within this, counted from arrival (waiting included)."""
+    stream_idle_timeout: Seconds = 120.0
+    """Longest quiet gap once output has started."""
+    max_running_per_deployment: int = Field(default=32, ge=1, le=4096)
+    max_waiting_per_deployment: int = Field(default=64, ge=0, le=4096)
+    max_waiting_total: int = Field(default=256, ge=0, le=65536)
+
+
+class Limits(BaseModel):
+    model_config = _STRICT
+
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Chat request bodies above this are refused with 413."""
+    max_decision_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """Decision request bodies above this are refused with 413."""
+
+
+class Instance(BaseModel):
+    model_config = _STRICT
+
+    url: str
+    api_key_env: str | None = None
+    """The engine's key is read from this environment variable."""
+
+    @field_validator("url")
+    @classmethod
+    def _origin(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/?#\s]+/?$", v):
+            raise ValueError(f"{v!r} is not an engine origin such as http://127.0.0.1:8000")
+        return v.rstrip("/")
+
+
+class Deployment(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=256)
+    """The public model id clients send."""
+    api: Api = Api.CHAT
+    engine: EngineFamily
+    engine_version: str = Field(min_length=1)
+    """As the engine reports it (llama.cpp: its build, e.g. b10798)."""
+    served_model: str | None = None
+    """The engine's own model id (default: name)."""
+    instances: list[Instance] = Field(min_length=1)
+
+    @property
+    def engine_model(self) -> str:
+        return self.served_model or self.name
+
+
+class GatewayConfig(BaseModel):
+    model_config = _STRICT
+
+    queue: QueueConfig = QueueConfig()
+    limits: Limits = Limits()
+    deployments: list[Deployment] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Self:
+        seen: set[str] = set()
+        for d in self.deployments:
+            if d.name in seen:
+                raise ValueError(f"two deployments are named {d.name!r}")
+            seen.add(d.name)
+        return self
+
+    def deployment(self, name: str) -> Deployment | None:
+        return next((d for d in self.deployments if d.name == name), None)
+
+
+def load_config(path: Path) -> GatewayConfig:
+    """Read and validate ``path``. Raises ConfigError naming the offending key."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the configuration {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping with a 'deployments' list")
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {_describe(e)}"
+            for e in exc.errors()
+        )
+        raise ConfigError(f"{path}: {problems}") from None
+
+
+def _describe(e: Any) -> str:
+    if e["type"] == "extra_forbidden":
+        return "unknown key"
+    if e["type"] == "missing":
+        return "required key missing"
+    return str(e["msg"]).removeprefix("Value error, ")

@@ -1,0 +1,53 @@
+"""The gateway's API key: written once, owner-only, never logged."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+__all__ = ["CredentialsError", "credentials_path", "load_or_create_api_key"]
+
+
+class CredentialsError(Exception):
+    """The credentials file exists but cannot be used: the gateway must not start."""
+
+
+def credentials_path(state_dir: Path) -> Path:
+    return state_dir / "identity" / "credentials"
+
+
+def load_or_create_api_key(state_dir: Path) -> str:
+    """Read ``<state>/identity/credentials`` (line ``api_key: <key>``), creating it on first start.
+
+    The key is 256 random bits (43 URL-safe characters). A file that exists but cannot be read,
+    or has no usable ``api_key`` line, raises `CredentialsError`: there is no fallback key.
+    """
+    path = credentials_path(state_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return _create(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CredentialsError(f"cannot read the credentials file {path}: {exc}") from exc
+    for line in text.splitlines():
+        if line.startswith("api_key: "):
+            key = line.removeprefix("api_key: ").strip()
+            if len(key) >= 32:
+                return key
+            raise CredentialsError(f"the api_key in {path} is too short to be a real key")
+    raise CredentialsError(f"the credentials file {path} has no 'api_key: ' line")
+
+
+def _create(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = secrets.token_urlsafe(32)
+    # O_EXCL: two gateways starting at once must not both write a key.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+    except FileExistsError:
+        return load_or_create_api_key(path.parent.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(f"api_key: {key}\n")
+    return key

@@ -1,0 +1,231 @@
+"""Verifying every chunk an engine streams, and noting what the metrics need (hot path).
+
+A chunk is relayed only once it passed these checks; the first one that fails ends the client's
+stream as unverified. The delta keys allowed are the spec's streamed-field table for the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+
+from ._config import EngineFamily
+
+__all__ = ["ChunkVerifier", "EngineRejectedError", "UnverifiedError"]
+
+DELTA_KEYS: dict[EngineFamily, frozenset[str]] = {
+    EngineFamily.VLLM: frozenset({"role", "content", "reasoning", "tool_calls"}),
+    EngineFamily.SGLANG: frozenset({"role", "content", "reasoning_content", "tool_calls"}),
+    EngineFamily.TENSORFOLD: frozenset({"role", "content", "reasoning_content", "tool_calls"}),
+    EngineFamily.LLAMACPP: frozenset({"role", "content", "reasoning_content", "tool_calls"}),
+}
+FINISH_REASONS = frozenset({None, "stop", "length", "content_filter", "tool_calls"})
+TEXT_KEYS = ("content", "reasoning_content", "reasoning")
+TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
+FUNCTION_KEYS = frozenset({"name", "arguments"})
+ENGINE_OBJECTS = ("metrics", "timings", "tensorfold")
+
+
+class UnverifiedError(Exception):
+    """The engine's stream broke a rule: nothing more of it may reach the client."""
+
+
+class EngineRejectedError(Exception):
+    """The engine refused the request inside its stream, before any chunk."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _count_keys(obj: Any) -> int:
+    n = 0
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if type(x) is dict:
+            n += len(x)
+            stack.extend(v for v in x.values() if type(v) is dict or type(v) is list)
+        else:
+            stack.extend(v for v in x if type(v) is dict or type(v) is list)
+    return n
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise UnverifiedError("a chunk repeats a JSON key")
+    return d
+
+
+class ChunkVerifier:
+    """Checks one engine stream chunk by chunk and keeps what the answer's metrics need."""
+
+    __slots__ = (
+        "_delta_keys",
+        "answered",
+        "chunks",
+        "engine_objects",
+        "finished",
+        "first_output_at",
+        "first_text_at",
+        "id",
+        "last_at",
+        "public",
+        "public_bytes",
+        "served",
+        "usage",
+    )
+
+    def __init__(self, family: EngineFamily, *, served: str, public: str) -> None:
+        self._delta_keys = DELTA_KEYS[family]
+        self.served = served
+        self.public = public
+        self.public_bytes = orjson.dumps(public)
+        self.id: str | None = None
+        self.finished = False
+        self.chunks = 0
+        self.answered = False
+        """Some generated text arrived (for settling a cut request)."""
+        self.first_output_at: float | None = None
+        """First chunk that is more than an opening role (for the request deadline)."""
+        self.first_text_at: float | None = None
+        self.last_at: float | None = None
+        self.usage: dict[str, Any] | None = None
+        self.engine_objects: dict[str, Any] = {}
+
+    def check(self, raw: bytes, now: float) -> dict[str, Any]:
+        """Parse and verify one chunk; return it with ``model`` set to the public name."""
+        try:
+            chunk = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UnverifiedError("a chunk is not valid JSON") from None
+        if type(chunk) is not dict:
+            raise UnverifiedError("a chunk is not a JSON object")
+        # orjson keeps the last of repeated keys silently. Every key is followed by '":'; when
+        # the raw text has exactly as many as the parsed tree has keys there can be no repeat.
+        # Otherwise (a '":' inside a string, spaces before a colon) check exactly, slowly.
+        if raw.count(b'":') != _count_keys(chunk):
+            try:
+                json.loads(raw, object_pairs_hook=_reject_duplicates)
+            except ValueError:
+                raise UnverifiedError("a chunk is not valid JSON") from None
+        if "error" in chunk:
+            self._error_event(chunk)
+        if chunk.get("object") != "chat.completion.chunk":
+            raise UnverifiedError("a chunk is not a chat.completion.chunk")
+        cid = chunk.get("id")
+        if self.id is None:
+            if type(cid) is not str or not cid:
+                raise UnverifiedError("a chunk has no id")
+            self.id = cid
+        elif cid != self.id:
+            raise UnverifiedError("the chunk id changed within the stream")
+        if chunk.get("model") != self.served:
+            raise UnverifiedError("a chunk names another model")
+        created = chunk.get("created")
+        if type(created) is not int or created < 0:
+            raise UnverifiedError("a chunk has no creation time")
+        choices = chunk.get("choices")
+        if type(choices) is not list:
+            raise UnverifiedError("a chunk has no choices list")
+        output = False
+        if choices:
+            if len(choices) != 1:
+                raise UnverifiedError("a chunk carries more than one choice")
+            if self.finished:
+                raise UnverifiedError("a choice arrived after the finish")
+            output = self._choice(choices[0], now)
+        elif type(chunk.get("usage")) is not dict:
+            raise UnverifiedError("a chunk without choices carries no usage")
+        usage = chunk.get("usage")
+        if usage is not None:
+            if type(usage) is not dict:
+                raise UnverifiedError("usage is not an object")
+            self.usage = usage
+            output = True
+        for key in ENGINE_OBJECTS:
+            value = chunk.get(key)
+            if value is not None:
+                self.engine_objects[key] = value
+        if output and self.first_output_at is None:
+            self.first_output_at = now
+        self.chunks += 1
+        self.last_at = now
+        chunk["model"] = self.public
+        return chunk
+
+    def _choice(self, choice: Any, now: float) -> bool:
+        if type(choice) is not dict or choice.get("index") != 0:
+            raise UnverifiedError("the choice is not choice 0")
+        delta = choice.get("delta")
+        if type(delta) is not dict:
+            raise UnverifiedError("the choice has no delta")
+        for key in delta:
+            if key not in self._delta_keys:
+                raise UnverifiedError(
+                    f"the delta carries {key!r}, which is not verified for this engine"
+                )
+        role = delta.get("role")
+        if role is not None and role != "assistant":
+            raise UnverifiedError("the delta names a role other than assistant")
+        text = False
+        for key in TEXT_KEYS:
+            value = delta.get(key)
+            if value is not None:
+                if type(value) is not str:
+                    raise UnverifiedError(f"delta {key} is not a string")
+                if value:
+                    text = True
+        calls = delta.get("tool_calls")
+        if calls is not None:
+            _check_tool_calls(calls)
+        finish = choice.get("finish_reason")
+        if finish not in FINISH_REASONS:
+            raise UnverifiedError(f"finish_reason {finish!r} is not one the gateway knows")
+        if text and self.first_text_at is None:
+            self.first_text_at = now
+            self.answered = True
+        if finish is not None:
+            self.finished = True
+        # Only a chunk that opens the reply (a role and nothing else) is not output.
+        return bool(text or calls or finish or choice.get("logprobs"))
+
+    def _error_event(self, chunk: dict[str, Any]) -> None:
+        err = chunk.get("error")
+        status = err.get("code") if type(err) is dict else None
+        message = err.get("message") if type(err) is dict else None
+        if self.chunks == 0 and status in (400, 413, 422):
+            raise EngineRejectedError(status, str(message or "rejected by the engine"))
+        self.answered = True  # the engine answered, with an error
+        raise UnverifiedError(f"the engine sent an error event: {str(message)[:200]}")
+
+    def verify_end(self, done: bool) -> None:
+        """At the end of the engine's stream: it must have finished and said [DONE]."""
+        if not done:
+            raise UnverifiedError("the engine stream ended without [DONE]")
+        if not self.finished:
+            raise UnverifiedError("the engine said [DONE] before any finish_reason")
+
+
+def _check_tool_calls(calls: Any) -> None:
+    if type(calls) is not list:
+        raise UnverifiedError("delta tool_calls is not a list")
+    for call in calls:
+        if type(call) is not dict or not TOOL_CALL_KEYS.issuperset(call):
+            raise UnverifiedError("a tool call has unknown keys")
+        if type(call.get("index")) is not int:
+            raise UnverifiedError("a tool call has no integer index")
+        if call.get("id") is not None and type(call.get("id")) is not str:
+            raise UnverifiedError("a tool call id is not a string")
+        if call.get("type") not in (None, "function"):
+            raise UnverifiedError("a tool call type is not function")
+        fn = call.get("function")
+        if fn is not None:
+            if type(fn) is not dict or not FUNCTION_KEYS.issuperset(fn):
+                raise UnverifiedError("a tool call function has unknown keys")
+            if any(v is not None and type(v) is not str for v in fn.values()):
+                raise UnverifiedError("a tool call function field is not a string")
