@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
+from capyctl_gateway import GatewayConfig, create_app
 from contract.engines.llamacpp import LlamaServer, ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
 
@@ -49,3 +52,37 @@ def llama_router(llama_server_binary: Path, llama_models: Path) -> Iterator[Llam
         llama_server_binary, llama_models / "router", parallel=2, ctx=8192, router=True
     ) as server:
         yield server
+
+
+@dataclass(frozen=True)
+class RunningGateway:
+    url: str
+    key: str
+
+
+@pytest.fixture
+async def llama_gateway(llama_server: LlamaServer) -> AsyncIterator[RunningGateway]:
+    """capyctl-gateway in front of the real llama-server, deployment ``my-model``."""
+    config = GatewayConfig.model_validate(
+        {
+            "deployments": [
+                {
+                    "name": "my-model",
+                    "engine": "llamacpp",
+                    "engine_version": "b10798",
+                    "served_model": "tiny",
+                    "instances": [{"url": llama_server.base_url}],
+                }
+            ]
+        }
+    )
+    key = "live-" + "k" * 40
+    runner = web.AppRunner(create_app(config, key, env={}), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield RunningGateway(f"http://{host}:{port}", key)
+    finally:
+        await runner.cleanup()

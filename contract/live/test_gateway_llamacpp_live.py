@@ -1,0 +1,119 @@
+"""capyctl-gateway in front of a real llama-server, driven by the openai client."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import orjson
+import pytest
+from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+from canopyx_provider import Collector, ProviderOptions, llama_cpp
+from contract.conftest import RunningGateway
+from contract.engines.llamacpp import LlamaServer
+
+pytestmark = pytest.mark.anyio
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def client(gw: RunningGateway) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=gw.url + "/v1", api_key=gw.key, max_retries=0)
+
+
+async def test_openai_client_non_streamed(llama_gateway: RunningGateway) -> None:
+    async with client(llama_gateway) as c:
+        reply = await c.chat.completions.create(model="my-model", messages=MESSAGES, max_tokens=24)
+    assert reply.model == "my-model"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content
+    assert reply.usage is not None and reply.usage.completion_tokens == 24
+    extra = reply.model_extra or {}
+    figures = extra["capyctl"]["metrics"]
+    assert figures["prefill_ms"]["source"] == "engine"  # llama.cpp timings.prompt_ms
+    assert figures["decode_tokens_per_second"]["source"] == "engine"
+    assert figures["ttft_ms"]["source"] == "router"
+    assert extra["timings"]["predicted_n"] == 24  # the engine's own object, unchanged
+
+
+async def test_openai_client_streamed_with_usage(llama_gateway: RunningGateway) -> None:
+    text, usage, models = [], None, set()
+    async with client(llama_gateway) as c:
+        stream = await c.chat.completions.create(
+            model="my-model",
+            messages=MESSAGES,
+            max_tokens=32,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            models.add(chunk.model)
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+    assert models == {"my-model"}
+    assert "".join(text)
+    assert usage is not None and usage.completion_tokens == 32
+
+
+async def test_raw_stream_ends_with_metrics_then_done(llama_gateway: RunningGateway) -> None:
+    body = {"model": "my-model", "messages": MESSAGES, "max_tokens": 8, "stream": True}
+    headers = {"Authorization": f"Bearer {llama_gateway.key}", "X-Request-Id": "live-1"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(llama_gateway.url + "/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "live-1"
+    assert len(r.headers["x-capyctl-request-id"]) == 26
+    lines = [line for line in r.text.split("\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    assert lines[-2].startswith(": x-capyctl-metrics ")
+    figures = orjson.loads(lines[-2].removeprefix(": x-capyctl-metrics "))
+    assert figures["prefill_ms"]["source"] == "engine"
+
+
+async def _until_idle(c: Collector, *, within: float) -> float:
+    """Seconds until llama.cpp reports nothing processing and nothing deferred."""
+    start = anyio.current_time()
+    with anyio.fail_after(within):
+        while True:
+            snap = await c.refresh("e")
+            if snap is not None and snap.metrics.idle:
+                return anyio.current_time() - start
+            await anyio.sleep(0.1)  # read the engine's count every 100 ms
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_a_hang_up_stops_the_engine(
+    llama_gateway: RunningGateway, llama_server: LlamaServer, streamed: bool
+) -> None:
+    """Two long generations, both clients gone once the engine runs both: the engine stops.
+
+    Asked directly, llama.cpp keeps a non-streamed request running while anything else talks to
+    it; through the gateway it is asked for a stream, so it stops the same way both times.
+    """
+    body = {"model": "my-model", "messages": MESSAGES, "max_tokens": 30000, "stream": streamed}
+    headers = {"Authorization": f"Bearer {llama_gateway.key}"}
+    async with Collector(options=ProviderOptions(connect_attempts=1)) as c:
+        c.add("e", llama_cpp(llama_server.base_url), model_id="tiny", poll=False)
+        assert (await c.check("e")).ok
+        async with httpx.AsyncClient(timeout=60) as http, anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(
+                    lambda: http.post(
+                        llama_gateway.url + "/v1/chat/completions", json=body, headers=headers
+                    )
+                )
+            with anyio.fail_after(30):
+                while True:
+                    snap = await c.refresh("e")
+                    if snap is not None and snap.metrics.running_requests == 2:
+                        break
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()  # both clients hang up
+        seconds = await _until_idle(c, within=5)
+    assert seconds < 1.0

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from capyctl_gateway import GatewayConfig, create_app
+from tests.gateway.fake_engine import FakeEngine
+
+KEY = "k" * 43
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # aiohttp runs on asyncio only
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server = runner.addresses[0]
+    return runner, f"http://{server[0]}:{server[1]}"
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", fake.chat)
+    runner, fake.url = await _serve(app)
+    try:
+        yield fake
+    finally:
+        await runner.cleanup()
+
+
+@dataclass
+class Gw:
+    url: str
+    key: str
+
+    def client(self, **kw: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.key}"}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30, **kw)
+
+
+def deployments(engine_url: str, **over: Any) -> dict[str, Any]:
+    dep = {
+        "name": "my-model",
+        "engine": "vllm",
+        "engine_version": "0.31.0",
+        "served_model": "tiny",
+        "instances": [{"url": engine_url}],
+    }
+    dep.update(over)
+    return dep
+
+
+@pytest.fixture
+async def make_gateway() -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
+    """Start gateways from config dicts on loopback ports; all are stopped after the test."""
+    runners: list[web.AppRunner] = []
+
+    async def make(config: dict[str, Any], *, env: dict[str, str] | None = None) -> Gw:
+        app = create_app(GatewayConfig.model_validate(config), KEY, env=env or {})
+        runner, url = await _serve(app)
+        runners.append(runner)
+        return Gw(url, KEY)
+
+    try:
+        yield make
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.fixture
+async def gateway(engine: FakeEngine, make_gateway: Callable[..., Awaitable[Gw]]) -> Gw:
+    """A gateway with a vLLM chat deployment, a llama.cpp one and a decisions one, all on
+    the fake engine."""
+    return await make_gateway(
+        {
+            "deployments": [
+                deployments(engine.url),
+                deployments(engine.url, name="llama", engine="llamacpp", engine_version="b10798"),
+                deployments(
+                    engine.url,
+                    name="decider",
+                    api="decisions",
+                    engine="tensorfold",
+                    engine_version="0.6.1",
+                ),
+            ]
+        }
+    )
+
+
+@pytest.fixture
+def tmp_config(tmp_path: Path) -> Callable[[str], Path]:
+    def write(text: str) -> Path:
+        p = tmp_path / "gateway.yaml"
+        p.write_text(text)
+        return p
+
+    return write

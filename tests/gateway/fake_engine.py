@@ -1,0 +1,135 @@
+"""A fault-injecting fake engine on a real loopback socket, for the gateway's tests.
+
+It answers ``POST /v1/chat/completions`` from a script, records what it received, and notices
+when the gateway closes the connection before the script is done (the signal that makes a real
+engine stop). It never stands in for a real engine's behaviour: the live tests do that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Wait this long before the next item (the engine being slow, not test synchronisation)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Stop writing until the connection is closed by the other side."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A plain (non-stream) answer."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+Item = bytes | Pause | Hold
+
+
+@dataclass
+class Received:
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+@dataclass
+class FakeEngine:
+    served: str = "tiny"
+    script: Sequence[Item] | Reply = ()
+    received: list[Received] = field(default_factory=list)
+    hung_up: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the gateway closed a connection before the script was done."""
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once a request has arrived."""
+    finished: int = 0
+    url: str = ""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        self.received.append(Received(dict(request.headers), body))
+        self.arrived.set()
+        if isinstance(self.script, Reply):
+            return web.Response(
+                status=self.script.status,
+                body=self.script.body,
+                content_type=self.script.content_type,
+            )
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        try:
+            for item in self.script:
+                if isinstance(item, Pause):
+                    await asyncio.sleep(item.seconds)
+                elif isinstance(item, Hold):
+                    await asyncio.Event().wait()
+                else:
+                    await out.write(item)
+            await out.write_eof()
+            self.finished += 1
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.hung_up.set()
+            raise
+        return out
+
+
+def event(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else orjson.dumps(obj).decode()
+    return f"data: {data}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def chunk(
+    *,
+    delta: dict[str, Any] | None = None,
+    finish: str | None = None,
+    cid: str = "chatcmpl-1",
+    model: str = "tiny",
+    choices: list[Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": 1796000000,
+        "model": model,
+    }
+    if choices is None:
+        choices = [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}]
+    c["choices"] = choices
+    c.update(extra)
+    return c
+
+
+def vllm_stream(
+    texts: Sequence[str] = ("Hel", "lo", "!"),
+    *,
+    usage: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+) -> list[Item]:
+    """A vLLM 0.31-shaped stream: opening role chunk, text, finish, usage chunk, [DONE]."""
+    items: list[Item] = [event(chunk(delta={"role": "assistant", "content": ""}))]
+    items += [event(chunk(delta={"content": t})) for t in texts]
+    items.append(event(chunk(delta={}, finish="stop")))
+    if usage is not None or metrics is not None:
+        extra: dict[str, Any] = {"usage": usage or {}}
+        if metrics is not None:
+            extra["metrics"] = metrics
+        items.append(event(chunk(choices=[], **extra)))
+    items.append(DONE)
+    return items
