@@ -16,9 +16,10 @@ Figures = dict[str, dict[str, Any]]
 
 
 def _num(value: Any) -> float | None:
+    """A JSON number as given (a count stays an integer); None for anything else."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    return value
 
 
 def _put(out: Figures, name: str, value: float | None, source: str) -> None:
