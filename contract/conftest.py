@@ -12,6 +12,8 @@ from aiohttp import web
 from capyctl_gateway import GatewayConfig, create_app
 from contract.engines.llamacpp import LlamaServer, ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
+from contract.engines.tiny_hf_model import write_tiny_llama
+from contract.engines.vllm import VllmServer, engine_dir, ensure_vllm
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -54,28 +56,31 @@ def llama_router(llama_server_binary: Path, llama_models: Path) -> Iterator[Llam
         yield server
 
 
+@pytest.fixture(scope="session")
+def vllm_server() -> Iterator[VllmServer]:
+    """vLLM 0.31.0 (CPU build) serving a tiny random Llama as ``tiny`` (about 30 s to start)."""
+    python = ensure_vllm()
+    model_dir = engine_dir() / "tiny-llama"
+    write_tiny_llama(model_dir, python=python)
+    with VllmServer(python, model_dir, max_model_len=2048) as server:
+        yield server
+
+
 @dataclass(frozen=True)
 class RunningGateway:
     url: str
     key: str
 
 
-@pytest.fixture
-async def llama_gateway(llama_server: LlamaServer) -> AsyncIterator[RunningGateway]:
-    """capyctl-gateway in front of the real llama-server, deployment ``my-model``."""
-    config = GatewayConfig.model_validate(
-        {
-            "deployments": [
-                {
-                    "name": "my-model",
-                    "engine": "llamacpp",
-                    "engine_version": "b10798",
-                    "served_model": "tiny",
-                    "instances": [{"url": llama_server.base_url}],
-                }
-            ]
-        }
-    )
+async def _gateway(engine: str, version: str, url: str) -> AsyncIterator[RunningGateway]:
+    deployment = {
+        "name": "my-model",
+        "engine": engine,
+        "engine_version": version,
+        "served_model": "tiny",
+        "instances": [{"url": url}],
+    }
+    config = GatewayConfig.model_validate({"deployments": [deployment]})
     key = "live-" + "k" * 40
     runner = web.AppRunner(create_app(config, key, env={}), handler_cancellation=True)
     await runner.setup()
@@ -86,3 +91,17 @@ async def llama_gateway(llama_server: LlamaServer) -> AsyncIterator[RunningGatew
         yield RunningGateway(f"http://{host}:{port}", key)
     finally:
         await runner.cleanup()
+
+
+@pytest.fixture
+async def llama_gateway(llama_server: LlamaServer) -> AsyncIterator[RunningGateway]:
+    """capyctl-gateway in front of the real llama-server, deployment ``my-model``."""
+    async for gw in _gateway("llamacpp", "b10798", llama_server.base_url):
+        yield gw
+
+
+@pytest.fixture
+async def vllm_gateway(vllm_server: VllmServer) -> AsyncIterator[RunningGateway]:
+    """capyctl-gateway in front of the real vLLM server, deployment ``my-model``."""
+    async for gw in _gateway("vllm", "0.31.0", vllm_server.base_url):
+        yield gw
