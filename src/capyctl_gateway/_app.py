@@ -1,4 +1,5 @@
-"""The gateway application: routes, authentication, request IDs, and the upstream session."""
+"""The gateway application: routes, authentication, request IDs, admission, and the engines'
+collector that settles cut requests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import hmac
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,18 +18,36 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from ._config import ConfigError, Deployment, GatewayConfig, Instance
+from canopyx_provider import (
+    Collector,
+    EngineAdapter,
+    ProviderOptions,
+    llama_cpp,
+    sglang,
+    tensorfold,
+    vllm,
+)
+
+from ._config import ConfigError, Deployment, EngineFamily, GatewayConfig, Instance
 from ._errors import GatewayError
 from ._log import event
+from ._queue import Admission, DeploymentQueue
 from ._relay import RelayContext, _gateway_error_response, relay_chat
+from ._settle import InstanceLedger, Settlement
 from ._ulid import new_ulid
 from ._validate import caller_request_id, parse_chat_request
 
-__all__ = ["Gateway", "create_app"]
+__all__ = ["Gateway", "create_app", "create_management_app"]
 
 logger = logging.getLogger(__name__)
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 UNAUTHORIZED = GatewayError(401, "unauthorized", "missing or invalid api key")
+_FACTORIES: dict[EngineFamily, Callable[..., EngineAdapter]] = {
+    EngineFamily.VLLM: vllm,
+    EngineFamily.SGLANG: sglang,
+    EngineFamily.LLAMACPP: llama_cpp,
+    EngineFamily.TENSORFOLD: tensorfold,
+}
 
 
 @dataclass(eq=False)
@@ -36,56 +56,71 @@ class _Instance:
     url: str
     host: str
     headers: dict[str, str]
-    in_flight: int = 0
+    engine_key: str | None
+    ledger: InstanceLedger
 
 
 @dataclass(eq=False)
 class _Route:
     deployment: Deployment
     instances: list[_Instance]
+    queue: DeploymentQueue
     turn: itertools.count[int] = field(default_factory=itertools.count)
 
     def choose(self) -> _Instance:
-        """The instance with the fewest requests in flight; ties rotate."""
+        """The instance charged with the fewest requests (running and cut); ties rotate."""
         start = next(self.turn) % len(self.instances)
         ordered = self.instances[start:] + self.instances[:start]
-        return min(ordered, key=lambda i: i.in_flight)
+        return min(ordered, key=lambda i: i.ledger.charged)
 
 
-def _engine_headers(instance: Instance, env: dict[str, str]) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if instance.api_key_env is not None:
-        key = env.get(instance.api_key_env)
-        if not key:
-            raise ConfigError(
-                f"instance {instance.url}: api_key_env {instance.api_key_env} is not set"
-            )
-        headers["Authorization"] = f"Bearer {key}"
-    return headers
+def _engine_key(instance: Instance, env: dict[str, str]) -> str | None:
+    if instance.api_key_env is None:
+        return None
+    key = env.get(instance.api_key_env)
+    if not key:
+        raise ConfigError(f"instance {instance.url}: api_key_env {instance.api_key_env} is not set")
+    return key
 
 
 class Gateway:
     """Everything one gateway process holds; no module globals."""
 
     def __init__(
-        self, config: GatewayConfig, api_key: str, *, env: dict[str, str] | None = None
+        self,
+        config: GatewayConfig,
+        api_key: str,
+        *,
+        env: dict[str, str] | None = None,
+        collector_options: ProviderOptions | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self._key = api_key.encode()
         env = dict(os.environ) if env is None else env
-        self.routes = {
-            d.name: _Route(
-                d,
-                [
-                    _Instance(
-                        i, inst.url, urlsplit(inst.url).hostname or "", _engine_headers(inst, env)
-                    )
-                    for i, inst in enumerate(d.instances)
-                ],
+        self.settlement = Settlement(clock)
+        self.collector_options = collector_options or ProviderOptions()
+        self._clock = clock
+        admission = Admission(config.queue.max_waiting_total)
+        self.routes: dict[str, _Route] = {}
+        for d in config.deployments:
+            instances = []
+            for i, inst in enumerate(d.instances):
+                key = _engine_key(inst, env)
+                headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+                if key is not None:
+                    headers["Authorization"] = f"Bearer {key}"
+                ledger = self.settlement.ledger(f"{d.name}/{i}")
+                host = urlsplit(inst.url).hostname or ""
+                instances.append(_Instance(i, inst.url, host, headers, key, ledger))
+            queue = DeploymentQueue(
+                admission,
+                max_running=config.queue.max_running_per_deployment,
+                max_waiting=config.queue.max_waiting_per_deployment,
             )
-            for d in config.deployments
-        }
+            self.routes[d.name] = _Route(d, instances, queue)
         self.session: aiohttp.ClientSession | None = None
+        self.collector: Collector | None = None
         self._models = orjson.dumps(
             {
                 "object": "list",
@@ -110,13 +145,31 @@ class Gateway:
             yield
             self.session = None
 
+    async def _collector_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        """The engines' collector: polls each instance, and settles cut requests."""
+        collector = Collector(
+            options=self.collector_options, clock=self._clock, hooks=[self.settlement]
+        )
+        async with collector:
+            for route in self.routes.values():
+                d = route.deployment
+                for inst in route.instances:
+                    adapter = _FACTORIES[d.engine](inst.url, api_key=inst.engine_key)
+                    collector.add(inst.ledger.key, adapter, model_id=d.engine_model)
+            self.collector = self.settlement.collector = collector
+            try:
+                yield
+            finally:
+                self.collector = self.settlement.collector = None
+
     # -- helpers ----------------------------------------------------------------------
     def authorized(self, request: web.Request) -> bool:
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer":
             return False
-        return hmac.compare_digest(key.lstrip(" ").encode(), self._key)
+        # aiohttp decodes header bytes that are not UTF-8 as surrogates: keep them comparable.
+        return hmac.compare_digest(key.lstrip(" ").encode("utf-8", "surrogateescape"), self._key)
 
     async def _read_body(self, request: web.Request, limit: int) -> bytes:
         too_large = GatewayError(
@@ -155,37 +208,120 @@ class Gateway:
                 headers["X-Request-Id"] = caller
             raw = await self._read_body(request, self.config.limits.max_body_bytes)
             chat = parse_chat_request(raw, self.config)
+            route = self.routes[chat.deployment.name]
+            await route.queue.acquire(arrival + self.config.queue.request_deadline)
         except GatewayError as err:
             return _gateway_error_response(err, headers)
-        route = self.routes[chat.deployment.name]
-        instance = route.choose()
-        _log_selection(rid, caller, chat.deployment, instance)
-        body = chat.body
-        body["model"] = chat.deployment.engine_model
-        body["stream"] = True
-        if not chat.stream:
-            options = body.get("stream_options") or {}
-            body["stream_options"] = {**options, "include_usage": True}
-        assert self.session is not None
-        ctx = RelayContext(
-            session=self.session,
-            url=instance.url + "/v1/chat/completions",
-            engine_headers=instance.headers,
-            deployment=chat.deployment,
-            response_headers=headers,
-            arrival=arrival,
-            request_deadline=self.config.queue.request_deadline,
-            stream_idle_timeout=self.config.queue.stream_idle_timeout,
-        )
-        instance.in_flight += 1
         try:
-            return await relay_chat(request, ctx, body, stream=chat.stream)
+            instance = route.choose()
+            _log_selection(rid, caller, chat.deployment, instance)
+            body = chat.body
+            body["model"] = chat.deployment.engine_model
+            body["stream"] = True
+            if not chat.stream:
+                options = body.get("stream_options") or {}
+                body["stream_options"] = {**options, "include_usage": True}
+            assert self.session is not None
+            ctx = RelayContext(
+                session=self.session,
+                url=instance.url + "/v1/chat/completions",
+                engine_headers=instance.headers,
+                deployment=chat.deployment,
+                response_headers=headers,
+                arrival=arrival,
+                request_deadline=self.config.queue.request_deadline,
+                stream_idle_timeout=self.config.queue.stream_idle_timeout,
+            )
+            instance.ledger.running += 1
+            try:
+                return await relay_chat(request, ctx, body, stream=chat.stream)
+            finally:
+                instance.ledger.running -= 1
+                self._account(rid, instance, ctx)
         finally:
-            instance.in_flight -= 1
+            route.queue.release()
+
+    def _account(self, rid: str, instance: _Instance, ctx: RelayContext) -> None:
+        """A request that may still run on the engine stays charged until it is settled."""
+        out = ctx.outcome
+        if out.sent and not out.completed:
+            reason = out.cut or "engine stream broken"
+            self.settlement.cut(instance.ledger, rid, answered=out.answered, reason=reason)
 
     async def not_found(self, request: web.Request) -> web.Response:
         err = GatewayError(404, "not_found", f"no route {request.method} {request.path}")
         return _gateway_error_response(err, {})
+
+    async def wrong_method(self, request: web.Request) -> web.Response:
+        err = GatewayError(
+            405, "method_not_allowed", f"{request.path} answers POST, not {request.method}"
+        )
+        return _gateway_error_response(err, {"X-CapyCTL-Request-Id": new_ulid(), "Allow": "POST"})
+
+    # -- management -------------------------------------------------------------------
+    def deployment_status(self, name: str) -> dict[str, Any] | None:
+        route = self.routes.get(name)
+        if route is None:
+            return None
+        d = route.deployment
+        now = self._clock()
+        instances = []
+        for inst in route.instances:
+            row: dict[str, Any] = {
+                "index": inst.index,
+                "url": inst.url,
+                "host": inst.host,
+                "state": "unknown",
+                "running": None,
+                "waiting": None,
+                "snapshot_age_s": None,
+                "router_running": inst.ledger.running,
+                "cancelled": [
+                    {
+                        "capyctl_request_id": c.request_id,
+                        "reason": c.reason,
+                        "age_s": round(now - c.cut_at, 3),
+                        "settles": c.rule.value,
+                    }
+                    for c in inst.ledger.cut
+                ],
+            }
+            if self.collector is not None:
+                status = self.collector.status(inst.ledger.key)
+                row["state"] = status.state.value
+                snap = status.latest
+                if snap is not None:
+                    row["running"] = snap.metrics.running_requests
+                    row["waiting"] = snap.metrics.waiting_requests
+                    row["snapshot_age_s"] = round(snap.age_s(now), 3)
+                if status.error:
+                    row["error"] = status.error
+            instances.append(row)
+        ready = any(i["state"] == "ready" for i in instances)
+        return {
+            "deployment": {
+                "name": d.name,
+                "api": d.api.value,
+                "engine": d.engine.value,
+                "engine_version": d.engine_version,
+                "served_model": d.engine_model,
+                "state": "ready" if ready else "unavailable",
+                "running": route.queue.running,
+                "waiting": route.queue.waiting,
+            },
+            "instances": instances,
+        }
+
+    async def management_deployment(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return _gateway_error_response(UNAUTHORIZED, {})
+        status = self.deployment_status(request.match_info["name"])
+        if status is None:
+            err = GatewayError(
+                404, "unknown_model", f"no deployment named {request.match_info['name']!r}"
+            )
+            return _gateway_error_response(err, {})
+        return web.Response(body=orjson.dumps(status), content_type="application/json")
 
 
 def _log_selection(rid: str, caller: str | None, dep: Deployment, instance: _Instance) -> None:
@@ -206,14 +342,28 @@ def _log_selection(rid: str, caller: str | None, dep: Deployment, instance: _Ins
 
 
 def create_app(
-    config: GatewayConfig, api_key: str, *, env: dict[str, str] | None = None
+    config: GatewayConfig,
+    api_key: str,
+    *,
+    env: dict[str, str] | None = None,
+    collector_options: ProviderOptions | None = None,
 ) -> web.Application:
-    """The aiohttp application for ``config``; its cleanup closes everything it opened."""
-    gateway = Gateway(config, api_key, env=env)
+    """The inference application for ``config``; its cleanup closes everything it opened."""
+    gateway = Gateway(config, api_key, env=env, collector_options=collector_options)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
     app.cleanup_ctx.append(gateway._session_ctx)
+    app.cleanup_ctx.append(gateway._collector_ctx)
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_post("/v1/chat/completions", gateway.chat)
+    app.router.add_route("*", "/v1/chat/completions", gateway.wrong_method)
+    app.router.add_route("*", "/{tail:.*}", gateway.not_found)
+    return app
+
+
+def create_management_app(gateway: Gateway) -> web.Application:
+    """The management API (served on loopback only), protected by the same key."""
+    app = web.Application()
+    app.router.add_get("/management/v1/deployments/{name}", gateway.management_deployment)
     app.router.add_route("*", "/{tail:.*}", gateway.not_found)
     return app

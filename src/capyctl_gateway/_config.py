@@ -39,7 +39,7 @@ class ConfigError(Exception):
 
 def _seconds(value: Any) -> Any:
     if isinstance(value, bool):
-        return value
+        raise ValueError("a duration such as 600s, not true or false")
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, str):
@@ -50,7 +50,7 @@ def _seconds(value: Any) -> Any:
     return value
 
 
-Seconds = Annotated[float, BeforeValidator(_seconds), Field(gt=0)]
+Seconds = Annotated[float, BeforeValidator(_seconds), Field(gt=0, allow_inf_nan=False)]
 _STRICT = ConfigDict(frozen=True, extra="forbid")
 
 

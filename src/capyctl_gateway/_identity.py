@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
-__all__ = ["CredentialsError", "credentials_path", "load_or_create_api_key"]
+__all__ = ["CredentialsError", "credentials_path", "load_or_create_api_key", "read_api_key"]
 
 
 class CredentialsError(Exception):
@@ -26,9 +27,18 @@ def load_or_create_api_key(state_dir: Path) -> str:
     """
     path = credentials_path(state_dir)
     try:
-        text = path.read_text(encoding="utf-8")
+        return read_api_key(state_dir)
     except FileNotFoundError:
         return _create(path)
+
+
+def read_api_key(state_dir: Path) -> str:
+    """The key of an existing credentials file (FileNotFoundError when there is none)."""
+    path = credentials_path(state_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
     except (OSError, UnicodeDecodeError) as exc:
         raise CredentialsError(f"cannot read the credentials file {path}: {exc}") from exc
     for line in text.splitlines():
@@ -43,11 +53,19 @@ def load_or_create_api_key(state_dir: Path) -> str:
 def _create(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = secrets.token_urlsafe(32)
-    # O_EXCL: two gateways starting at once must not both write a key.
+    # Write the whole file aside, then link it into place: a reader never sees a half-written
+    # file, and when two gateways start at once the second link fails and it reads the first's.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".credentials-")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
-    except FileExistsError:
-        return load_or_create_api_key(path.parent.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(f"api_key: {key}\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"api_key: {key}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, stat.S_IRUSR | stat.S_IWUSR)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return read_api_key(path.parent.parent)
+    finally:
+        os.unlink(tmp)
     return key

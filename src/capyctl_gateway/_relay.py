@@ -42,7 +42,10 @@ SSE_HEADERS = {
 class Outcome:
     """How the exchange with the engine ended (read by the caller for accounting and logs)."""
 
+    sent: bool = False
+    """The request may have reached the engine."""
     completed: bool = False
+    """The engine's answer ended on its own terms ([DONE], or a refusal)."""
     cut: str | None = None
     """Why the gateway cut it short: hang-up, deadline or idle timeout."""
     answered: bool = False
@@ -105,15 +108,22 @@ async def relay_chat(
     sent_at = loop.time()
     try:
         async with asyncio.timeout_at(first_deadline) as bound:
+            ctx.outcome.sent = True
             try:
                 upstream = await ctx.session.post(
                     ctx.url, data=orjson.dumps(body), headers=ctx.engine_headers
                 )
+            except aiohttp.ClientConnectorError as exc:
+                ctx.outcome.sent = False  # never connected: the engine has nothing to stop
+                raise GatewayError(
+                    502, "engine_error", f"the engine could not be reached: {exc}"
+                ) from exc
             except aiohttp.ClientError as exc:
                 raise GatewayError(
                     502, "engine_error", f"the engine could not be reached: {exc}"
                 ) from exc
             if upstream.status != 200:
+                ctx.outcome.completed = True  # an answer, not a stream: nothing runs on
                 raise await _refusal(upstream)
             ctype = upstream.headers.get("Content-Type", "")
             if not ctype.startswith("text/event-stream"):
@@ -180,7 +190,7 @@ async def relay_chat(
             request, ctx, out, GatewayError(503, "unavailable", what, retryable=True)
         )
     except EngineRejectedError as exc:
-        ctx.outcome.answered = True
+        ctx.outcome.answered = ctx.outcome.completed = True
         err = GatewayError(
             exc.status,
             "engine_rejected",

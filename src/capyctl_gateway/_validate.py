@@ -78,7 +78,7 @@ def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
         if key not in CHAT_FIELDS:
             raise invalid(f"request field `{key}` is not accepted")
     n = body.get("n")
-    if n is not None and n != 1:
+    if n is not None and (type(n) is not int or n != 1):
         raise GatewayError(400, "unsupported_parameter", "n must be 1: one choice is relayed")
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise GatewayError(

@@ -1,20 +1,31 @@
-"""``capyctl-gateway``: serve the OpenAI chat API in front of the configured engines."""
+"""``capyctl-gateway``: serve the OpenAI chat API, and report on a running gateway."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import httpx
 import typer
 from aiohttp import web
+from rich.console import Console
+from rich.table import Table
 
-from ._app import create_app
+from ._app import GATEWAY_KEY, create_app, create_management_app
 from ._config import ConfigError, load_config
-from ._identity import CredentialsError, credentials_path, load_or_create_api_key
+from ._identity import (
+    CredentialsError,
+    credentials_path,
+    load_or_create_api_key,
+    read_api_key,
+)
 from ._log import configure_logging
 
 app = typer.Typer(
@@ -23,21 +34,55 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+status_app = typer.Typer(help="Report on the running gateway.", no_args_is_help=True)
+app.add_typer(status_app, name="status")
 
 DEFAULT_LISTEN = "0.0.0.0:8443"
+DEFAULT_MANAGEMENT = "127.0.0.1:7443"
 DEFAULT_STATE = Path("~/.local/state/capyctl")
 
+StateOpt = Annotated[
+    Path | None, typer.Option("--state-dir", help="State directory (env CAPYCTL_STATE_DIR).")
+]
+ManagementOpt = Annotated[
+    str | None,
+    typer.Option("--management", help="Management HOST:PORT (env CAPYCTL_MANAGEMENT_ADDR)."),
+]
 
-def _listen(value: str) -> tuple[str, int]:
+
+def _address(value: str, flag: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--listen takes HOST:PORT, got {value!r}")
+        raise ConfigError(f"{flag} takes HOST:PORT, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 - the documented default
 
 
-@app.callback()
-def _main() -> None:
-    """capyctl-gateway."""
+def _state(state_dir: Path | None) -> Path:
+    return (state_dir or Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE)).expanduser()
+
+
+def _management(value: str | None) -> tuple[str, int]:
+    host, port = _address(
+        value or os.environ.get("CAPYCTL_MANAGEMENT_ADDR") or DEFAULT_MANAGEMENT, "--management"
+    )
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise ConfigError(f"the management endpoint stays on loopback; {host} is not")
+    return host, port
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
 
 
 @app.command()
@@ -46,9 +91,8 @@ def serve(
     listen: Annotated[
         str | None, typer.Option("--listen", help="HOST:PORT (env CAPYCTL_INFERENCE_ADDR).")
     ] = None,
-    state_dir: Annotated[
-        Path | None, typer.Option("--state-dir", help="State directory (env CAPYCTL_STATE_DIR).")
-    ] = None,
+    state_dir: StateOpt = None,
+    management: ManagementOpt = None,
     log_format: Annotated[
         str, typer.Option("--log-format", help="text or json (default: text on a terminal).")
     ] = "auto",
@@ -58,12 +102,17 @@ def serve(
     if fmt not in ("text", "json"):
         raise _fail("--log-format takes text or json")
     configure_logging(fmt)
-    state = (state_dir or Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE)).expanduser()
+    state = _state(state_dir)
     try:
-        host, port = _listen(listen or os.environ.get("CAPYCTL_INFERENCE_ADDR") or DEFAULT_LISTEN)
+        host, port = _address(
+            listen or os.environ.get("CAPYCTL_INFERENCE_ADDR") or DEFAULT_LISTEN, "--listen"
+        )
+        mhost, mport = _management(management)
         cfg = load_config(config)
         key = load_or_create_api_key(state)
         application = create_app(cfg, key)
+        sock = _bind(host, port)
+        msock = _bind(mhost, mport)
     except (ConfigError, CredentialsError) as exc:
         raise _fail(str(exc)) from None
     try:
@@ -72,25 +121,104 @@ def serve(
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        raise _fail(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     typer.echo(
         f"capyctl-gateway listening on http://{host}:{sock.getsockname()[1]}/v1 "
-        f"(key in {credentials_path(state)})",
+        f"(key in {credentials_path(state)}; management on {mhost}:{msock.getsockname()[1]})",
         err=True,
     )
-    web.run_app(
-        application,
-        sock=sock,
-        print=None,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=5,
+    asyncio.run(_run(application, sock, msock))
+
+
+async def _run(application: web.Application, sock: socket.socket, msock: socket.socket) -> None:
+    runner = web.AppRunner(application, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    mrunner = web.AppRunner(create_management_app(application[GATEWAY_KEY]), access_log=None)
+    await mrunner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.SockSite(runner, sock).start()
+        await web.SockSite(mrunner, msock).start()
+        await stop.wait()
+    finally:
+        await mrunner.cleanup()
+        await runner.cleanup()
+
+
+@status_app.command("deployment")
+def status_deployment(
+    name: Annotated[str, typer.Argument(help="The deployment's name.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document.")] = False,
+    state_dir: StateOpt = None,
+    management: ManagementOpt = None,
+) -> None:
+    """A deployment, its instances, and the cancelled requests each still counts."""
+    try:
+        host, port = _management(management)
+        key = read_api_key(_state(state_dir))
+    except FileNotFoundError as exc:
+        raise _fail(
+            f"no credentials at {exc.filename}: is this the gateway's --state-dir?"
+        ) from None
+    except (ConfigError, CredentialsError) as exc:
+        raise _fail(str(exc)) from None
+    url = f"http://{host}:{port}/management/v1/deployments/{name}"
+    try:
+        resp = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    except httpx.TransportError as exc:
+        raise _fail(f"no gateway answers on {host}:{port}: {exc}") from None
+    if resp.status_code != 200:
+        try:
+            message = resp.json().get("message", resp.text)
+        except ValueError:
+            message = resp.text
+        raise _fail(f"{resp.status_code}: {message}")
+    doc = resp.json()
+    if as_json:
+        typer.echo(json.dumps(doc))
+    else:
+        _print_status(Console(highlight=False), doc)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _print_status(console: Console, doc: dict[str, Any]) -> None:
+    d = doc["deployment"]
+    console.print(
+        f"{d['name']}: api {d['api']}, {d['engine']} {d['engine_version']} "
+        f"({d['served_model']}), {d['state']}; "
+        f"gateway running {d['running']}, waiting {d['waiting']}"
     )
+    table = Table("instance", "url", "host", "state", "running", "waiting", "snapshot age")
+    for i in doc["instances"]:
+        age = i["snapshot_age_s"]
+        table.add_row(
+            str(i["index"]),
+            i["url"],
+            i["host"],
+            i["state"],
+            _cell(i["running"]),
+            _cell(i["waiting"]),
+            "-" if age is None else f"{age:.1f} s",
+        )
+    console.print(table)
+    for i in doc["instances"]:
+        cut = i["cancelled"]
+        if not cut:
+            console.print(f"instance {i['index']}: no cancelled requests counted")
+            continue
+        console.print(
+            f"instance {i['index']}: {len(cut)} cancelled request(s) still counted", soft_wrap=True
+        )
+        for c in cut:
+            console.print(
+                f"  {c['capyctl_request_id']} ({c['reason']}): settles {c['settles']}",
+                soft_wrap=True,
+            )
 
 
 def _fail(message: str) -> typer.Exit:

@@ -9,10 +9,14 @@ import httpx
 import pytest
 from aiohttp import web
 
-from capyctl_gateway import GatewayConfig, create_app
+from canopyx_provider import ProviderOptions
+from capyctl_gateway import Gateway, GatewayConfig, create_app
+from capyctl_gateway._app import GATEWAY_KEY
 from tests.gateway.fake_engine import FakeEngine
 
 KEY = "k" * 43
+# The gateway's collector polls the fake engines quickly, and tries each startup check once.
+COLLECTOR = ProviderOptions(poll_interval_ms=50, request_timeout_ms=2000, connect_attempts=1)
 
 
 @pytest.fixture
@@ -33,7 +37,7 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
 async def engine() -> AsyncIterator[FakeEngine]:
     fake = FakeEngine()
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", fake.chat)
+    fake.routes(app)
     runner, fake.url = await _serve(app)
     try:
         yield fake
@@ -45,6 +49,7 @@ async def engine() -> AsyncIterator[FakeEngine]:
 class Gw:
     url: str
     key: str
+    gateway: Gateway
 
     def client(self, **kw: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.key}"}
@@ -68,11 +73,21 @@ async def make_gateway() -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
     """Start gateways from config dicts on loopback ports; all are stopped after the test."""
     runners: list[web.AppRunner] = []
 
-    async def make(config: dict[str, Any], *, env: dict[str, str] | None = None) -> Gw:
-        app = create_app(GatewayConfig.model_validate(config), KEY, env=env or {})
+    async def make(
+        config: dict[str, Any],
+        *,
+        env: dict[str, str] | None = None,
+        collector: ProviderOptions | None = None,
+    ) -> Gw:
+        app = create_app(
+            GatewayConfig.model_validate(config),
+            KEY,
+            env=env or {},
+            collector_options=collector or COLLECTOR,
+        )
         runner, url = await _serve(app)
         runners.append(runner)
-        return Gw(url, KEY)
+        return Gw(url, KEY, app[GATEWAY_KEY])
 
     try:
         yield make

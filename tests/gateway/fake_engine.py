@@ -57,6 +57,40 @@ class FakeEngine:
     """Set once a request has arrived."""
     finished: int = 0
     url: str = ""
+    # What the engine reports to the collector (vLLM-shaped):
+    running: int = 0
+    waiting: int = 0
+    process_start: float = 1796000000.0
+    healthy: bool = True
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.31.0"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.served, "object": "model"}]}
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        labels = f'engine="0",model_name="{self.served}"'
+        text = (
+            f"process_start_time_seconds {self.process_start}\n"
+            f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
+            f"vllm:num_requests_waiting{{{labels}}} {float(self.waiting)}\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} 0.0\n"
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())

@@ -1,0 +1,86 @@
+"""Admission: at most N requests run per deployment, first come first served; a bounded number
+wait, per deployment and in total. A waiter that hangs up or misses its deadline leaves at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+
+from ._errors import GatewayError
+
+__all__ = ["Admission", "DeploymentQueue"]
+
+
+def _queue_full(message: str) -> GatewayError:
+    return GatewayError(429, "queue_full", message, retryable=True)
+
+
+class Admission:
+    """Shared across deployments: the total number of waiters."""
+
+    def __init__(self, max_waiting_total: int) -> None:
+        self.max_waiting_total = max_waiting_total
+        self.waiting = 0
+
+
+class DeploymentQueue:
+    """Running slots and the FIFO of waiters of one deployment."""
+
+    def __init__(self, admission: Admission, *, max_running: int, max_waiting: int) -> None:
+        self._admission = admission
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.running = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, deadline: float) -> None:
+        """Take a running slot, waiting until ``deadline`` (``loop.time()``) at the latest.
+
+        Raises:
+            GatewayError: 429 ``queue_full`` when no place is left to wait, 503 ``unavailable``
+                when the deadline passes while waiting.
+        """
+        if self.running < self.max_running and not self._waiters:
+            self.running += 1
+            return
+        if len(self._waiters) >= self.max_waiting:
+            raise _queue_full("this model's waiting queue is full; retry shortly")
+        if self._admission.waiting >= self._admission.max_waiting_total:
+            raise _queue_full("the gateway's waiting queue is full; retry shortly")
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._admission.waiting += 1
+        try:
+            async with asyncio.timeout_at(deadline):
+                await waiter
+        except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return  # the slot arrived together with the deadline: keep it
+            raise GatewayError(
+                503, "unavailable", "no running slot within queue.request_deadline", retryable=True
+            ) from None
+        except BaseException:
+            # A slot handed over just as we were cancelled must not be lost.
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            raise
+        finally:
+            self._admission.waiting -= 1
+            if not waiter.done():
+                waiter.cancel()
+            with contextlib.suppress(ValueError):  # release() may have taken it already
+                self._waiters.remove(waiter)
+
+    def release(self) -> None:
+        """Give the slot back: to the longest waiter if there is one."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes on: running stays the same
+                return
+        self.running -= 1

@@ -1,0 +1,137 @@
+"""Requests an instance is charged with, and settling the ones that were cut short.
+
+Closing the engine connection asks the engine to stop; it does not prove it did. A cut request
+therefore stays charged to its instance until the collector shows the engine stopped:
+
+* if the engine had already answered (generated text, or an error), at the first sample taken
+  after the cut in which the engine reports nothing running and nothing waiting;
+* if it had not (cut before the first token), at the engine's next stop or restart: a new
+  process start marker, or its health check failing and then recovering after the cut. An
+  engine that never started the request could still start it after looking idle.
+
+While an instance has cut requests, the collector polls it every 250 ms.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from canopyx_provider import (
+    ChecksCompleted,
+    Collector,
+    EngineRestarted,
+    Event,
+    ScrapeFailed,
+    ScrapeSucceeded,
+)
+
+__all__ = ["CutRequest", "InstanceLedger", "SettleRule", "Settlement"]
+
+logger = logging.getLogger(__name__)
+FAST_POLL_MS = 250
+
+
+class SettleRule(StrEnum):
+    WHEN_IDLE = "when the engine reports idle"
+    AT_RESTART = "at the engine's next stop or restart"
+
+
+@dataclass(frozen=True, slots=True)
+class CutRequest:
+    request_id: str
+    cut_at: float
+    """Wall-clock seconds when the gateway closed the engine connection."""
+    rule: SettleRule
+    reason: str
+
+
+@dataclass(eq=False)
+class InstanceLedger:
+    key: str
+    running: int = 0
+    cut: list[CutRequest] = field(default_factory=list)
+    down_since: float | None = None
+    """When the engine's health check started failing (None while it answers)."""
+
+    @property
+    def charged(self) -> int:
+        return self.running + len(self.cut)
+
+
+class Settlement:
+    """Receives the collector's events and settles cut requests (an EventHook)."""
+
+    def __init__(self, clock: Callable[[], float], *, fast_poll_ms: int = FAST_POLL_MS) -> None:
+        self._clock = clock
+        self.fast_poll_ms = fast_poll_ms
+        self.ledgers: dict[str, InstanceLedger] = {}
+        self.collector: Collector | None = None
+        self.settled = 0
+        self.observers: list[Callable[[Event], None]] = []
+        """Called after each collector event has been applied (logging, tests)."""
+
+    def ledger(self, key: str) -> InstanceLedger:
+        return self.ledgers.setdefault(key, InstanceLedger(key))
+
+    def cut(
+        self, ledger: InstanceLedger, request_id: str, *, answered: bool, reason: str
+    ) -> CutRequest:
+        rule = SettleRule.WHEN_IDLE if answered else SettleRule.AT_RESTART
+        item = CutRequest(request_id, self._clock(), rule, reason)
+        ledger.cut.append(item)
+        if self.collector is not None:
+            self.collector.set_poll_interval(ledger.key, self.fast_poll_ms)
+        logger.info(
+            "request %s cut (%s); charged to %s until settled %s",
+            request_id,
+            reason,
+            ledger.key,
+            rule.value,
+        )
+        return item
+
+    def __call__(self, event: Event, /) -> None:
+        ledger = self.ledgers.get(event.key)
+        if ledger is not None:
+            self._apply(ledger, event)
+        for observer in self.observers:
+            observer(event)
+
+    def _apply(self, ledger: InstanceLedger, event: Event) -> None:
+        match event:
+            case ScrapeSucceeded(snapshot=snap):
+                recovered_from = ledger.down_since
+                ledger.down_since = None
+                if not ledger.cut:
+                    return
+                idle = snap.metrics.idle is True
+                self._settle(
+                    ledger,
+                    lambda c: (
+                        (c.rule is SettleRule.WHEN_IDLE and idle and c.cut_at < snap.requested_at)
+                        or (recovered_from is not None and c.cut_at < recovered_from)
+                    ),
+                    "engine idle" if idle else "engine recovered",
+                )
+            case ScrapeFailed(check=check, at=at):
+                if check == "health" and ledger.down_since is None:
+                    ledger.down_since = at
+            case EngineRestarted():
+                now = self._clock()
+                self._settle(ledger, lambda c: c.cut_at < now, "engine restarted")
+            case ChecksCompleted():
+                pass
+
+    def _settle(self, ledger: InstanceLedger, done: Callable[[CutRequest], bool], why: str) -> None:
+        keep = [c for c in ledger.cut if not done(c)]
+        gone = len(ledger.cut) - len(keep)
+        if not gone:
+            return
+        ledger.cut = keep
+        self.settled += gone
+        logger.info("%s: %d cut request(s) settled (%s)", ledger.key, gone, why)
+        if not keep and self.collector is not None:
+            self.collector.set_poll_interval(ledger.key, None)
