@@ -28,7 +28,8 @@ from canopyx_provider import (
     vllm,
 )
 
-from ._config import ConfigError, Deployment, EngineFamily, GatewayConfig, Instance
+from ._config import Api, ConfigError, Deployment, EngineFamily, GatewayConfig, Instance
+from ._decisions import parse_decision_request, relay_decision
 from ._errors import GatewayError
 from ._log import event
 from ._queue import Admission, DeploymentQueue
@@ -196,37 +197,46 @@ class Gateway:
         return web.Response(body=self._models, content_type="application/json")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, api=Api.CHAT)
+
+    async def decide(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, api=Api.DECISIONS)
+
+    async def _serve(self, request: web.Request, *, api: Api) -> web.StreamResponse:
+        """What chat and decision requests share: the key, IDs, checks, queue, accounting."""
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         rid = new_ulid()
         headers = {"X-CapyCTL-Request-Id": rid}
+        limits = self.config.limits
         try:
             if not self.authorized(request):
                 raise UNAUTHORIZED
             caller = caller_request_id(request.headers.getall("X-Request-Id", []))
             if caller is not None:
                 headers["X-Request-Id"] = caller
-            raw = await self._read_body(request, self.config.limits.max_body_bytes)
-            chat = parse_chat_request(raw, self.config)
-            route = self.routes[chat.deployment.name]
+            if api is Api.CHAT:
+                raw = await self._read_body(request, limits.max_body_bytes)
+                chat = parse_chat_request(raw, self.config)
+                deployment, body, stream = chat.deployment, chat.body, chat.stream
+            else:
+                raw = await self._read_body(request, limits.max_decision_body_bytes)
+                decision = parse_decision_request(raw, self.config)
+                deployment, body, stream = decision.deployment, decision.body, False
+            route = self.routes[deployment.name]
             await route.queue.acquire(arrival + self.config.queue.request_deadline)
         except GatewayError as err:
             return _gateway_error_response(err, headers)
         try:
             instance = route.choose()
-            _log_selection(rid, caller, chat.deployment, instance)
-            body = chat.body
-            body["model"] = chat.deployment.engine_model
-            body["stream"] = True
-            if not chat.stream:
-                options = body.get("stream_options") or {}
-                body["stream_options"] = {**options, "include_usage": True}
+            _log_selection(rid, caller, deployment, instance)
+            body["model"] = deployment.engine_model
             assert self.session is not None
             ctx = RelayContext(
                 session=self.session,
-                url=instance.url + "/v1/chat/completions",
+                url=instance.url + ("/v1/chat/completions" if api is Api.CHAT else "/v1/systemone"),
                 engine_headers=instance.headers,
-                deployment=chat.deployment,
+                deployment=deployment,
                 response_headers=headers,
                 arrival=arrival,
                 request_deadline=self.config.queue.request_deadline,
@@ -234,7 +244,13 @@ class Gateway:
             )
             instance.ledger.running += 1
             try:
-                return await relay_chat(request, ctx, body, stream=chat.stream)
+                if api is Api.DECISIONS:
+                    return await relay_decision(ctx, body)
+                body["stream"] = True
+                if not stream:
+                    options = body.get("stream_options") or {}
+                    body["stream_options"] = {**options, "include_usage": True}
+                return await relay_chat(request, ctx, body, stream=stream)
             finally:
                 instance.ledger.running -= 1
                 self._account(rid, instance, ctx)
@@ -357,6 +373,8 @@ def create_app(
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_post("/v1/chat/completions", gateway.chat)
     app.router.add_route("*", "/v1/chat/completions", gateway.wrong_method)
+    app.router.add_post("/v1/systemone", gateway.decide)
+    app.router.add_route("*", "/v1/systemone", gateway.wrong_method)
     app.router.add_route("*", "/{tail:.*}", gateway.not_found)
     return app
 

@@ -85,7 +85,29 @@ class FakeEngine:
         )
         return web.Response(text=text, content_type="text/plain")
 
+    decision: Reply | Hold | None = None
+    """How /v1/systemone answers: a Reply, Hold, or (None) the spec's example answer."""
+
+    async def decide(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.received.append(Received(dict(request.headers), body))
+        self.arrived.set()
+        if isinstance(self.decision, Hold):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.hung_up.set()
+                raise
+        if isinstance(self.decision, Reply):
+            return web.Response(
+                status=self.decision.status,
+                body=self.decision.body,
+                content_type=self.decision.content_type,
+            )
+        return web.json_response(decision_answer(body, model=self.served))
+
     def routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/systemone", self.decide)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
@@ -167,3 +189,31 @@ def vllm_stream(
         items.append(event(chunk(choices=[], **extra)))
     items.append(DONE)
     return items
+
+
+def decision_answer(body: dict[str, Any], *, model: str) -> dict[str, Any]:
+    """An answer in the shape of the spec's example, one entry per question asked."""
+    answers: dict[str, Any] = {}
+    for qid, q in body.get("questions", {}).items():
+        kind = q.get("type")
+        if kind == "noul":
+            answers[qid] = {"type": "noul", "noul": 0.6226}
+        elif kind == "choice":
+            options = list(q.get("criteria") or {})
+            probs = {o: round(1 / len(options), 4) for o in options}
+            answers[qid] = {
+                "type": "choice",
+                "choice": options[0],
+                "confidence": 0.9255,
+                "probabilities": probs,
+            }
+        else:
+            levels = q.get("criteria") or []
+            answers[qid] = {
+                "type": "score",
+                "score": 1.1224,
+                "confidence": 0.48,
+                "legend": {str(i): v for i, v in enumerate(levels)},
+                "probabilities": {str(i): round(1 / len(levels), 2) for i in range(len(levels))},
+            }
+    return {"answers": answers, "model": model, "usage": {"input_tokens": 87, "output_tokens": 0}}
