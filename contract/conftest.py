@@ -105,3 +105,19 @@ async def vllm_gateway(vllm_server: VllmServer) -> AsyncIterator[RunningGateway]
     """capyctl-gateway in front of the real vLLM server, deployment ``my-model``."""
     async for gw in _gateway("vllm", "0.31.0", vllm_server.base_url):
         yield gw
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record",
+        action="store_true",
+        default=False,
+        help="live tier: rewrite contract/recorded/ from the real engines instead of checking "
+        "the recordings' shapes against them",
+    )
+
+
+@pytest.fixture(scope="session")
+def record(request: pytest.FixtureRequest) -> bool:
+    """True under ``--record``: the live tier rewrites the recordings it would otherwise check."""
+    return bool(request.config.getoption("--record"))
