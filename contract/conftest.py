@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from capyctl_gateway import GatewayConfig, create_app
+from capyctl_gateway import Gateway, GatewayConfig, create_app
+from capyctl_gateway._app import GATEWAY_KEY
 from contract.engines.llamacpp import LlamaServer, ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
 from contract.engines.tiny_hf_model import write_tiny_llama
@@ -70,6 +71,7 @@ def vllm_server() -> Iterator[VllmServer]:
 class RunningGateway:
     url: str
     key: str
+    gateway: Gateway
 
 
 async def _gateway(engine: str, version: str, url: str) -> AsyncIterator[RunningGateway]:
@@ -82,13 +84,14 @@ async def _gateway(engine: str, version: str, url: str) -> AsyncIterator[Running
     }
     config = GatewayConfig.model_validate({"deployments": [deployment]})
     key = "live-" + "k" * 40
-    runner = web.AppRunner(create_app(config, key, env={}), handler_cancellation=True)
+    app = create_app(config, key, env={})
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     host, port = runner.addresses[0][:2]
     try:
-        yield RunningGateway(f"http://{host}:{port}", key)
+        yield RunningGateway(f"http://{host}:{port}", key, app[GATEWAY_KEY])
     finally:
         await runner.cleanup()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import httpx
 import orjson
@@ -9,7 +11,8 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from canopyx_provider import Collector, ProviderOptions, llama_cpp
+from canopyx_provider import Collector, Event, ProviderOptions, ScrapeSucceeded, llama_cpp
+from capyctl_gateway._settle import SettleRule
 from contract.conftest import RunningGateway
 from contract.engines.llamacpp import LlamaServer
 
@@ -117,3 +120,49 @@ async def test_a_hang_up_stops_the_engine(
             tg.cancel_scope.cancel()  # both clients hang up
         seconds = await _until_idle(c, within=5)
     assert seconds < 1.0
+
+
+async def test_a_cut_stream_settles_when_the_real_engine_reports_idle(
+    llama_gateway: RunningGateway,
+) -> None:
+    """State after the fact: the cut request is charged, then settled by an idle sample taken
+    after the cut, and the instance's charge returns to 0."""
+    settlement = llama_gateway.gateway.settlement
+    book = settlement.ledgers["my-model/0"]
+    changed = anyio.Event()
+    samples = []
+
+    def observe(e: Event, /) -> None:
+        nonlocal changed
+        if isinstance(e, ScrapeSucceeded):
+            samples.append(e.snapshot)
+        changed.set()
+
+    settlement.observers.append(observe)
+
+    async def until(predicate: Callable[[], bool]) -> None:
+        nonlocal changed
+        with anyio.fail_after(15):
+            while not predicate():
+                await changed.wait()
+                changed = anyio.Event()
+
+    body = {"model": "my-model", "messages": MESSAGES, "max_tokens": 30000, "stream": True}
+    headers = {"Authorization": f"Bearer {llama_gateway.key}"}
+    async with (
+        httpx.AsyncClient(timeout=60) as http,
+        http.stream(
+            "POST", llama_gateway.url + "/v1/chat/completions", json=body, headers=headers
+        ) as r,
+    ):
+        async for line in r.aiter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break  # generated text arrived: hang up
+    await until(lambda: settlement.settled == 1)
+    (done,) = settlement.recent
+    assert done.cut.rule is SettleRule.WHEN_IDLE and done.cut.reason == "hang_up"
+    assert done.why == "engine idle"
+    assert done.sample_requested_at is not None and done.sample_requested_at > done.cut.cut_at
+    idle = [s for s in samples if s.requested_at == done.sample_requested_at]
+    assert idle and idle[0].metrics.running_requests == 0 and idle[0].metrics.waiting_requests == 0
+    assert book.charged == 0

@@ -15,6 +15,7 @@ While an instance has cut requests, the collector polls it every 250 ms.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -28,7 +29,7 @@ from canopyx_provider import (
     ScrapeSucceeded,
 )
 
-__all__ = ["CutRequest", "InstanceLedger", "SettleRule", "Settlement"]
+__all__ = ["CutRequest", "InstanceLedger", "SettleRule", "Settled", "Settlement"]
 
 logger = logging.getLogger(__name__)
 FAST_POLL_MS = 250
@@ -46,6 +47,17 @@ class CutRequest:
     """Wall-clock seconds when the gateway closed the engine connection."""
     rule: SettleRule
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A cut request that was settled, and the evidence."""
+
+    cut: CutRequest
+    why: str
+    at: float
+    sample_requested_at: float | None
+    """When the sample that settled it was requested (None for a restart)."""
 
 
 @dataclass(eq=False)
@@ -70,6 +82,8 @@ class Settlement:
         self.ledgers: dict[str, InstanceLedger] = {}
         self.collector: Collector | None = None
         self.settled = 0
+        self.recent: deque[Settled] = deque(maxlen=256)
+        """The latest settlements, newest last."""
         self.observers: list[Callable[[Event], None]] = []
         """Called after each collector event has been applied (logging, tests)."""
 
@@ -114,7 +128,8 @@ class Settlement:
                         (c.rule is SettleRule.WHEN_IDLE and idle and c.cut_at < snap.requested_at)
                         or (recovered_from is not None and c.cut_at < recovered_from)
                     ),
-                    "engine idle" if idle else "engine recovered",
+                    "engine recovered" if recovered_from is not None else "engine idle",
+                    sample_requested_at=snap.requested_at,
                 )
             case ScrapeFailed(check=check, at=at):
                 if check == "health" and ledger.down_since is None:
@@ -125,11 +140,22 @@ class Settlement:
             case ChecksCompleted():
                 pass
 
-    def _settle(self, ledger: InstanceLedger, done: Callable[[CutRequest], bool], why: str) -> None:
+    def _settle(
+        self,
+        ledger: InstanceLedger,
+        done: Callable[[CutRequest], bool],
+        why: str,
+        *,
+        sample_requested_at: float | None = None,
+    ) -> None:
         keep = [c for c in ledger.cut if not done(c)]
         gone = len(ledger.cut) - len(keep)
         if not gone:
             return
+        now = self._clock()
+        self.recent.extend(
+            Settled(c, why, now, sample_requested_at) for c in ledger.cut if c not in keep
+        )
         ledger.cut = keep
         self.settled += gone
         logger.info("%s: %d cut request(s) settled (%s)", ledger.key, gone, why)
