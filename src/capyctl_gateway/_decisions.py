@@ -14,6 +14,7 @@ from ._config import Api, Deployment, GatewayConfig
 from ._errors import GatewayError, invalid
 from ._permetrics import Figures, _num, _put
 from ._relay import MAX_MESSAGE_BYTES, RelayContext, _engine_message, _gateway_error_response
+from ._validate import resolve
 
 __all__ = ["DECISION_FIELDS", "DecisionRequest", "parse_decision_request", "relay_decision"]
 
@@ -29,25 +30,7 @@ class DecisionRequest:
 
 def parse_decision_request(raw: bytes, config: GatewayConfig) -> DecisionRequest:
     """The documented checks, in order; the engine judges the rest."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise invalid(f"the body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid("the body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model is required and must be a non-empty string")
-    deployment = config.deployment(model)
-    if deployment is None:
-        raise GatewayError(404, "unknown_model", f"no deployment serves model {model!r}")
-    if deployment.api is not Api.DECISIONS:
-        raise GatewayError(
-            400,
-            "api_mismatch",
-            f"model {model} serves the chat API, which /v1/systemone does not answer; "
-            "send its requests to POST /v1/chat/completions",
-        )
+    body, deployment = resolve(raw, config, Api.DECISIONS)
     for key in body:
         if key not in DECISION_FIELDS:
             raise invalid(f"request field `{key}` is not accepted")

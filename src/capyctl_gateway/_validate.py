@@ -10,7 +10,7 @@ import orjson
 from ._config import Api, Deployment, GatewayConfig
 from ._errors import GatewayError, invalid
 
-__all__ = ["CHAT_FIELDS", "ChatRequest", "caller_request_id", "parse_chat_request"]
+__all__ = ["CHAT_FIELDS", "ChatRequest", "caller_request_id", "parse_chat_request", "resolve"]
 
 # Top-level fields a chat request may carry: OpenAI's chat fields and the engines' documented
 # sampling, templating, structured-output and reasoning extensions. Anything else is refused
@@ -53,8 +53,12 @@ class ChatRequest:
     stream: bool
 
 
-def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
-    """Validate a chat body in the documented order; raise the documented GatewayError."""
+_ENDPOINT = {Api.CHAT: "/v1/chat/completions", Api.DECISIONS: "/v1/systemone"}
+
+
+def resolve(raw: bytes, config: GatewayConfig, api: Api) -> tuple[dict[str, Any], Deployment]:
+    """The checks every request shares, in order: a JSON object with a string ``model``
+    (400), a deployment of that name (404), serving this endpoint's API (400 api_mismatch)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -67,13 +71,20 @@ def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
     deployment = config.deployment(model)
     if deployment is None:
         raise GatewayError(404, "unknown_model", f"no deployment serves model {model!r}")
-    if deployment.api is not Api.CHAT:
+    if deployment.api is not api:
+        served = deployment.api
         raise GatewayError(
             400,
             "api_mismatch",
-            f"model {model} serves the decisions API, which /v1/chat/completions does not "
-            "answer; send its requests to POST /v1/systemone",
+            f"model {model} serves the {served.value} API, which {_ENDPOINT[api]} does not "
+            f"answer; send its requests to POST {_ENDPOINT[served]}",
         )
+    return body, deployment
+
+
+def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
+    """Validate a chat body in the documented order; raise the documented GatewayError."""
+    body, deployment = resolve(raw, config, Api.CHAT)
     for key in body:
         if key not in CHAT_FIELDS:
             raise invalid(f"request field `{key}` is not accepted")

@@ -115,6 +115,21 @@ class EngineAdapter(ABC):
         return f"<{type(self).__name__} {self.base_url}{extra}>"
 
 
+class ModelLabelledAdapter(EngineAdapter):
+    """An engine whose ``/metrics`` samples carry a ``model_name`` label (vLLM, SGLang)."""
+
+    async def collect(
+        self, fetch: Fetcher, model_id: str, discovery: Discovery, health: RawResponse
+    ) -> Poll:
+        resp = await self.get(fetch, self.metrics_url)
+        expect_status(resp, 200, what="metrics")
+        return self.parse_metrics(resp.text(), model_id, url=resp.url)
+
+    @abstractmethod
+    def parse_metrics(self, text: str, model_id: str, *, url: str | None = None) -> Poll:
+        """The load figures of ``model_id`` (narrowed by ``labels``) in an exposition."""
+
+
 class HealthOnlyAdapter(EngineAdapter):
     """An engine that publishes no load: fresh snapshots that say so."""
 

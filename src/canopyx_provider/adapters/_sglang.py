@@ -8,7 +8,7 @@ from .._errors import InfoParseError, MissingMetricError, SnapshotValidationErro
 from .._prom import Sample, finite, parse_samples, select_one
 from .._scrape import Fetcher, RawResponse
 from .._snapshot import Capacity, EngineKind, EngineMetrics, SupportLevel
-from ._base import Discovery, EngineAdapter, Poll, expect_status, int_or_none, json_object
+from ._base import Discovery, ModelLabelledAdapter, Poll, expect_status, int_or_none, json_object
 
 __all__ = ["SglangAdapter"]
 
@@ -23,7 +23,7 @@ PREFIXES = ("sglang:", "sglang_")
 _ALL = tuple(p + n for p in PREFIXES for n in _GAUGES)
 
 
-class SglangAdapter(EngineAdapter):
+class SglangAdapter(ModelLabelledAdapter):
     """Reads SGLang's scheduler gauges, selected by ``model_name`` and ``labels``."""
 
     kind = EngineKind.SGLANG
@@ -35,13 +35,6 @@ class SglangAdapter(EngineAdapter):
             resp = await self.get(fetch, self.url("/get_server_info"))
         expect_status(resp, 200, what="server_info")
         return parse_server_info(resp)
-
-    async def collect(
-        self, fetch: Fetcher, model_id: str, discovery: Discovery, health: RawResponse
-    ) -> Poll:
-        resp = await self.get(fetch, self.metrics_url)
-        expect_status(resp, 200, what="metrics")
-        return self.parse_metrics(resp.text(), model_id, url=resp.url)
 
     def parse_metrics(self, text: str, model_id: str, *, url: str | None = None) -> Poll:
         samples = parse_samples(text, _ALL, url=url)

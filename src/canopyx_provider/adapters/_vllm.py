@@ -6,7 +6,7 @@ from .._errors import InfoParseError, SnapshotValidationError
 from .._prom import Sample, finite, parse_samples, select_one
 from .._scrape import Fetcher, RawResponse
 from .._snapshot import Capacity, EngineKind, EngineMetrics, SupportLevel
-from ._base import Discovery, EngineAdapter, Poll, expect_status, int_or_none, json_object
+from ._base import Discovery, ModelLabelledAdapter, Poll, expect_status, int_or_none, json_object
 
 __all__ = ["VllmAdapter"]
 
@@ -26,7 +26,7 @@ NO_SEQUENCE_LIMIT = (
 _POLLED = (RUNNING, WAITING, KV_USAGE, PROMPT_TOKENS, GENERATED_TOKENS, PROCESS_START)
 
 
-class VllmAdapter(EngineAdapter):
+class VllmAdapter(ModelLabelledAdapter):
     """Reads a single vLLM engine's gauges, selected by ``model_name`` and ``labels``."""
 
     kind = EngineKind.VLLM
@@ -39,13 +39,6 @@ class VllmAdapter(EngineAdapter):
         return Discovery(
             capacity=self.parse_capacity(resp.text(), url=resp.url), engine_version=version
         )
-
-    async def collect(
-        self, fetch: Fetcher, model_id: str, discovery: Discovery, health: RawResponse
-    ) -> Poll:
-        resp = await self.get(fetch, self.metrics_url)
-        expect_status(resp, 200, what="metrics")
-        return self.parse_metrics(resp.text(), model_id, url=resp.url)
 
     def parse_metrics(self, text: str, model_id: str, *, url: str | None = None) -> Poll:
         samples = parse_samples(text, _POLLED, url=url)
