@@ -139,7 +139,7 @@ def measure(name: str, run: Callable[[], float | None], repeats: int) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--engines", default="llamacpp,vllm")
+    ap.add_argument("--engines", default="llamacpp,vllm", help="comma-separated")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
@@ -211,6 +211,21 @@ def main() -> None:
                                 base + "/v1/chat/completions",
                                 body,
                                 auth,
+                                vllm(srv.base_url),
+                                "tiny",
+                            ),
+                            args.repeats,
+                        )
+                    )
+                    direct = {**body, "model": "tiny"}
+                    rows.append(
+                        measure(
+                            f"vLLM 0.31.0 direct, {kind}",
+                            partial(
+                                _run,
+                                srv.base_url + "/v1/chat/completions",
+                                direct,
+                                {},
                                 vllm(srv.base_url),
                                 "tiny",
                             ),

@@ -7,11 +7,14 @@ from contextlib import asynccontextmanager
 
 import anyio
 import httpx
+import orjson
 import pytest
 
 from canopyx_provider import Collector, EngineSnapshot, ProviderOptions, llama_cpp
 from canopyx_provider._prom import parse_samples
 from canopyx_provider.adapters._llamacpp import _POLLED
+from capyctl_gateway._config import EngineFamily
+from capyctl_gateway._verify import DELTA_KEYS
 from contract.engines.llamacpp import LlamaServer
 
 pytestmark = pytest.mark.anyio
@@ -119,3 +122,35 @@ async def test_router_mode_reads_a_loaded_model_and_never_loads_another(
     status = {m["id"]: m["status"]["value"] for m in models}
     assert status["tiny-b"] == "unloaded"  # checking it did not make the router load it
     assert status["tiny-a"] == "loaded"
+
+
+async def test_streamed_chunk_fields(llama_server: LlamaServer) -> None:
+    """The field set the gateway's verifier allows for llama.cpp, read off the real server."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(llama_server.base_url + "/v1/chat/completions", json=body)
+    assert r.text.rstrip().endswith("data: [DONE]")
+    chunks = [
+        orjson.loads(line[6:])
+        for line in r.text.split("\n")
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    delta_keys = {k for c in chunks for ch in c["choices"] for k in ch["delta"]}
+    assert delta_keys <= DELTA_KEYS[EngineFamily.LLAMACPP]
+    beside = {k for c in chunks for ch in c["choices"] for k in ch} - {"delta"}
+    assert beside <= {"index", "finish_reason", "logprobs"}
+    assert {c["system_fingerprint"] for c in chunks} == {"b10798-unknown"}
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert set(usage_chunk["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert "cached_tokens" in usage_chunk["usage"]["prompt_tokens_details"]
+    assert {"prompt_ms", "predicted_per_second", "predicted_n"} <= set(usage_chunk["timings"])
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c["choices"][0]["finish_reason"] for c in finish] == ["length"]
