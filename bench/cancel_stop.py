@@ -196,13 +196,13 @@ def main() -> None:
         python = ensure_vllm()
         model_dir = engine_dir() / "tiny-llama"
         write_tiny_llama(model_dir, python=python)
-        with VllmServer(python, model_dir, max_model_len=2048) as srv:
+        with VllmServer(python, model_dir, max_model_len=16384) as srv:
             proc, base, key = _gateway("vllm", "0.31.0", srv.base_url, workdir)
             try:
                 auth = {"Authorization": f"Bearer {key}"}
                 for stream in (True, False):
                     kind = "streamed" if stream else "non-streamed"
-                    body = {**chat, "max_tokens": 1900, "ignore_eos": True, "stream": stream}
+                    body = {**chat, "max_tokens": 12000, "ignore_eos": True, "stream": stream}
                     rows.append(
                         measure(
                             f"vLLM 0.31.0 via gateway, {kind}",

@@ -63,7 +63,9 @@ def vllm_server() -> Iterator[VllmServer]:
     python = ensure_vllm()
     model_dir = engine_dir() / "tiny-llama"
     write_tiny_llama(model_dir, python=python)
-    with VllmServer(python, model_dir, max_model_len=2048) as server:
+    # A long context so that a generation lasts seconds: vLLM's API server on 2 cores lags its
+    # engine, and a short one would finish before a hang-up could stop it.
+    with VllmServer(python, model_dir, max_model_len=16384) as server:
         yield server
 
 

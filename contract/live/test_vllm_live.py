@@ -80,7 +80,7 @@ async def test_running_rises_under_load_and_returns_to_zero_after_hang_up(
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 1900,
+        "max_tokens": 12000,
         "ignore_eos": True,
         "stream": True,
     }
@@ -105,7 +105,7 @@ async def test_running_rises_under_load_and_returns_to_zero_after_hang_up(
     assert busy.metrics.kv_cache_usage_ratio is not None
     assert idle.metrics.generated_tokens_total is not None
     generated = idle.metrics.generated_tokens_total - before.generated_tokens_total
-    assert generated < 2 * 1900  # both stopped before max_tokens
+    assert generated < 12000  # both together stopped long before one could reach max_tokens
 
 
 async def test_streamed_chunk_fields(vllm_server: VllmServer) -> None:
