@@ -3,9 +3,11 @@ target's CPU time read from ``/proc`` around the measured window."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -97,12 +99,20 @@ def _run(argv: list[str], env: dict[str, str] | None, timeout_s: float) -> str:
     try:
         out, err = popen.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(popen.pid, 9)
-        popen.communicate()
+        _kill(popen)
         raise RuntimeError(f"{argv[0]} overran {timeout_s:.0f} s") from None
+    except BaseException:  # interrupted: the load must not outlive the runner
+        _kill(popen)
+        raise
     if popen.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:4])}... exited {popen.returncode}: {err.decode()}")
     return out.decode()
+
+
+def _kill(popen: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    popen.communicate()
 
 
 def run_sse(target: Target, load: Load, engine_pid: int) -> Measure:

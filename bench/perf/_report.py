@@ -147,9 +147,16 @@ def _verdict(met: bool | None) -> str:
 
 def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     targets: dict[str, Any] = summary["targets"]
+    mach = meta.get("machine", {})
+    loads = [mach.get("load_avg_at_start"), mach.get("load_avg_at_end")]
     lines = [
-        f"Rounds: {meta['rounds']}, {meta['duration_s']} s per scenario after "
-        f"{meta['warmup_s']} s of warm-up; medians over rounds, ratios paired within a round.",
+        f"Rounds: {meta['rounds']}, {meta['duration_s']} s per scenario "
+        f"({meta['ttft_duration_s']} s for TTFT) after {meta['warmup_s']} s of warm-up; "
+        "medians over rounds, ratios paired within a round; non-streamed load by "
+        f"{meta['load_tools']['ns']}. Machine: {mach.get('cpu')}, {mach.get('nproc')} CPUs, "
+        f"Python {mach.get('python')}; load average at start / end "
+        + " / ".join("?" if la is None else f"{la[0]:.2f}" for la in loads)
+        + f"; {meta.get('elapsed_s', '?')} s in all.",
         "",
         "| target | " + " | ".join(SCENARIOS.values()) + " | CPU ms per request: ns / s16 / s256"
         " | CPU per extra chunk | peak RSS |",

@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         log("wrk is not installed (apt-get install wrk): the SSE client sends non-streamed load")
     work = Path(tempfile.mkdtemp(prefix="capyctl-bench-"))
     procs = ProcessSet(work)
-    old = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too: a runner started in the background inherits it ignored.
+    old = {s: signal.signal(s, _terminate) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     started = time.monotonic()
     try:
         targets, engine_pid = _serve(args, procs, work)
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["machine"]["load_avg_at_end"] = os.getloadavg()
     report = markdown(summary, meta)
     print(report, flush=True)
     if args.json is not None:

@@ -1,0 +1,75 @@
+"""CPU per streamed chunk of the gateway's pure per-chunk steps, on the fake engine's exact bytes.
+
+These are the steps the relay runs for every chunk an engine streams: SSE decoding, the
+verifier (which parses the chunk and checks it for repeated keys), and re-serialising the chunk
+for the client. The figures are best cases (hot caches, no I/O); the end-to-end figure per extra
+chunk from ``bench.perf.run`` adds aiohttp's reads and writes on top.
+
+Run: ``.venv/bin/python -m bench.perf.chunk_cost [--n 200000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import orjson
+
+from capyctl_gateway._config import EngineFamily
+from capyctl_gateway._sse import SSEDecoder
+from capyctl_gateway._verify import ChunkVerifier, _count_keys
+
+from .fake_engine import Catalogue, EngineOptions
+
+__all__ = ["main"]
+
+
+def _per_call_us(fn: Callable[[], object], n: int) -> float:
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    return best / n * 1e6
+
+
+def _payload(frame: bytes) -> bytes:
+    """The SSE event inside one HTTP chunk."""
+    return frame.split(b"\r\n", 1)[1][:-2]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.perf.chunk_cost", description=__doc__)
+    parser.add_argument("--n", type=int, default=200_000, help="calls per figure")
+    args = parser.parse_args(argv)
+    n = args.n
+    cat = Catalogue(EngineOptions())
+    event = _payload(cat.content)
+    raw = event.removeprefix(b"data: ").removesuffix(b"\n\n")
+    doc = orjson.loads(raw)
+    verifier = ChunkVerifier(EngineFamily.VLLM, served="tiny", public="bench")
+    verifier.check(_payload(cat.role).removeprefix(b"data: ").removesuffix(b"\n\n"), 0.0)
+    decoder = SSEDecoder()
+    block16 = event * 16
+    key_mark = b'":'
+    head, blank = b"data: ", b"\n\n"
+    steps: list[tuple[str, Callable[[], object], int]] = [
+        ("SSE decode, one event per read", lambda: decoder.feed(event), 1),
+        ("SSE decode, 16 events per read (per event)", lambda: decoder.feed(block16), 16),
+        ("verifier.check (all of it)", lambda: verifier.check(raw, 1.0), 1),
+        ("  of which orjson.loads", lambda: orjson.loads(raw), 1),
+        ("  of which the repeated-key test: raw.count", lambda: raw.count(key_mark), 1),
+        ("  of which the repeated-key test: _count_keys", lambda: _count_keys(doc), 1),
+        ("re-serialise (orjson.dumps + SSE framing)", lambda: head + orjson.dumps(doc) + blank, 1),
+    ]
+    rows = [(name, _per_call_us(fn, n // per) / per) for name, fn, per in steps]
+    print(f"one content chunk: {len(raw)} bytes of JSON")
+    print("| step | µs per chunk |\n|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

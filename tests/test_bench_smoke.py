@@ -1,0 +1,62 @@
+"""The benchmark harness (bench/perf) runs end to end: a short smoke run, no speed asserted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bench.perf._procfs import session_pids
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ("ns", "s16", "s256", "ttft")
+TARGETS = ("direct", "gateway")
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has ended; only its exit status is left)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return False
+    return raw[raw.rindex(b")") + 2 :][:1] != b"Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the harness reads /proc")
+def test_quick_run_measures_every_scenario_and_stops_what_it_started(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "bench.perf.run", "--quick", "--no-peer", "--json", str(out)]
+    if shutil.which("wrk") is None:
+        argv.append("--no-wrk")  # the SSE client then sends the non-streamed load too
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=50, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+
+    doc = json.loads(out.read_bytes())
+    (measured,) = doc["rounds"]
+    for scenario in SCENARIOS:
+        for target in TARGETS:
+            m = measured[scenario][target]
+            assert m["completed"] > 0, (scenario, target, m)
+            assert m["failed"] == 0, (scenario, target, m)
+    for scenario, chunks in (("s16", 16), ("s256", 256)):
+        m = measured[scenario]["gateway"]
+        assert m["content_chunks"] == chunks * m["completed"]
+        assert m["cpu_s"] is not None
+    assert [row["scenario"] for row in doc["summary"]["budget"]] == [
+        "non-streamed, 32 conc.",
+        "16-chunk streams, 32 conc.",
+        "256-chunk streams, 32 conc.",
+        "added TTFT, conc. 1",
+    ]
+    report = proc.stdout.decode()
+    assert "| capyctl-gateway |" in report
+    assert "| direct to the engine |" in report
+
+    started = doc["meta"]["processes"]
+    assert set(started) == {"engine", "gateway"}
+    for pid in started.values():
+        assert not _running(pid)
+        assert not [p for p in session_pids(pid) if _running(p)]
