@@ -18,7 +18,7 @@ import orjson
 
 from capyctl_gateway._config import EngineFamily
 from capyctl_gateway._sse import SSEDecoder
-from capyctl_gateway._verify import ChunkVerifier, _count_keys
+from capyctl_gateway._verify import ChunkVerifier
 
 from .fake_engine import Catalogue, EngineOptions
 
@@ -53,16 +53,14 @@ def main(argv: list[str] | None = None) -> None:
     verifier.check(_payload(cat.role).removeprefix(b"data: ").removesuffix(b"\n\n"), 0.0)
     decoder = SSEDecoder()
     block16 = event * 16
-    key_mark = b'":'
     head, blank = b"data: ", b"\n\n"
     steps: list[tuple[str, Callable[[], object], int]] = [
         ("SSE decode, one event per read", lambda: decoder.feed(event), 1),
         ("SSE decode, 16 events per read (per event)", lambda: decoder.feed(block16), 16),
-        ("verifier.check (all of it)", lambda: verifier.check(raw, 1.0), 1),
+        ("verifier.check (parse, checks, re-serialise)", lambda: verifier.check(raw, 1.0), 1),
         ("  of which orjson.loads", lambda: orjson.loads(raw), 1),
-        ("  of which the repeated-key test: raw.count", lambda: raw.count(key_mark), 1),
-        ("  of which the repeated-key test: _count_keys", lambda: _count_keys(doc), 1),
-        ("re-serialise (orjson.dumps + SSE framing)", lambda: head + orjson.dumps(doc) + blank, 1),
+        ("  of which orjson.dumps", lambda: orjson.dumps(doc), 1),
+        ("SSE framing of the relayed chunk", lambda: head + raw + blank, 1),
     ]
     rows = [(name, _per_call_us(fn, n // per) / per) for name, fn, per in steps]
     print(f"one content chunk: {len(raw)} bytes of JSON")

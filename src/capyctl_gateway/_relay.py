@@ -143,11 +143,11 @@ async def relay_chat(
                     if data == DONE:
                         done = True
                         break
-                    chunk = verifier.check(data, now)
+                    chunk, relayed = verifier.check(data, now)
                     if assembler is not None:
                         assembler.add(chunk)
                     else:
-                        parts.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                        parts.append(b"data: " + relayed + b"\n\n")
                 if verifier.first_output_at is not None:
                     bound.reschedule(now + ctx.stream_idle_timeout)
                 if parts:
