@@ -175,8 +175,10 @@ async def relay_chat(
             )
         if out is None:
             out = await _start_stream(request, ctx)
-        await out.write(b": x-capyctl-metrics " + orjson.dumps(figures) + b"\n\ndata: [DONE]\n\n")
-        await out.write_eof()
+        # The figures, [DONE] and the end of the chunked body leave in one write.
+        await out.write_eof(
+            b": x-capyctl-metrics " + orjson.dumps(figures) + b"\n\ndata: [DONE]\n\n"
+        )
         return out
     except TimeoutError:
         started = verifier.first_output_at is not None
