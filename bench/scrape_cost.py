@@ -7,6 +7,7 @@ Two figures, on the page captured live from vLLM 0.31.0 (47 KB, 582 lines):
     engine is a separate process (python -m http.server style), so its CPU is not counted.
 
 Run: .venv/bin/python bench/scrape_cost.py [--n 2000]
+     .venv/bin/python -m bench.scrape_cost --live-vllm   # also against a real vLLM 0.31.0 server
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -60,10 +62,10 @@ def bench_parse(text: str, n: int) -> list[float]:
     return out
 
 
-async def bench_scrape(port: int, n: int) -> list[float]:
+async def bench_scrape(port: int, n: int, *, base_url: str | None = None) -> list[float]:
     out = []
     async with Collector(options=ProviderOptions(connect_attempts=1)) as c:
-        c.add("e", vllm(f"http://127.0.0.1:{port}"), model_id="tiny", poll=False)
+        c.add("e", vllm(base_url or f"http://127.0.0.1:{port}"), model_id="tiny", poll=False)
         assert (await c.check("e")).ok
         for _ in range(n):
             t0 = time.thread_time()
@@ -71,6 +73,13 @@ async def bench_scrape(port: int, n: int) -> list[float]:
             out.append(time.thread_time() - t0)
             assert snap is not None
     return out
+
+
+async def _page(base_url: str) -> bytes:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        return (await client.get(base_url + "/metrics")).content
 
 
 def report(name: str, samples: list[float]) -> None:
@@ -84,7 +93,9 @@ def report(name: str, samples: list[float]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=2000)
-    n = ap.parse_args().n
+    ap.add_argument("--live-vllm", action="store_true", help="also scrape a real vLLM server")
+    args = ap.parse_args()
+    n = args.n
     page = body_of(PAGE)
     lines = page.count(b"\n")
     print(f"page: {PAGE.relative_to(ROOT)} ({len(page)} bytes, {lines} lines)")
@@ -100,9 +111,9 @@ def main() -> None:
             f = Path(tmp) / route.strip("/").replace("/", "_")
             f.write_bytes(body_of(rel))
             files[route] = f
-        args = [f"{route}={f}" for route, f in files.items()]
+        routes = [f"{route}={f}" for route, f in files.items()]
         server = subprocess.Popen(
-            [sys.executable, "-c", SERVER, "x", *args], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", SERVER, "x", *routes], stdout=subprocess.PIPE, text=True
         )
         try:
             assert server.stdout is not None
@@ -111,6 +122,18 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait()
+    if args.live_vllm:
+        from contract.engines.tiny_hf_model import write_tiny_llama
+        from contract.engines.vllm import VllmServer, engine_dir, ensure_vllm
+
+        python = ensure_vllm()
+        model_dir = engine_dir() / "tiny-llama"
+        write_tiny_llama(model_dir, python=python)
+        with VllmServer(python, model_dir, max_model_len=16384) as srv:
+            page = anyio.run(_page, srv.base_url)
+            newlines = page.count(b"\n")
+            print(f"live vLLM 0.31.0 /metrics: {len(page)} bytes, {newlines} lines")
+            report("live", anyio.run(partial(bench_scrape, 0, n, base_url=srv.base_url)))
 
 
 if __name__ == "__main__":
