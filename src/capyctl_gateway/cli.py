@@ -139,7 +139,7 @@ async def _run(application: web.Application, sock: socket.socket, msock: socket.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, backlog=4096).start()
         await web.SockSite(mrunner, msock).start()
         await stop.wait()
     finally:
