@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from canopyx_provider import (
     Collector,
@@ -59,6 +60,13 @@ class _Instance:
     headers: dict[str, str]
     engine_key: str | None
     ledger: InstanceLedger
+    chat_url: URL = field(init=False)
+    decision_url: URL = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Parsed once: aiohttp would parse a string URL on every request.
+        self.chat_url = URL(self.url + "/v1/chat/completions")
+        self.decision_url = URL(self.url + "/v1/systemone")
 
 
 @dataclass(eq=False)
@@ -141,6 +149,7 @@ class Gateway:
             timeout=timeout,
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar per request
         ) as session:
             self.session = session
             yield
@@ -234,7 +243,7 @@ class Gateway:
             assert self.session is not None
             ctx = RelayContext(
                 session=self.session,
-                url=instance.url + ("/v1/chat/completions" if api is Api.CHAT else "/v1/systemone"),
+                url=instance.chat_url if api is Api.CHAT else instance.decision_url,
                 engine_headers=instance.headers,
                 deployment=deployment,
                 response_headers=headers,

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from ._assemble import Assembler
 from ._config import Deployment
@@ -56,7 +57,7 @@ class Outcome:
 @dataclass(slots=True)
 class RelayContext:
     session: aiohttp.ClientSession
-    url: str
+    url: URL
     engine_headers: dict[str, str]
     deployment: Deployment
     response_headers: dict[str, str]
