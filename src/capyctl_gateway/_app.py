@@ -31,7 +31,7 @@ from canopyx_provider import (
 
 from ._config import Api, ConfigError, Deployment, EngineFamily, GatewayConfig, Instance
 from ._decisions import parse_decision_request, relay_decision
-from ._errors import GatewayError
+from ._errors import GatewayError, NotAcceptedError
 from ._log import event
 from ._queue import Admission, DeploymentQueue
 from ._relay import RelayContext, _gateway_error_response, relay_chat
@@ -44,6 +44,8 @@ __all__ = ["Gateway", "create_app", "create_management_app"]
 logger = logging.getLogger(__name__)
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 UNAUTHORIZED = GatewayError(401, "unauthorized", "missing or invalid api key")
+MAX_OFFERS = 4
+"""Instances a request is offered to, when the ones before provably never got it."""
 _FACTORIES: dict[EngineFamily, Callable[..., EngineAdapter]] = {
     EngineFamily.VLLM: vllm,
     EngineFamily.SGLANG: sglang,
@@ -76,11 +78,14 @@ class _Route:
     queue: DeploymentQueue
     turn: itertools.count[int] = field(default_factory=itertools.count)
 
-    def choose(self) -> _Instance:
-        """The instance charged with the fewest requests (running and cut); ties rotate."""
+    def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> _Instance | None:
+        """The instance charged with the fewest requests (running and cut), among those not
+        excluded; ties rotate."""
         start = next(self.turn) % len(self.instances)
-        ordered = self.instances[start:] + self.instances[:start]
-        return min(ordered, key=lambda i: i.ledger.charged)
+        ordered = [
+            i for i in self.instances[start:] + self.instances[:start] if i.index not in exclude
+        ]
+        return min(ordered, key=lambda i: i.ledger.charged) if ordered else None
 
 
 def _engine_key(instance: Instance, env: dict[str, str]) -> str | None:
@@ -237,34 +242,73 @@ class Gateway:
         except GatewayError as err:
             return _gateway_error_response(err, headers)
         try:
-            instance = route.choose()
-            _log_selection(rid, caller, deployment, instance)
             body["model"] = deployment.engine_model
-            assert self.session is not None
-            ctx = RelayContext(
-                session=self.session,
-                url=instance.chat_url if api is Api.CHAT else instance.decision_url,
-                engine_headers=instance.headers,
-                deployment=deployment,
-                response_headers=headers,
-                arrival=arrival,
-                request_deadline=self.config.queue.request_deadline,
-                stream_idle_timeout=self.config.queue.stream_idle_timeout,
-            )
-            instance.ledger.running += 1
-            try:
-                if api is Api.DECISIONS:
-                    return await relay_decision(ctx, body)
+            if api is Api.CHAT:
                 body["stream"] = True
                 if not stream:
                     options = body.get("stream_options") or {}
                     body["stream_options"] = {**options, "include_usage": True}
-                return await relay_chat(request, ctx, body, stream=stream)
-            finally:
-                instance.ledger.running -= 1
-                self._account(rid, instance, ctx)
+            refused: set[int] = set()
+            last = "no instance to send it to"
+            while len(refused) < MAX_OFFERS:
+                instance = route.choose(exclude=refused)
+                if instance is None:
+                    break
+                _log_selection(rid, caller, deployment, instance)
+                try:
+                    return await self._forward(
+                        request,
+                        api,
+                        deployment,
+                        instance,
+                        body,
+                        stream,
+                        headers=headers,
+                        arrival=arrival,
+                        rid=rid,
+                    )
+                except NotAcceptedError as exc:
+                    # The engine never saw it: another instance may serve it, within the deadline.
+                    refused.add(instance.index)
+                    last = str(exc)
+                    _log_failover(rid, caller, deployment, instance, last)
+            unreached = GatewayError(502, "engine_error", last)
+            return _gateway_error_response(unreached, headers)
         finally:
             route.queue.release()
+
+    async def _forward(
+        self,
+        request: web.Request,
+        api: Api,
+        deployment: Deployment,
+        instance: _Instance,
+        body: dict[str, Any],
+        stream: bool,
+        *,
+        headers: dict[str, str],
+        arrival: float,
+        rid: str,
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        ctx = RelayContext(
+            session=self.session,
+            url=instance.chat_url if api is Api.CHAT else instance.decision_url,
+            engine_headers=instance.headers,
+            deployment=deployment,
+            response_headers=headers,
+            arrival=arrival,
+            request_deadline=self.config.queue.request_deadline,
+            stream_idle_timeout=self.config.queue.stream_idle_timeout,
+        )
+        instance.ledger.running += 1
+        try:
+            if api is Api.DECISIONS:
+                return await relay_decision(ctx, body)
+            return await relay_chat(request, ctx, body, stream=stream)
+        finally:
+            instance.ledger.running -= 1
+            self._account(rid, instance, ctx)
 
     def _account(self, rid: str, instance: _Instance, ctx: RelayContext) -> None:
         """A request that may still run on the engine stays charged until it is settled."""
@@ -347,6 +391,28 @@ class Gateway:
             )
             return _gateway_error_response(err, {})
         return web.Response(body=orjson.dumps(status), content_type="application/json")
+
+
+def _log_failover(
+    rid: str, caller: str | None, dep: Deployment, instance: _Instance, detail: str
+) -> None:
+    who = f" (caller {caller})" if caller is not None else ""
+    fields: dict[str, Any] = {
+        "capyctl_request_id": rid,
+        "deployment": dep.name,
+        "instance": instance.index,
+        "host": instance.host,
+        "reason": "not_accepted",
+        "detail": detail,
+    }
+    if caller is not None:
+        fields["caller_request_id"] = caller
+    event(
+        "router_failover",
+        f"request {rid}{who} {dep.name}: instance {instance.index} on {instance.host} "
+        f"did not take it ({detail})",
+        **fields,
+    )
 
 
 def _log_selection(rid: str, caller: str | None, dep: Deployment, instance: _Instance) -> None:

@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from ._config import Api, Deployment, GatewayConfig
-from ._errors import GatewayError, invalid
+from ._errors import GatewayError, NotAcceptedError, invalid
 from ._permetrics import Figures, _num, _put
 from ._relay import MAX_MESSAGE_BYTES, RelayContext, _engine_message, _gateway_error_response
 from ._validate import resolve
@@ -82,10 +82,8 @@ async def relay_decision(ctx: RelayContext, body: dict[str, Any]) -> web.Respons
                     ctx.url, data=orjson.dumps(body), headers=ctx.engine_headers
                 )
             except aiohttp.ClientConnectorError as exc:
-                ctx.outcome.sent = False
-                raise GatewayError(
-                    502, "engine_error", f"the engine could not be reached: {exc}"
-                ) from exc
+                ctx.outcome.sent = False  # never connected: the engine has nothing to stop
+                raise NotAcceptedError(f"the engine could not be reached: {exc}") from exc
             raw = await upstream.content.read(MAX_ANSWER_BYTES + 1)
         clean = True
         ctx.outcome.completed = True

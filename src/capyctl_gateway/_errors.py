@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["GatewayError", "error_body", "error_event"]
+__all__ = ["GatewayError", "NotAcceptedError", "error_body", "error_event"]
 
 
 class GatewayError(Exception):
@@ -32,6 +32,10 @@ class GatewayError(Exception):
 
     def __repr__(self) -> str:
         return f"GatewayError({self.status}, {self.code!r}, {self.message!r})"
+
+
+class NotAcceptedError(Exception):
+    """The engine provably never got the request (no connection): another instance may take it."""
 
 
 def invalid(message: str) -> GatewayError:

@@ -21,7 +21,7 @@ from yarl import URL
 
 from ._assemble import Assembler
 from ._config import Deployment
-from ._errors import GatewayError, error_body, error_event
+from ._errors import GatewayError, NotAcceptedError, error_body, error_event
 from ._permetrics import chat_figures
 from ._sse import DONE, SSEDecoder, SSEError
 from ._verify import ChunkVerifier, EngineRejectedError, UnverifiedError
@@ -116,9 +116,7 @@ async def relay_chat(
                 )
             except aiohttp.ClientConnectorError as exc:
                 ctx.outcome.sent = False  # never connected: the engine has nothing to stop
-                raise GatewayError(
-                    502, "engine_error", f"the engine could not be reached: {exc}"
-                ) from exc
+                raise NotAcceptedError(f"the engine could not be reached: {exc}") from exc
             except aiohttp.ClientError as exc:
                 raise GatewayError(
                     502, "engine_error", f"the engine could not be reached: {exc}"
