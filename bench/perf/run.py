@@ -30,7 +30,7 @@ import orjson
 
 from ._loads import Load, Measure, Target, run_sse, run_wrk, wrk_path
 from ._procfs import peak_rss_kib, rss_kib
-from ._procs import ProcessSet, StartupError, free_port
+from ._procs import Proc, ProcessSet, StartupError, free_port
 from ._report import markdown, summarize
 
 __all__ = ["main"]
@@ -106,19 +106,24 @@ def _loads(args: argparse.Namespace, use_wrk: bool) -> list[Load]:
     ]
 
 
-def _serve(args: argparse.Namespace, procs: ProcessSet, work: Path) -> tuple[list[Target], int]:
-    """Start the engine, the gateway and the peer; return the targets and the engine's PID."""
-    py = sys.executable
+def start_engine(procs: ProcessSet) -> tuple[Proc, int]:
+    """The fake engine on a free loopback port, ready."""
     eport = free_port()
     engine = procs.start(
-        "engine", [py, "-m", "bench.perf.fake_engine", "--port", str(eport), "--served", "tiny"]
+        "engine",
+        [sys.executable, "-m", "bench.perf.fake_engine", "--port", str(eport), "--served", "tiny"],
     )
-    engine_url = f"http://127.0.0.1:{eport}"
-    engine.wait_http(engine_url + "/health")
-    targets = [Target("direct", engine_url, "tiny", None, ())]
+    engine.wait_http(f"http://127.0.0.1:{eport}/health")
+    return engine, eport
 
+
+def start_gateway(
+    procs: ProcessSet, work: Path, eport: int, *, extra: str = ""
+) -> tuple[Proc, Target]:
+    """capyctl-gateway in front of the fake engine (``extra``: more YAML for its config), ready."""
+    py = sys.executable
     config = work / "gateway.yaml"
-    config.write_text(CONFIG.format(port=eport), encoding="utf-8")
+    config.write_text(CONFIG.format(port=eport) + extra, encoding="utf-8")
     state = work / "state"
     gport, mport = free_port(), free_port()
     gw_bin = str(Path(py).with_name("capyctl-gateway"))
@@ -145,7 +150,16 @@ def _serve(args: argparse.Namespace, procs: ProcessSet, work: Path) -> tuple[lis
     gateway.wait_http(
         f"http://127.0.0.1:{gport}/v1/models", headers={"Authorization": f"Bearer {key}"}
     )
-    targets.append(Target("gateway", f"http://127.0.0.1:{gport}", "bench", key, (gateway.pid,)))
+    return gateway, Target("gateway", f"http://127.0.0.1:{gport}", "bench", key, (gateway.pid,))
+
+
+def _serve(args: argparse.Namespace, procs: ProcessSet, work: Path) -> tuple[list[Target], int]:
+    """Start the engine, the gateway and the peer; return the targets and the engine's PID."""
+    engine, eport = start_engine(procs)
+    engine_url = f"http://127.0.0.1:{eport}"
+    targets = [Target("direct", engine_url, "tiny", None, ())]
+    _, gateway_target = start_gateway(procs, work, eport)
+    targets.append(gateway_target)
 
     peer_bin = None if args.no_peer else _peer_bin(args.peer_bin)
     if peer_bin is not None:

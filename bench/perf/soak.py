@@ -44,8 +44,8 @@ import orjson
 
 from ._loads import Target
 from ._procfs import cpu_seconds, peak_rss_kib, rss_kib
-from ._procs import Proc, ProcessSet, StartupError, free_port
-from .run import CONFIG, _check_target, _key, _machine, _terminate
+from ._procs import Proc, ProcessSet, StartupError
+from .run import _check_target, _machine, _terminate, start_engine, start_gateway
 from .sse_client import CONTENT, DONE_TAIL, ProtocolError, _Exchange, build_request, run_load
 
 __all__ = ["main"]
@@ -144,48 +144,14 @@ class Served:
 def _serve(procs: ProcessSet, work: Path, *, max_running: int, max_waiting: int) -> Served:
     """The fake engine and the gateway in front of it, as ``bench.perf.run`` starts them, with
     the queue sized for the load."""
-    py = sys.executable
-    eport = free_port()
-    engine = procs.start(
-        "engine", [py, "-m", "bench.perf.fake_engine", "--port", str(eport), "--served", "tiny"]
-    )
+    engine, eport = start_engine(procs)
     engine_url = f"http://127.0.0.1:{eport}"
-    engine.wait_http(engine_url + "/health")
-    config = work / "gateway.yaml"
-    config.write_text(
-        CONFIG.format(port=eport)
-        + "queue:\n"
-        + f"  max_running_per_deployment: {max_running}\n"
-        + f"  max_waiting_per_deployment: {max_waiting}\n",
-        encoding="utf-8",
+    queue = (
+        "queue:\n"
+        f"  max_running_per_deployment: {max_running}\n"
+        f"  max_waiting_per_deployment: {max_waiting}\n"
     )
-    state = work / "state"
-    gport, mport = free_port(), free_port()
-    gw_bin = str(Path(py).with_name("capyctl-gateway"))
-    gateway = procs.start(
-        "gateway",
-        [
-            *([gw_bin] if Path(gw_bin).exists() else [py, "-m", "capyctl_gateway.cli"]),
-            "serve",
-            "--config",
-            str(config),
-            "--listen",
-            f"127.0.0.1:{gport}",
-            "--management",
-            f"127.0.0.1:{mport}",
-            "--state-dir",
-            str(state),
-            "--log-format",
-            "json",
-        ],
-    )
-    creds = state / "identity" / "credentials"
-    gateway.wait_file(creds)
-    key = _key(creds)
-    gateway.wait_http(
-        f"http://127.0.0.1:{gport}/v1/models", headers={"Authorization": f"Bearer {key}"}
-    )
-    target = Target("gateway", f"http://127.0.0.1:{gport}", "bench", key, (gateway.pid,))
+    gateway, target = start_gateway(procs, work, eport, extra=queue)
     _check_target(target, stream=True)
     _check_target(target, stream=False)
     return Served(engine, gateway, target, engine_url)
