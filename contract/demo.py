@@ -93,8 +93,10 @@ def gateway_demo(url: str, workdir: Path, *, once: bool) -> None:
         f"      - url: {url}\n"
     )
     port = 8443 if _port_free(8443) else free_port()
+    mport = 7443 if _port_free(7443) else free_port()
     cmd = [str(BIN / "capyctl-gateway"), "serve", "--config", str(config)]
-    cmd += ["--listen", f"127.0.0.1:{port}", "--state-dir", str(STATE), "--log-format", "text"]
+    cmd += ["--listen", f"127.0.0.1:{port}", "--management", f"127.0.0.1:{mport}"]
+    cmd += ["--state-dir", str(STATE), "--log-format", "text"]
     gateway = subprocess.Popen(cmd)
     try:
         endpoint = f"http://127.0.0.1:{port}/v1"
@@ -122,6 +124,10 @@ def gateway_demo(url: str, workdir: Path, *, once: bool) -> None:
         print("  ", repr(reply["choices"][0]["message"]["content"]))
         print("   capyctl.metrics:", reply["capyctl"]["metrics"])
         print(f"\ncapyctl-gateway serves the OpenAI chat API at {endpoint}")
+        status = [os.path.relpath(BIN / "capyctl-gateway"), "status", "deployment", "my-model"]
+        if mport != 7443:
+            status += ["--management", f"127.0.0.1:{mport}"]
+        print(f"its state: {' '.join(status)}")
         print(f"the API key is in {creds} (line 'api_key: ...')\n")
         print(f"KEY=$(sed -n 's/^api_key: //p' {creds})")
         print(f'curl -s {endpoint}/chat/completions -H "Authorization: Bearer $KEY" \\')
