@@ -311,7 +311,7 @@ class Collector:
         budget = self.options.request_timeout_s * self.options.connect_attempts
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.options.connect_attempts) | stop_after_delay(budget),
-            wait=wait_exponential_jitter(multiplier=0.1, max=1.0),
+            wait=wait_exponential_jitter(multiplier=0.1, max=1.0, jitter=0.1),
             retry=retry_if_exception_type((EngineUnreachableError, ScrapeTimeoutError)),
             sleep=anyio.sleep,
             reraise=True,

@@ -134,24 +134,28 @@ async def test_a_slow_engine_times_out_within_the_request_timeout(
 ) -> None:
     engine = threaded_engine
 
-    release = threading.Event()
+    release, second = threading.Event(), threading.Event()
     arrived: list[Request] = []
 
     def stall(request: Request) -> Response:
         arrived.append(request)
+        if len(arrived) == 2:
+            second.set()
         release.wait(5)
         return Response("")
 
     engine.expect_request("/health").respond_with_handler(stall)
-    options = ProviderOptions(request_timeout_ms=100, connect_attempts=2)
+    options = ProviderOptions(request_timeout_ms=400, connect_attempts=2)
     try:
         async with Collector(options=options) as c:
             c.add("e", vllm(engine.url_for("/")), model_id="tiny", poll=False)
             report = await c.check("e")
+        # The retry was sent before check() gave up; the server thread may still be taking it.
+        assert await anyio.to_thread.run_sync(second.wait, 5)
     finally:
         release.set()
     assert report.failed is not None and report.failed.code == "timeout"
-    assert len(arrived) == 2  # retried, bounded by connect_attempts
+    assert len(arrived) == 2  # retried once, bounded by connect_attempts
 
 
 async def test_freshness_with_an_injected_clock(engine: HTTPServer) -> None:
