@@ -9,20 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench.perf._procfs import session_pids
+from bench.perf._procfs import running, session_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("ns", "s16", "s256", "ttft")
 TARGETS = ("direct", "gateway")
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a zombie has ended; only its exit status is left)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
-        return False
-    return raw[raw.rindex(b")") + 2 :][:1] != b"Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the harness reads /proc")
@@ -58,5 +49,5 @@ def test_quick_run_measures_every_scenario_and_stops_what_it_started(tmp_path: P
     started = doc["meta"]["processes"]
     assert set(started) == {"engine", "gateway"}
     for pid in started.values():
-        assert not _running(pid)
-        assert not [p for p in session_pids(pid) if _running(p)]
+        assert not running(pid)
+        assert not [p for p in session_pids(pid) if running(p)]

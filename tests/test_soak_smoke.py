@@ -8,18 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench.perf._procfs import session_pids
+from bench.perf._procfs import running, session_pids
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
-        return False
-    return raw[raw.rindex(b")") + 2 :][:1] != b"Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the soak reads /proc")
@@ -50,5 +41,5 @@ def test_quick_soak_serves_everything_samples_and_stops_what_it_started(tmp_path
     for started in doc["meta"]["processes"].values():
         assert set(started) == {"engine", "gateway"}
         for pid in started.values():
-            assert not _running(pid)
-            assert not [p for p in session_pids(pid) if _running(p)]
+            assert not running(pid)
+            assert not [p for p in session_pids(pid) if running(p)]

@@ -61,3 +61,9 @@ def session_pids(sid: int) -> list[int]:
         if fields is not None and int(fields[3]) == sid:  # field 6 of stat(5): session
             out.append(int(name))
     return sorted(out)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has ended; only its exit status is left)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"

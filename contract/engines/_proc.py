@@ -11,7 +11,8 @@ import signal
 import socket
 import subprocess
 import time
-from typing import TYPE_CHECKING
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -236,3 +237,24 @@ def run_logged(
         raise RuntimeError(
             f"{what} failed with exit code {rc}; log {log_path}, tail:\n{log_tail(log_path)}"
         )
+
+
+class ServerProcess(ABC):
+    """An engine server as a context manager: started on entry, stopped by process group on exit."""
+
+    @abstractmethod
+    def start(self) -> Self: ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -31,6 +31,7 @@ import httpx
 
 from contract.engines._proc import (
     EngineProcess,
+    ServerProcess,
     file_lock,
     free_port,
     log_tail,
@@ -41,7 +42,6 @@ from contract.engines.tiny_gguf import write_tiny_gguf
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from types import TracebackType
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def ensure_llama_server(root: Path | None = None) -> Path:
 # --------------------------------------------------------------------------- server
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """``llama-server`` on a loopback port, in its own process group.
 
     Single-model mode (default) runs ``-m model``; ready means ``/v1/models`` lists the
@@ -372,17 +372,6 @@ class LlamaServer:
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.stop()
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 # --------------------------------------------------------------------------- CLI

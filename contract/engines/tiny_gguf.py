@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_tiny_gguf"]
+__all__ = ["byte_to_unicode", "write_tiny_gguf"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ _TOKEN_NORMAL = 1
 _TOKEN_CONTROL = 3
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: each byte maps to one printable unicode character."""
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     table: dict[int, str] = {b: chr(b) for b in keep}
@@ -118,7 +118,7 @@ def write_tiny_gguf(
     head_dim = n_embd // n_head
     bias_value = 4.0
 
-    alphabet = _byte_to_unicode()
+    alphabet = byte_to_unicode()
     tokens: list[str] = [alphabet[b] for b in range(256)]
     types: list[int] = [_TOKEN_NORMAL] * 256
     merges = _learn_merges(_PARAGRAPH, _N_MERGES, alphabet)

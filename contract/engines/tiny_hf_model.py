@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.engines._proc import file_lock
+from contract.engines.tiny_gguf import byte_to_unicode
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +79,6 @@ _CORPUS = (
 
 def _allowed_bytes() -> list[int]:
     return [0x09, 0x0A, *range(0x20, 0x7F)]
-
-
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet (what the ``ByteLevel`` pre-tokenizer emits)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table: dict[int, str] = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _params(seed: int, allow_eos: bool) -> dict[str, Any]:
@@ -193,7 +182,7 @@ def write_tiny_llama(
 
 def _train_tokenizer() -> Any:
     tk: Any = importlib.import_module("tokenizers")
-    alphabet = [_byte_to_unicode()[b] for b in _allowed_bytes()]
+    alphabet = [byte_to_unicode()[b] for b in _allowed_bytes()]
     tokenizer = tk.Tokenizer(tk.models.BPE(unk_token="<unk>", fuse_unk=True))
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()

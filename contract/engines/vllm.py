@@ -50,6 +50,7 @@ import httpx
 
 from contract.engines._proc import (
     EngineProcess,
+    ServerProcess,
     file_lock,
     free_port,
     log_tail,
@@ -61,7 +62,6 @@ from contract.engines.tiny_hf_model import write_tiny_llama
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
-    from types import TracebackType
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def _inductor_user() -> str:
     return re.sub(r'[\\/:*?"<>|]', "_", user)
 
 
-class VllmServer:
+class VllmServer(ServerProcess):
     """``vllm.entrypoints.openai.api_server`` on a loopback port, in its own process group.
 
     Ready means ``/v1/models`` lists ``served_name`` for this ``model_dir`` and ``/version``
@@ -429,17 +429,6 @@ class VllmServer:
         if self._run_dir is not None:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             self._run_dir = None
-
-    def __enter__(self) -> VllmServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 # --------------------------------------------------------------------------- CLI
