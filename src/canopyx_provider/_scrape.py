@@ -62,7 +62,15 @@ class HttpxFetcher:
 
     async def get(self, url: str, *, headers: Mapping[str, str]) -> RawResponse:
         with map_httpx_errors(url):
-            resp = await self._client.get(url, headers=headers)
+            try:
+                resp = await self._client.get(url, headers=headers)
+            except httpx.RemoteProtocolError:
+                # An engine may close a kept-alive connection just as we reuse it (llama.cpp's
+                # router was seen doing so); the GET then meets a connection that ends without
+                # an answer. A GET is idempotent and httpx has dropped that connection, so ask
+                # once more on a fresh one, as browsers and urllib3 do. Once only: an engine
+                # that keeps breaking its answers is reported as it is.
+                resp = await self._client.get(url, headers=headers)
         return RawResponse(
             url=url,
             status=resp.status_code,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import anyio
 import httpx
@@ -29,7 +30,7 @@ from canopyx_provider import (
     tensorfold,
     vllm,
 )
-from canopyx_provider._scrape import map_httpx_errors
+from canopyx_provider._scrape import HttpxFetcher, map_httpx_errors
 from tests.conftest import recorded, requests_to, serve
 from tests.provider.fakes import llamacpp_10798, sglang_0521, vllm_031
 
@@ -405,3 +406,79 @@ def test_every_httpx_transport_error_is_mapped() -> None:
             assert isinstance(info.value, ScrapeTimeoutError)
         if issubclass(cls, httpx.ConnectError):
             assert isinstance(info.value, EngineUnreachableError)
+
+
+class DroppingServer:
+    """A raw HTTP/1.1 server whose first connection answers one request with keep-alive, then
+    closes without answering the next; with ``always=True`` every request is dropped."""
+
+    def __init__(self, *, always: bool = False) -> None:
+        import socket
+
+        self.always = always
+        self.connections = 0
+        self.answered = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            first = self.connections == 1
+            with conn:
+                for n in range(2 if first else 100):
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        chunk = conn.recv(4096)
+                        if not chunk:
+                            break
+                        data += chunk
+                    if not data or self.always or (first and n == 1):
+                        break  # close without a word
+                    body = b'{"status":"ok"}'
+                    self.answered += 1  # before the answer, which the client may read at once
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                    )
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@pytest.fixture
+def dropping() -> Iterator[DroppingServer]:
+    server = DroppingServer()
+    yield server
+    server.close()
+
+
+async def test_a_kept_alive_connection_closed_under_a_get_is_retried_once_on_a_new_one(
+    dropping: DroppingServer,
+) -> None:
+    url = f"http://127.0.0.1:{dropping.port}/health"
+    async with httpx.AsyncClient(timeout=5) as client:
+        fetcher = HttpxFetcher(client)
+        assert (await fetcher.get(url, headers={})).status == 200
+        second = await fetcher.get(url, headers={})  # meets the closed connection first
+    assert second.status == 200
+    assert (dropping.connections, dropping.answered) == (2, 2)
+
+
+async def test_an_engine_that_always_drops_the_connection_is_a_broken_answer() -> None:
+    server = DroppingServer(always=True)
+    url = f"http://127.0.0.1:{server.port}/health"
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            with pytest.raises(ScrapeError, match="broken answer") as info:
+                await HttpxFetcher(client).get(url, headers={})
+    finally:
+        server.close()
+    assert not isinstance(info.value, (EngineUnreachableError, ScrapeTimeoutError))
+    assert server.connections == 2  # one retry, not more
