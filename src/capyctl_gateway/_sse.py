@@ -49,6 +49,8 @@ class SSEDecoder:
             else:
                 name = line.split(b":", 1)[0][:40].decode("ascii", "replace")
                 raise SSEError(f"the stream carries a {name!r} field, not only data")
+        if len(data) > 16 and sum(map(len, data)) > MAX_EVENT_BYTES:
+            raise SSEError("an event is longer than 64 KiB")
         return events
 
     @property
