@@ -49,6 +49,7 @@ from ._provider import Provider as Provider
 from ._scrape import Fetcher as Fetcher
 from ._scrape import HttpxFetcher as HttpxFetcher
 from ._scrape import RawResponse as RawResponse
+from ._scrape_aiohttp import AiohttpFetcher as AiohttpFetcher
 from ._snapshot import Capacity as Capacity
 from ._snapshot import CheckReport as CheckReport
 from ._snapshot import CheckResult as CheckResult
@@ -66,6 +67,7 @@ from .adapters import tensorfold as tensorfold
 from .adapters import vllm as vllm
 
 __all__ = (
+    "AiohttpFetcher",
     "AmbiguousMetricError",
     "CanopyCounts",
     "CanopyLink",

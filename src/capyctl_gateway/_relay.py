@@ -21,6 +21,7 @@ from yarl import URL
 
 from ._assemble import Assembler
 from ._config import Deployment
+from ._deadline import Deadline
 from ._errors import GatewayError, NotAcceptedError, error_body, error_event
 from ._permetrics import chat_figures
 from ._sse import DONE, SSEDecoder, SSEError
@@ -108,7 +109,7 @@ async def relay_chat(
     first_deadline = ctx.arrival + ctx.request_deadline
     sent_at = loop.time()
     try:
-        async with asyncio.timeout_at(first_deadline) as bound:
+        with Deadline(first_deadline) as bound:
             ctx.outcome.sent = True
             try:
                 upstream = await ctx.session.post(
@@ -148,7 +149,7 @@ async def relay_chat(
                     else:
                         parts.append(b"data: " + relayed + b"\n\n")
                 if verifier.first_output_at is not None:
-                    bound.reschedule(now + ctx.stream_idle_timeout)
+                    bound.move(now + ctx.stream_idle_timeout)
                 if parts:
                     if out is None:
                         out = await _start_stream(request, ctx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -18,7 +19,7 @@ from capyctl_gateway._app import create_management_app
 from capyctl_gateway._settle import InstanceLedger, SettleRule
 from capyctl_gateway.cli import app as cli
 from tests.gateway.conftest import Gw, deployments
-from tests.gateway.fake_engine import FakeEngine, Hold, chunk, event, vllm_stream
+from tests.gateway.fake_engine import FakeEngine, Hold, Pause, chunk, event, vllm_stream
 
 pytestmark = pytest.mark.anyio
 CHAT = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -239,6 +240,34 @@ async def test_a_deadline_cut_is_counted_like_a_hang_up(
         r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503
     assert [(c.reason, c.rule) for c in ledger(gw).cut] == [("deadline", SettleRule.AT_RESTART)]
+
+
+async def test_a_stream_quiet_past_the_idle_timeout_is_cut_and_its_engine_connection_closed(
+    engine: FakeEngine, make_gateway: MakeGateway
+) -> None:
+    # Text keeps coming every 50 ms for a while (each block pushes the idle deadline back,
+    # past the 300 ms that would have cut a stream quiet since its first chunk), then stops.
+    texts = [event(chunk(delta={"content": "x"})) for _ in range(12)]
+    script: list[Any] = [event(chunk(delta={"role": "assistant", "content": ""}))]
+    for t in texts:
+        script += [Pause(0.05), t]
+    engine.script = [*script, Hold()]
+    gw = await make_gateway(
+        {"queue": {"stream_idle_timeout": "300ms"}, "deployments": [deployments(engine.url)]}
+    )
+    loop = asyncio.get_running_loop()
+    async with gw.client() as c:
+        start = loop.time()
+        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        took = loop.time() - start
+    assert r.status_code == 200
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert sum('"content":"x"' in d for d in data) == 12  # all the text arrived first
+    assert json.loads(data[-1])["error"]["code"] == "unavailable"
+    assert took >= 12 * 0.05 + 0.3  # cut only once quiet for the whole timeout
+    with anyio.fail_after(5):
+        await engine.hung_up.wait()  # the engine saw its connection close
+    assert [(c.reason, c.rule) for c in ledger(gw).cut] == [("idle_timeout", SettleRule.WHEN_IDLE)]
 
 
 async def test_completed_and_refused_requests_leave_nothing_counted(

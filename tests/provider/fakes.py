@@ -1,6 +1,10 @@
-"""Engines played from recordings on a real loopback server (pytest-httpserver)."""
+"""Engines played from recordings on a real loopback server (pytest-httpserver), and a raw
+socket server that drops kept-alive connections."""
 
 from __future__ import annotations
+
+import socket
+import threading
 
 from pytest_httpserver import HTTPServer
 
@@ -27,3 +31,45 @@ def sglang_0521(server: HTTPServer) -> None:
     serve(server, "/v1/models", "sglang/0.5.21/GET_v1_models.http")
     serve(server, "/metrics", "sglang/0.5.21/GET_metrics.http")
     serve(server, "/server_info", "sglang/0.5.21/GET_server_info.http")
+
+
+class DroppingServer:
+    """A raw HTTP/1.1 server whose first connection answers one request with keep-alive, then
+    closes without answering the next; with ``always=True`` every request is dropped."""
+
+    def __init__(self, *, always: bool = False) -> None:
+        self.always = always
+        self.connections = 0
+        self.answered = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            first = self.connections == 1
+            with conn:
+                for n in range(2 if first else 100):
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        chunk = conn.recv(4096)
+                        if not chunk:
+                            break
+                        data += chunk
+                    if not data or self.always or (first and n == 1):
+                        break  # close without a word
+                    body = b'{"status":"ok"}'
+                    self.answered += 1  # before the answer, which the client may read at once
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                    )
+
+    def close(self) -> None:
+        self._sock.close()

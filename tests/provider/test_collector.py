@@ -32,7 +32,7 @@ from canopyx_provider import (
 )
 from canopyx_provider._scrape import HttpxFetcher, map_httpx_errors
 from tests.conftest import recorded, requests_to, serve
-from tests.provider.fakes import llamacpp_10798, sglang_0521, vllm_031
+from tests.provider.fakes import DroppingServer, llamacpp_10798, sglang_0521, vllm_031
 
 pytestmark = pytest.mark.anyio
 FAST = ProviderOptions(poll_interval_ms=20, request_timeout_ms=1000, connect_attempts=1)
@@ -406,50 +406,6 @@ def test_every_httpx_transport_error_is_mapped() -> None:
             assert isinstance(info.value, ScrapeTimeoutError)
         if issubclass(cls, httpx.ConnectError):
             assert isinstance(info.value, EngineUnreachableError)
-
-
-class DroppingServer:
-    """A raw HTTP/1.1 server whose first connection answers one request with keep-alive, then
-    closes without answering the next; with ``always=True`` every request is dropped."""
-
-    def __init__(self, *, always: bool = False) -> None:
-        import socket
-
-        self.always = always
-        self.connections = 0
-        self.answered = 0
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            first = self.connections == 1
-            with conn:
-                for n in range(2 if first else 100):
-                    data = b""
-                    while b"\r\n\r\n" not in data:
-                        chunk = conn.recv(4096)
-                        if not chunk:
-                            break
-                        data += chunk
-                    if not data or self.always or (first and n == 1):
-                        break  # close without a word
-                    body = b'{"status":"ok"}'
-                    self.answered += 1  # before the answer, which the client may read at once
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-                    )
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 @pytest.fixture

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+import aiohttp
+
 from canopyx_provider import (
+    AiohttpFetcher,
     CanopyCounts,
     Collector,
     Decline,
     EngineSnapshot,
     Event,
+    Fetcher,
     InProcessLink,
     LoadAndAdmission,
     Price,
@@ -62,3 +66,11 @@ async def use() -> None:
     provider = Provider(vllm("http://127.0.0.1:8000"), strategy, link, options=options)
     answer: Price | Decline = provider.quote(QuoteRequest("q", "m", 10, 10))
     del answer, flat
+
+
+async def use_aiohttp() -> None:
+    options = ProviderOptions()
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        fetcher: Fetcher = AiohttpFetcher(session, timeout_s=options.request_timeout_s)
+        async with Collector(options=options, fetcher=fetcher) as collector:
+            collector.add("a", vllm("http://127.0.0.1:8000"), model_id="m")
