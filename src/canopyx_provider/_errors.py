@@ -17,8 +17,8 @@ Every exception the SDK raises on purpose derives from `CanopyxError`::
     ├── StaleSnapshotError            the latest snapshot is older than max_metrics_age_ms
     └── ConfigError (also ValueError) bad options, a bad key file, ...
 
-Third-party errors (httpx, prometheus_client) are translated at one boundary each:
-`_scrape.py` for httpx and `_prom.py` for the Prometheus parser.
+Third-party errors (httpx, aiohttp, prometheus_client) are translated at one boundary each:
+`_scrape.py` for httpx, `_scrape_aiohttp.py` for aiohttp and `_prom.py` for the Prometheus parser.
 """
 
 from __future__ import annotations

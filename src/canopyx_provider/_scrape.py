@@ -1,8 +1,9 @@
-"""The only code in canopyx_provider that does HTTP.
+"""HTTP for canopyx_provider: the `Fetcher` interface and its default, `HttpxFetcher`.
 
 Adapters speak to engines through the small `Fetcher` interface; `HttpxFetcher` implements it
 over an injected ``httpx.AsyncClient`` and translates every httpx error into our tree here, at
-one boundary. Tests and fakes may implement `Fetcher` themselves.
+one boundary. `AiohttpFetcher` (`_scrape_aiohttp.py`, asyncio only) is the other HTTP
+implementation. Tests and fakes may implement `Fetcher` themselves.
 """
 
 from __future__ import annotations
