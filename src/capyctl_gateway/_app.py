@@ -161,21 +161,38 @@ class Gateway:
             self.session = None
 
     async def _collector_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        """The engines' collector: polls each instance, and settles cut requests."""
-        collector = Collector(
-            options=self.collector_options, clock=self._clock, hooks=[self.settlement]
-        )
-        async with collector:
-            for route in self.routes.values():
-                d = route.deployment
-                for inst in route.instances:
-                    adapter = _FACTORIES[d.engine](inst.url, api_key=inst.engine_key)
-                    collector.add(inst.ledger.key, adapter, model_id=d.engine_model)
-            self.collector = self.settlement.collector = collector
-            try:
-                yield
-            finally:
-                self.collector = self.settlement.collector = None
+        """The engines' collector: polls each instance, and settles cut requests.
+
+        It fetches through its own aiohttp session (aiohttp costs less CPU per GET than the
+        SDK's default httpx client): at most 4 kept-alive connections per engine, no cookie
+        jar, each GET bounded by the collector's request timeout. The session closes after the
+        collector.
+        """
+        from canopyx_provider import AiohttpFetcher
+
+        timeout_s = self.collector_options.request_timeout_s
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=4),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        ) as session:
+            collector = Collector(
+                options=self.collector_options,
+                fetcher=AiohttpFetcher(session, timeout_s=timeout_s, clock=self._clock),
+                clock=self._clock,
+                hooks=[self.settlement],
+            )
+            async with collector:
+                for route in self.routes.values():
+                    d = route.deployment
+                    for inst in route.instances:
+                        adapter = _FACTORIES[d.engine](inst.url, api_key=inst.engine_key)
+                        collector.add(inst.ledger.key, adapter, model_id=d.engine_model)
+                self.collector = self.settlement.collector = collector
+                try:
+                    yield
+                finally:
+                    self.collector = self.settlement.collector = None
 
     # -- helpers ----------------------------------------------------------------------
     def authorized(self, request: web.Request) -> bool:
