@@ -2,24 +2,35 @@
 
 Records that describe a gateway event carry ``extra={"event": name, "fields": {...}}``; the JSON
 formatter writes those fields, the text formatter the message. Keys and prompts are never logged.
+
+In JSON mode every line goes through `JsonLines`, which writes what one event-loop iteration
+logged in one write, and `event` hands it its line directly, without a ``LogRecord``: a line
+per request is on the gateway's hot path. Lines keep their order either way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
-__all__ = ["JsonFormatter", "TextFormatter", "configure_logging", "event"]
+__all__ = ["JsonFormatter", "JsonLines", "TextFormatter", "configure_logging", "event"]
 
 logger = logging.getLogger("capyctl_gateway")
+_root = logging.getLogger()
 
 
 def event(name: str, message: str, /, **fields: Any) -> None:
     """Log one gateway event at INFO."""
+    handlers = _root.handlers
+    if len(handlers) == 1 and type(handlers[0]) is JsonLines and logger.isEnabledFor(logging.INFO):
+        line = {"ts": round(time.time(), 3), "level": "info", "event": name, **fields}
+        handlers[0].add(orjson.dumps(line))
+        return
     logger.info(message, extra={"event": name, "fields": fields})
 
 
@@ -48,9 +59,66 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out).decode()
 
 
+class JsonLines(logging.Handler):
+    """JSON lines to a binary stream: the lines logged in one event-loop iteration leave in
+    one write at its end; outside a running loop, each line at once."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self._stream = stream
+        self._lines: list[bytes] = []
+        self._scheduled = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record).encode()
+        except Exception:
+            self.handleError(record)
+            return
+        self.add(line)
+
+    def add(self, line: bytes) -> None:
+        """Queue one line (without its newline)."""
+        with self.lock:  # type: ignore[union-attr]
+            self._lines.append(line)
+            if self._scheduled:
+                return
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                self._scheduled = True
+                loop.call_soon(self.flush)
+                return
+        self.flush()
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            self._scheduled = False
+            if not self._lines:
+                return
+            data = b"\n".join(self._lines) + b"\n"
+            self._lines.clear()
+            try:
+                self._stream.write(data)
+                self._stream.flush()
+            except (OSError, ValueError):
+                pass  # stderr closed or gone: nowhere left to report it
+
+    def close(self) -> None:
+        self.flush()
+        super().close()
+
+
 def configure_logging(fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler: logging.Handler
+    if fmt == "json":
+        handler = JsonLines(sys.stderr.buffer)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)

@@ -8,14 +8,13 @@ import time
 __all__ = ["new_ulid"]
 
 _ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_PAIRS = [a + b for a in _ALPHABET for b in _ALPHABET]
+"""Two digits for each 10-bit value: 13 lookups make the 26 digits."""
+_SHIFTS = tuple(range(120, -1, -10))
 
 
 def new_ulid(now_ms: int | None = None) -> str:
     """A new ULID (26 characters), sortable by creation time."""
     ms = int(time.time() * 1000) if now_ms is None else now_ms
     value = (ms << 80) | int.from_bytes(os.urandom(10), "big")
-    chars = []
-    for _ in range(26):
-        chars.append(_ALPHABET[value & 31])
-        value >>= 5
-    return "".join(reversed(chars))
+    return "".join([_PAIRS[(value >> s) & 1023] for s in _SHIFTS])

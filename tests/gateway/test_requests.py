@@ -882,3 +882,18 @@ async def test_the_chat_path_with_another_method_is_405_with_a_request_id(gatewa
         r = await c.get("/v1/chat/completions")
     assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
     assert len(r.headers["x-capyctl-request-id"]) == 26
+
+
+def test_ulids_encode_time_and_randomness_in_crockford_base32() -> None:
+    from capyctl_gateway._ulid import new_ulid
+
+    alphabet = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    for ms in (0, 1, 1796000000123, 2**48 - 1):
+        rid = new_ulid(ms)
+        assert len(rid) == 26 and set(rid) <= set(alphabet)
+        assert ulid_ms(rid) == ms
+    assert new_ulid(0)[:10] == "0000000000"
+    assert new_ulid(2**48 - 1)[:10] == "7ZZZZZZZZZ"
+    ids = {new_ulid(5) for _ in range(1000)}
+    assert len(ids) == 1000  # 80 random bits each
+    assert {i[:10] for i in ids} == {"0000000005"}  # the time is the first 10 digits

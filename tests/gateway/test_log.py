@@ -1,0 +1,88 @@
+"""JSON log lines: one write per event-loop iteration, in order, the same shape either way."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from capyctl_gateway._log import JsonFormatter, JsonLines, event, logger
+
+
+class Writes(io.BytesIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.writes.append(bytes(data))
+        return super().write(data)
+
+
+@pytest.fixture
+def sink() -> Iterator[Writes]:
+    """The root logger with only a JsonLines handler, as ``--log-format json`` leaves it."""
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    stream = Writes()
+    root.handlers[:] = [JsonLines(stream)]
+    root.setLevel(logging.INFO)
+    try:
+        yield stream
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
+
+
+def lines(stream: Writes) -> list[dict[str, object]]:
+    return [orjson.loads(x) for x in stream.getvalue().splitlines()]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_one_iteration_s_lines_leave_in_one_write_in_order(sink: Writes) -> None:
+    event("router_selection", "unused in json", capyctl_request_id="01A", instance=0)
+    logger.warning("engine stream unverified (%s): %s", "m", "why")
+    event("router_failover", "unused", capyctl_request_id="01A", reason="not_accepted")
+    assert sink.writes == []  # nothing yet: the iteration is not over
+    await asyncio.sleep(0)  # let the loop finish this iteration
+    assert len(sink.writes) == 1
+    first, warning, third = lines(sink)
+    assert {k: v for k, v in first.items() if k != "ts"} == {
+        "level": "info",
+        "event": "router_selection",
+        "capyctl_request_id": "01A",
+        "instance": 0,
+    }
+    assert warning["level"] == "warning"
+    assert warning["message"] == "engine stream unverified (m): why"
+    assert third["event"] == "router_failover"
+
+
+def test_outside_a_loop_each_line_is_written_at_once(sink: Writes) -> None:
+    event("router_selection", "unused", capyctl_request_id="01B")
+    assert len(sink.writes) == 1 and lines(sink)[0]["capyctl_request_id"] == "01B"
+
+
+def test_the_direct_line_matches_the_formatter_s(sink: Writes) -> None:
+    event("router_selection", "msg", capyctl_request_id="01C", host="h")
+    direct = lines(sink)[0]
+    record = logger.makeRecord(
+        logger.name,
+        logging.INFO,
+        "f",
+        1,
+        "msg",
+        (),
+        None,
+        extra={"event": "router_selection", "fields": {"capyctl_request_id": "01C", "host": "h"}},
+    )
+    formatted = orjson.loads(JsonFormatter().format(record))
+    assert list(direct) == list(formatted)  # same keys, same order
+    assert {k: v for k, v in direct.items() if k != "ts"} == {
+        k: v for k, v in formatted.items() if k != "ts"
+    }
