@@ -1,10 +1,20 @@
-"""CPU cost of collecting one real vLLM /metrics page.
+"""CPU cost of collecting one real vLLM /metrics page, per HTTP client.
 
-Two figures, on the page captured live from vLLM 0.31.0 (47 KB, 582 lines):
+On the page captured live from vLLM 0.31.0 (47 KB, 582 lines), counting only the CPU of the
+thread that runs the collector (``time.thread_time``); the engine is a separate process (python
+http.server style), so its CPU is not counted:
   * parse: the adapter turning the exposition into a snapshot's metrics (pure CPU);
-  * scrape: one whole collection cycle through the Collector (health + metrics over HTTP
-    with httpx, parse, snapshot), counting only the CPU of the thread that runs it. The
-    engine is a separate process (python -m http.server style), so its CPU is not counted.
+  * then, for each fetcher and event loop -- httpx on asyncio (the SDK's default), aiohttp on
+    uvloop (what capyctl-gateway runs) and aiohttp on asyncio (an asyncio provider that opts in
+    with ``fetcher=``):
+      - cycle: one whole collection cycle (``Collector.refresh``: GET /health, GET /metrics,
+        parse, snapshot);
+      - /metrics scrape: the adapter's ``collect`` alone (GET /metrics and parse);
+      - GET /metrics, GET /health: the fetcher's GET alone (a 47 KB body, an empty one).
+
+With --live-vllm the same is measured against a real vLLM 0.31.0 server, plus GET /metrics with
+the other Accept-Encoding for each client (httpx asks for gzip by default and vLLM then
+compresses; AiohttpFetcher asks for identity), to separate the encoding from the client.
 
 Run: .venv/bin/python bench/scrape_cost.py [--n 2000]
      .venv/bin/python -m bench.scrape_cost --live-vllm   # also against a real vLLM 0.31.0 server
@@ -13,17 +23,30 @@ Run: .venv/bin/python bench/scrape_cost.py [--n 2000]
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
+import aiohttp
 import anyio
+import httpx
 
-from canopyx_provider import Collector, ProviderOptions, vllm
+from canopyx_provider import (
+    AiohttpFetcher,
+    Collector,
+    Fetcher,
+    HttpxFetcher,
+    ProviderOptions,
+    vllm,
+)
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "contract/recorded/vllm/0.31.0/GET_metrics_idle.http"
@@ -62,32 +85,98 @@ def bench_parse(text: str, n: int) -> list[float]:
     return out
 
 
-async def bench_scrape(port: int, n: int, *, base_url: str | None = None) -> list[float]:
+Timed = Callable[[], Awaitable[object]]
+
+
+async def _timed(n: int, fn: Timed) -> list[float]:
     out = []
-    async with Collector(options=ProviderOptions(connect_attempts=1)) as c:
-        c.add("e", vllm(base_url or f"http://127.0.0.1:{port}"), model_id="tiny", poll=False)
-        assert (await c.check("e")).ok
-        for _ in range(n):
-            t0 = time.thread_time()
-            snap = await c.refresh("e")
-            out.append(time.thread_time() - t0)
-            assert snap is not None
+    for _ in range(n):
+        t0 = time.thread_time()
+        result = await fn()
+        out.append(time.thread_time() - t0)
+        assert result is not None
     return out
 
 
-async def _page(base_url: str) -> bytes:
-    import httpx
+async def _measure(
+    fetcher: Fetcher, base_url: str, n: int, other_encoding: str | None
+) -> dict[str, list[float]]:
+    adapter = vllm(base_url)
+    health_url, metrics_url = adapter.url(adapter.health_path), adapter.metrics_url
+    rows: dict[str, list[float]] = {}
+    async with Collector(options=ProviderOptions(connect_attempts=1), fetcher=fetcher) as c:
+        c.add("e", adapter, model_id="tiny", poll=False)
+        assert (await c.check("e")).ok
+        rows["cycle"] = await _timed(n, lambda: c.refresh("e"))
+    health = await adapter.check_health(fetcher)
+    discovery = await adapter.discover(fetcher, "tiny")
+    rows["/metrics scrape"] = await _timed(
+        n, lambda: adapter.collect(fetcher, "tiny", discovery, health)
+    )
+    for url in (metrics_url, health_url):
+        assert (await fetcher.get(url, headers={})).status == 200
+    rows["GET /metrics"] = await _timed(n, lambda: fetcher.get(metrics_url, headers={}))
+    rows["GET /health"] = await _timed(n, lambda: fetcher.get(health_url, headers={}))
+    if other_encoding is not None:
+        asked = {"Accept-Encoding": other_encoding}
+        rows[f"GET /metrics ({other_encoding})"] = await _timed(
+            n, lambda: fetcher.get(metrics_url, headers=asked)
+        )
+    return rows
 
+
+async def measure_httpx(base_url: str, n: int, live: bool) -> dict[str, list[float]]:
+    options = ProviderOptions()
+    # As the Collector makes its own client when given none.
+    async with httpx.AsyncClient(timeout=options.request_timeout_s, follow_redirects=False) as c:
+        return await _measure(HttpxFetcher(c), base_url, n, "identity" if live else None)
+
+
+async def measure_aiohttp(base_url: str, n: int, live: bool) -> dict[str, list[float]]:
+    timeout_s = ProviderOptions().request_timeout_s
+    # As capyctl-gateway's collector session (Gateway._collector_ctx).
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=4),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    ) as session:
+        fetcher = AiohttpFetcher(session, timeout_s=timeout_s)
+        return await _measure(fetcher, base_url, n, "gzip" if live else None)
+
+
+def run_on_uvloop(coro: Coroutine[Any, Any, T]) -> tuple[str, T]:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return "asyncio", asyncio.run(coro)
+    return "uvloop", uvloop.run(coro)
+
+
+def measure_all(base_url: str, n: int, *, live: bool = False) -> None:
+    """Each fetcher on its event loop, one after another; a report line per figure."""
+    report_rows("httpx, asyncio", anyio.run(measure_httpx, base_url, n, live))
+    loop, rows = run_on_uvloop(measure_aiohttp(base_url, n, live))
+    report_rows(f"aiohttp, {loop}", rows)
+    report_rows("aiohttp, asyncio", asyncio.run(measure_aiohttp(base_url, n, live)))
+
+
+async def _page(base_url: str) -> tuple[bytes, str]:
     async with httpx.AsyncClient() as client:
-        return (await client.get(base_url + "/metrics")).content
+        resp = await client.get(base_url + "/metrics")
+        return resp.content, resp.headers.get("content-encoding", "none")
 
 
 def report(name: str, samples: list[float]) -> None:
     ms = sorted(s * 1000 for s in samples[len(samples) // 10 :])  # drop warm-up
     print(
-        f"{name:7s} CPU per scrape: median {statistics.median(ms):.3f} ms, "
+        f"{name:42s} CPU median {statistics.median(ms):.3f} ms, "
         f"p90 {ms[int(len(ms) * 0.9)]:.3f} ms, p99 {ms[int(len(ms) * 0.99)]:.3f} ms (n={len(ms)})"
     )
+
+
+def report_rows(client: str, rows: dict[str, list[float]]) -> None:
+    for what, samples in rows.items():
+        report(f"{client}: {what}", samples)
 
 
 def main() -> None:
@@ -118,7 +207,7 @@ def main() -> None:
         try:
             assert server.stdout is not None
             port = int(server.stdout.readline())
-            report("scrape", anyio.run(bench_scrape, port, n))
+            measure_all(f"http://127.0.0.1:{port}", n)
         finally:
             server.terminate()
             server.wait()
@@ -130,10 +219,13 @@ def main() -> None:
         model_dir = engine_dir() / "tiny-llama"
         write_tiny_llama(model_dir, python=python)
         with VllmServer(python, model_dir, max_model_len=16384) as srv:
-            page = anyio.run(_page, srv.base_url)
+            page, encoding = anyio.run(_page, srv.base_url)
             newlines = page.count(b"\n")
-            print(f"live vLLM 0.31.0 /metrics: {len(page)} bytes, {newlines} lines")
-            report("live", anyio.run(partial(bench_scrape, 0, n, base_url=srv.base_url)))
+            print(
+                f"live vLLM 0.31.0 /metrics: {len(page)} bytes, {newlines} lines "
+                f"(content-encoding to httpx's default request: {encoding})"
+            )
+            measure_all(srv.base_url, n, live=True)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,12 @@ class Gateway:
             instances = []
             for i, inst in enumerate(d.instances):
                 key = _engine_key(inst, env)
-                headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+                headers = {
+                    "Content-Type": "application/json",
+                    "Accept": "text/event-stream",
+                    # The stream is parsed as it comes: the engine must not compress it.
+                    "Accept-Encoding": "identity",
+                }
                 if key is not None:
                     headers["Authorization"] = f"Bearer {key}"
                 ledger = self.settlement.ledger(f"{d.name}/{i}")

@@ -680,6 +680,7 @@ async def test_no_client_header_reaches_the_engine(gateway: Gw, engine: FakeEngi
     assert names <= ENGINE_HEADERS, names - ENGINE_HEADERS
     assert received.headers["Accept"] == "text/event-stream"
     assert received.headers["Content-Type"] == "application/json"
+    assert received.headers["Accept-Encoding"] == "identity"  # a stream we can parse as it comes
     values = " ".join(received.headers.values())
     for sent in ("caller-1", "conv-9", "secret-cookie", "client-agent", "10.9.8.7", KEY):
         assert sent not in values
