@@ -2,8 +2,10 @@
 
 These are the steps the relay runs for every chunk an engine streams: SSE decoding, the
 verifier (which parses the chunk and checks it for repeated keys), and re-serialising the chunk
-for the client. The figures are best cases (hot caches, no I/O); the end-to-end figure per extra
-chunk from ``bench.perf.run`` adds aiohttp's reads and writes on top.
+for the client; and the streaming path's template match, which relays a text chunk that differs
+from an already verified one only in its text, without parsing it whole. The figures are best
+cases (hot caches, no I/O); the end-to-end figure per extra chunk from ``bench.perf.run`` adds
+aiohttp's reads and writes on top.
 
 Run: ``.venv/bin/python -m bench.perf.chunk_cost [--n 200000]``
 """
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     doc = orjson.loads(raw)
     verifier = ChunkVerifier(EngineFamily.VLLM, served="tiny", public="bench")
     verifier.check(_payload(cat.role).removeprefix(b"data: ").removesuffix(b"\n\n"), 0.0)
+    relayer = ChunkVerifier(EngineFamily.VLLM, served="tiny", public="bench")
+    relayer.relay(_payload(cat.role).removeprefix(b"data: ").removesuffix(b"\n\n"), 0.0)
+    relayer.relay(raw, 0.5)  # the first text chunk: checked in full, becomes the template
     decoder = SSEDecoder()
     block16 = event * 16
     head, blank = b"data: ", b"\n\n"
@@ -61,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
         ("  of which orjson.loads", lambda: orjson.loads(raw), 1),
         ("  of which orjson.dumps", lambda: orjson.dumps(doc), 1),
         ("SSE framing of the relayed chunk", lambda: head + raw + blank, 1),
+        (
+            "verifier.relay, a text chunk matching the template (framed)",
+            lambda: relayer.relay(raw, 1.0),
+            1,
+        ),
     ]
     rows = [(name, _per_call_us(fn, n // per) / per) for name, fn, per in steps]
     print(f"one content chunk: {len(raw)} bytes of JSON")

@@ -143,11 +143,10 @@ async def relay_chat(
                     if data == DONE:
                         done = True
                         break
-                    chunk, relayed = verifier.check(data, now)
-                    if assembler is not None:
-                        assembler.add(chunk)
+                    if assembler is None:
+                        parts.append(verifier.relay(data, now))
                     else:
-                        parts.append(b"data: " + relayed + b"\n\n")
+                        assembler.add(verifier.check(data, now)[0])
                 if verifier.first_output_at is not None:
                     bound.move(now + ctx.stream_idle_timeout)
                 if parts:

@@ -2,6 +2,12 @@
 
 A chunk is relayed only once it passed these checks; the first one that fails ends the client's
 stream as unverified. The delta keys allowed are the spec's streamed-field table for the engine.
+
+Most of a stream is text chunks that differ from one another only in their text. Once such a
+chunk has passed every check, it becomes a template: a later chunk that is byte for byte the
+template with another valid JSON string as its text is the same chunk in every respect the
+checks look at, so it is relayed without being parsed as a whole. Anything else (another id,
+time, key, a finish, usage) takes the full check, and may become the next template.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ TEXT_KEYS = ("content", "reasoning_content", "reasoning")
 TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
 FUNCTION_KEYS = frozenset({"name", "arguments"})
 ENGINE_OBJECTS = ("metrics", "timings", "tensorfold")
+_CONTENT_KEY = b'"content":'
 
 
 class UnverifiedError(Exception):
@@ -53,6 +60,12 @@ class ChunkVerifier:
 
     __slots__ = (
         "_delta_keys",
+        "_head",
+        "_head_len",
+        "_out_head",
+        "_out_tail",
+        "_tail",
+        "_tail_len",
         "answered",
         "chunks",
         "engine_objects",
@@ -85,6 +98,71 @@ class ChunkVerifier:
         self.last_at: float | None = None
         self.usage: dict[str, Any] | None = None
         self.engine_objects: dict[str, Any] = {}
+        # The template: an engine chunk is _head + text + _tail; the client gets
+        # _out_head + text + _out_tail (framed as an SSE event, model renamed).
+        self._head = self._tail = self._out_head = self._out_tail = b""
+        self._head_len = self._tail_len = -1
+
+    def relay(self, raw: bytes, now: float) -> bytes:
+        """Verify one chunk of a stream that goes to the client; return its SSE event."""
+        head_len = self._head_len
+        if (
+            head_len >= 0
+            and raw.startswith(self._head)
+            and raw.endswith(self._tail)
+            and len(raw) >= head_len + self._tail_len
+            and not self.finished
+        ):
+            text = raw[head_len : len(raw) - self._tail_len]
+            try:
+                orjson.loads(b'"' + text + b'"')  # a whole JSON string, nothing more
+            except orjson.JSONDecodeError:
+                pass  # the full check says what is wrong with it
+            else:
+                self.chunks += 1
+                self.last_at = now
+                if text:  # the same bookkeeping as the full check's for a text chunk
+                    if self.first_text_at is None:
+                        self.first_text_at = now
+                        self.answered = True
+                    if self.first_output_at is None:
+                        self.first_output_at = now
+                return self._out_head + text + self._out_tail
+        chunk, out = self.check(raw, now)
+        self._learn(raw, chunk, out)
+        return b"data: " + out + b"\n\n"
+
+    def _learn(self, raw: bytes, chunk: dict[str, Any], out: bytes) -> None:
+        """Make ``chunk`` the template if it is a plain text chunk found in its own bytes."""
+        choices = chunk["choices"]
+        if self.finished or len(choices) != 1 or "usage" in chunk and chunk["usage"] is not None:
+            return
+        choice = choices[0]
+        delta = choice["delta"]
+        text = delta.get("content")
+        if len(delta) != 1 or type(text) is not str:
+            return
+        if choice.get("logprobs") is not None or any(
+            chunk.get(key) is not None for key in ENGINE_OBJECTS
+        ):
+            return
+        needle = _CONTENT_KEY + orjson.dumps(text)
+        at = raw.find(needle)
+        out_at = out.find(needle)
+        if (
+            at < 0
+            or out_at < 0
+            or raw.find(needle, at + 1) >= 0
+            or out.find(needle, out_at + 1) >= 0
+        ):
+            return  # written another way, or twice: no template
+        cut = len(_CONTENT_KEY) + 1  # past the opening quote of the text
+        back = len(needle) - 1  # to its closing quote
+        self._head = raw[: at + cut]
+        self._tail = raw[at + back :]
+        self._out_head = b"data: " + out[: out_at + cut]
+        self._out_tail = out[out_at + back :] + b"\n\n"
+        self._head_len, self._tail_len = len(self._head), len(self._tail)
 
     def check(self, raw: bytes, now: float) -> tuple[dict[str, Any], bytes]:
         """Parse and verify one chunk; return it with ``model`` set to the public name, and

@@ -1,0 +1,144 @@
+"""The verifier's template path decides exactly as the full check does.
+
+A reference verifier that never learns a template (the full check for every chunk) and the
+real one read the same streams: every chunk must get the same verdict, the client the same JSON,
+and the metrics the same bookkeeping, whatever the texts and whatever is changed in the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capyctl_gateway._config import EngineFamily
+from capyctl_gateway._verify import ChunkVerifier, UnverifiedError
+
+
+class FullCheckOnly(ChunkVerifier):
+    """The reference: every chunk through the full check."""
+
+    __slots__ = ()
+
+    def _learn(self, raw: bytes, chunk: dict[str, Any], out: bytes) -> None:
+        return None
+
+
+def vllm_chunk(text: str | None, *, finish: str | None = None, **top: Any) -> dict[str, Any]:
+    delta: dict[str, Any] = {} if text is None else {"content": text}
+    chunk = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1796000000,
+        "model": "tiny",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    chunk.update(top)
+    return chunk
+
+
+def llama_chunk(text: str | None, *, finish: str | None = None, **top: Any) -> dict[str, Any]:
+    delta: dict[str, Any] = {} if text is None else {"content": text}
+    chunk = {
+        "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+        "created": 1796000000,
+        "id": "chatcmpl-1",
+        "model": "tiny",
+        "system_fingerprint": "b10798-unknown",
+        "object": "chat.completion.chunk",
+    }
+    chunk.update(top)
+    return chunk
+
+
+def write(chunk: dict[str, Any], ascii_only: bool) -> bytes:
+    if ascii_only:  # the way an engine that escapes every non-ASCII character writes it
+        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=True).encode()
+    return orjson.dumps(chunk)
+
+
+MUTATIONS: list[tuple[bytes, bytes]] = [
+    (b'"created":1796000000', b'"created":1796000001'),
+    (b'"id":"chatcmpl-1"', b'"id":"chatcmpl-2"'),
+    (b'"model":"tiny"', b'"model":"other"'),
+    (b'"content":"', b'"content":"a","content":"'),  # a repeated key
+    (b'"content":"', b'"content":"x\\'),  # a dangling escape
+    (b'"content":"', b'"content":"\x01'),  # a raw control character
+    (b'"content":"', b'"content":"\xff'),  # not UTF-8
+    (b'"content":"', b'"content":"","role":"assistant","content":"'),
+    (b'"content":"', b'"content":"q","tool_calls":null,"x":"'),
+    (b'"index":0', b'"index":1'),
+    (b'"finish_reason":null', b'"finish_reason":"stop"'),
+    (b"}]", b'},{"index":0,"delta":{}}]'),
+]
+
+step = st.one_of(
+    st.tuples(st.just("text"), st.text(max_size=12), st.booleans()),
+    st.tuples(st.just("mutated"), st.text(max_size=6), st.sampled_from(range(len(MUTATIONS)))),
+    st.tuples(st.just("finish"), st.sampled_from(["stop", "length"]), st.booleans()),
+    st.tuples(st.just("usage"), st.just(""), st.booleans()),
+)
+
+
+def run(verifier: ChunkVerifier, raws: list[bytes]) -> tuple[list[Any], dict[str, Any]]:
+    verdicts: list[Any] = []
+    for i, raw in enumerate(raws):
+        try:
+            event = verifier.relay(raw, float(i))
+        except UnverifiedError as exc:
+            verdicts.append(("unverified", str(exc)))
+            break
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+        verdicts.append(orjson.loads(event[6:-2]))
+    state = {
+        name: getattr(verifier, name)
+        for name in (
+            "answered",
+            "chunks",
+            "engine_objects",
+            "finished",
+            "first_output_at",
+            "first_text_at",
+            "id",
+            "last_at",
+            "usage",
+        )
+    }
+    return verdicts, state
+
+
+@settings(max_examples=400)
+@given(st.sampled_from([vllm_chunk, llama_chunk]), st.lists(step, max_size=14))
+def test_the_template_path_gives_the_full_check_s_verdicts(
+    make: Any, steps: list[tuple[str, Any, Any]]
+) -> None:
+    raws = [write(make(None) | {"choices": [make("")["choices"][0]]}, False)]
+    for kind, value, extra in steps:
+        if kind == "text":
+            raws.append(write(make(value), ascii_only=extra))
+        elif kind == "mutated":
+            old, new = MUTATIONS[extra]
+            raws.append(write(make(value), False).replace(old, new, 1))
+        elif kind == "finish":
+            raws.append(write(make(None, finish=value), ascii_only=False))
+        else:
+            raws.append(write(make(None, choices=[], usage={"completion_tokens": 3}), False))
+    family = EngineFamily.VLLM if make is vllm_chunk else EngineFamily.LLAMACPP
+    real = ChunkVerifier(family, served="tiny", public="my-model")
+    reference = FullCheckOnly(family, served="tiny", public="my-model")
+    assert run(real, raws) == run(reference, raws)
+
+
+def test_text_chunks_after_the_first_take_the_template_path() -> None:
+    verifier = ChunkVerifier(EngineFamily.VLLM, served="tiny", public="my-model")
+    assert verifier._head_len < 0
+    verifier.relay(orjson.dumps(vllm_chunk("Hel")), 0.0)
+    assert verifier._head_len > 0  # learned
+    event = verifier.relay(orjson.dumps(vllm_chunk('lo "world"\\')), 1.0)
+    doc = orjson.loads(event[6:-2])
+    assert doc["model"] == "my-model"
+    assert doc["choices"][0]["delta"] == {"content": 'lo "world"\\'}
+    assert verifier.chunks == 2 and verifier.first_text_at == 0.0
