@@ -31,7 +31,13 @@ class Assembler:
         self._chunk_extra: dict[str, Any] = {}
         self.finish: str | None = None
 
-    def add(self, chunk: dict[str, Any]) -> None:
+    def add(self, chunk: dict[str, Any] | str) -> None:
+        """Fold in a verified chunk, or the text of one that is the verifier's template but
+        for its text (everything else in it was folded in with the template)."""
+        if isinstance(chunk, str):
+            if chunk:
+                self._content.append(chunk)
+            return
         if self._first is None:
             self._first = chunk
         for key, value in chunk.items():

@@ -20,10 +20,13 @@ class Deadline:
 
     __slots__ = ("_armed", "_cancelling", "_handle", "_loop", "_task", "expired", "when")
 
-    def __init__(self, when: float) -> None:
+    def __init__(self, when: float, *, first_check: float | None = None) -> None:
+        """``first_check``: arm the timer for this earlier time; when it fires the deadline
+        is still ``when``. For a caller that expects to move the deadline to about that time
+        (the relay: to the idle timeout once output starts), this saves a re-arm."""
         self.when = when
         self.expired = False
-        self._armed = when
+        self._armed = when if first_check is None else min(when, first_check)
         self._handle: asyncio.TimerHandle | None = None
 
     def __enter__(self) -> Deadline:
@@ -33,7 +36,7 @@ class Deadline:
             raise RuntimeError("Deadline needs a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._arm(self.when)
+        self._arm(self._armed)
         return self
 
     def move(self, when: float) -> None:

@@ -109,7 +109,7 @@ async def relay_chat(
     first_deadline = ctx.arrival + ctx.request_deadline
     sent_at = loop.time()
     try:
-        with Deadline(first_deadline) as bound:
+        with Deadline(first_deadline, first_check=sent_at + ctx.stream_idle_timeout) as bound:
             ctx.outcome.sent = True
             try:
                 upstream = await ctx.session.post(
@@ -146,7 +146,7 @@ async def relay_chat(
                     if assembler is None:
                         parts.append(verifier.relay(data, now))
                     else:
-                        assembler.add(verifier.check(data, now)[0])
+                        assembler.add(verifier.collect(data, now))
                 if verifier.first_output_at is not None:
                     bound.move(now + ctx.stream_idle_timeout)
                 if parts:

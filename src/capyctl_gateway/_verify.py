@@ -105,32 +105,49 @@ class ChunkVerifier:
 
     def relay(self, raw: bytes, now: float) -> bytes:
         """Verify one chunk of a stream that goes to the client; return its SSE event."""
-        head_len = self._head_len
-        if (
-            head_len >= 0
-            and raw.startswith(self._head)
-            and raw.endswith(self._tail)
-            and len(raw) >= head_len + self._tail_len
-            and not self.finished
-        ):
-            text = raw[head_len : len(raw) - self._tail_len]
-            try:
-                orjson.loads(b'"' + text + b'"')  # a whole JSON string, nothing more
-            except orjson.JSONDecodeError:
-                pass  # the full check says what is wrong with it
-            else:
-                self.chunks += 1
-                self.last_at = now
-                if text:  # the same bookkeeping as the full check's for a text chunk
-                    if self.first_text_at is None:
-                        self.first_text_at = now
-                        self.answered = True
-                    if self.first_output_at is None:
-                        self.first_output_at = now
-                return self._out_head + text + self._out_tail
+        found = self._template_text(raw, now)
+        if found is not None:
+            return self._out_head + found[0] + self._out_tail
         chunk, out = self.check(raw, now)
         self._learn(raw, chunk, out)
         return b"data: " + out + b"\n\n"
+
+    def collect(self, raw: bytes, now: float) -> dict[str, Any] | str:
+        """Verify one chunk of a stream the gateway assembles: the chunk, or only its text
+        when it matches the template (all else in it is the template's)."""
+        found = self._template_text(raw, now)
+        if found is not None:
+            return found[1]
+        chunk, out = self.check(raw, now)
+        self._learn(raw, chunk, out)
+        return chunk
+
+    def _template_text(self, raw: bytes, now: float) -> tuple[bytes, str] | None:
+        """The text of a chunk that is the template but for its text, as written and
+        decoded, with the full check's bookkeeping done; else None."""
+        head_len = self._head_len
+        if (
+            head_len < 0
+            or not raw.startswith(self._head)
+            or not raw.endswith(self._tail)
+            or len(raw) < head_len + self._tail_len
+            or self.finished
+        ):
+            return None
+        written = raw[head_len : len(raw) - self._tail_len]
+        try:
+            text = orjson.loads(b'"' + written + b'"')  # a whole JSON string, nothing more
+        except orjson.JSONDecodeError:
+            return None  # the full check says what is wrong with it
+        self.chunks += 1
+        self.last_at = now
+        if text:  # the same bookkeeping as the full check's for a text chunk
+            if self.first_text_at is None:
+                self.first_text_at = now
+                self.answered = True
+            if self.first_output_at is None:
+                self.first_output_at = now
+        return written, text
 
     def _learn(self, raw: bytes, chunk: dict[str, Any], out: bytes) -> None:
         """Make ``chunk`` the template if it is a plain text chunk found in its own bytes."""

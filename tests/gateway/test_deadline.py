@@ -78,3 +78,21 @@ async def test_nothing_fires_after_the_block_ends() -> None:
     await asyncio.sleep(0.05)  # past the deadline: the task must not be cancelled
     assert not d.expired
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_a_first_check_before_the_deadline_does_not_end_it_early() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(TimeoutError), Deadline(start + 0.1, first_check=start + 0.02) as d:
+        await never()
+    assert d.expired
+    assert loop.time() - start >= 0.1
+
+
+async def test_moved_past_the_first_check_it_waits_for_the_new_time() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(TimeoutError), Deadline(start + 600, first_check=start + 0.05) as d:
+        d.move(start + 0.1)  # later than the first check: no re-arm, the check re-arms itself
+        await never()
+    assert 0.1 <= loop.time() - start < 60

@@ -14,6 +14,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capyctl_gateway._assemble import Assembler
 from capyctl_gateway._config import EngineFamily
 from capyctl_gateway._verify import ChunkVerifier, UnverifiedError
 
@@ -83,16 +84,25 @@ step = st.one_of(
 )
 
 
-def run(verifier: ChunkVerifier, raws: list[bytes]) -> tuple[list[Any], dict[str, Any]]:
+def run(
+    verifier: ChunkVerifier, raws: list[bytes], *, assemble: bool = False
+) -> tuple[list[Any], dict[str, Any]]:
     verdicts: list[Any] = []
+    assembler = Assembler()
     for i, raw in enumerate(raws):
         try:
+            if assemble:
+                assembler.add(verifier.collect(raw, float(i)))
+                verdicts.append("ok")
+                continue
             event = verifier.relay(raw, float(i))
         except UnverifiedError as exc:
             verdicts.append(("unverified", str(exc)))
             break
         assert event.startswith(b"data: ") and event.endswith(b"\n\n")
         verdicts.append(orjson.loads(event[6:-2]))
+    if assemble:
+        verdicts.append(assembler.result())
     state = {
         name: getattr(verifier, name)
         for name in (
@@ -111,9 +121,9 @@ def run(verifier: ChunkVerifier, raws: list[bytes]) -> tuple[list[Any], dict[str
 
 
 @settings(max_examples=400)
-@given(st.sampled_from([vllm_chunk, llama_chunk]), st.lists(step, max_size=14))
+@given(st.sampled_from([vllm_chunk, llama_chunk]), st.lists(step, max_size=14), st.booleans())
 def test_the_template_path_gives_the_full_check_s_verdicts(
-    make: Any, steps: list[tuple[str, Any, Any]]
+    make: Any, steps: list[tuple[str, Any, Any]], assemble: bool
 ) -> None:
     raws = [write(make(None) | {"choices": [make("")["choices"][0]]}, False)]
     for kind, value, extra in steps:
@@ -129,7 +139,7 @@ def test_the_template_path_gives_the_full_check_s_verdicts(
     family = EngineFamily.VLLM if make is vllm_chunk else EngineFamily.LLAMACPP
     real = ChunkVerifier(family, served="tiny", public="my-model")
     reference = FullCheckOnly(family, served="tiny", public="my-model")
-    assert run(real, raws) == run(reference, raws)
+    assert run(real, raws, assemble=assemble) == run(reference, raws, assemble=assemble)
 
 
 def test_text_chunks_after_the_first_take_the_template_path() -> None:
