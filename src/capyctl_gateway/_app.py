@@ -81,6 +81,9 @@ class _Route:
     def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> _Instance | None:
         """The instance charged with the fewest requests (running and cut), among those not
         excluded; ties rotate."""
+        if len(self.instances) == 1:
+            only = self.instances[0]
+            return None if only.index in exclude else only
         start = next(self.turn) % len(self.instances)
         ordered = [
             i for i in self.instances[start:] + self.instances[:start] if i.index not in exclude
@@ -126,6 +129,8 @@ class Gateway:
                     "Accept": "text/event-stream",
                     # The stream is parsed as it comes: the engine must not compress it.
                     "Accept-Encoding": "identity",
+                    # Ours, so that aiohttp adds none of its own (and skips work doing so).
+                    "User-Agent": "capyctl-gateway",
                 }
                 if key is not None:
                     headers["Authorization"] = f"Bearer {key}"
@@ -158,7 +163,6 @@ class Gateway:
             connector=connector,
             timeout=timeout,
             auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar per request
         ) as session:
             self.session = session
@@ -431,8 +435,13 @@ def _log_failover(
         fields["caller_request_id"] = caller
     event(
         "router_failover",
-        f"request {rid}{who} {dep.name}: instance {instance.index} on {instance.host} "
-        f"did not take it ({detail})",
+        "request %s%s %s: instance %d on %s did not take it (%s)",
+        rid,
+        who,
+        dep.name,
+        instance.index,
+        instance.host,
+        detail,
         **fields,
     )
 
@@ -449,7 +458,12 @@ def _log_selection(rid: str, caller: str | None, dep: Deployment, instance: _Ins
         fields["caller_request_id"] = caller
     event(
         "router_selection",
-        f"request {rid}{who} {dep.name} -> {instance.host} instance {instance.index}",
+        "request %s%s %s -> %s instance %d",
+        rid,
+        who,
+        dep.name,
+        instance.host,
+        instance.index,
         **fields,
     )
 

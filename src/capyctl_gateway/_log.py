@@ -24,14 +24,15 @@ logger = logging.getLogger("capyctl_gateway")
 _root = logging.getLogger()
 
 
-def event(name: str, message: str, /, **fields: Any) -> None:
-    """Log one gateway event at INFO."""
+def event(name: str, message: str, /, *args: object, **fields: Any) -> None:
+    """Log one gateway event at INFO: ``message % args`` for people, ``fields`` for machines
+    (the message is only formatted when a person will read it)."""
     handlers = _root.handlers
     if len(handlers) == 1 and type(handlers[0]) is JsonLines and logger.isEnabledFor(logging.INFO):
         line = {"ts": round(time.time(), 3), "level": "info", "event": name, **fields}
         handlers[0].add(orjson.dumps(line))
         return
-    logger.info(message, extra={"event": name, "fields": fields})
+    logger.info(message, *args, extra={"event": name, "fields": fields})
 
 
 class TextFormatter(logging.Formatter):

@@ -29,7 +29,14 @@ ULID = re.compile(r"^[0-7][0-9A-HJKMNP-TV-Z]{25}$")
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 SALT_UNSUPPORTED = "this deployment's engine does not partition its prefix cache by cache_salt"
 # What the gateway itself sends an engine; nothing a client sent may be added to it.
-ENGINE_HEADERS = {"host", "content-type", "accept", "accept-encoding", "content-length"}
+ENGINE_HEADERS = {
+    "host",
+    "content-type",
+    "accept",
+    "accept-encoding",
+    "content-length",
+    "user-agent",
+}
 
 
 def error(r: httpx.Response, status: int, code: str) -> str:
@@ -681,6 +688,7 @@ async def test_no_client_header_reaches_the_engine(gateway: Gw, engine: FakeEngi
     assert received.headers["Accept"] == "text/event-stream"
     assert received.headers["Content-Type"] == "application/json"
     assert received.headers["Accept-Encoding"] == "identity"  # a stream we can parse as it comes
+    assert received.headers["User-Agent"] == "capyctl-gateway"
     values = " ".join(received.headers.values())
     for sent in ("caller-1", "conv-9", "secret-cookie", "client-agent", "10.9.8.7", KEY):
         assert sent not in values
