@@ -138,7 +138,7 @@ def run_sse(target: Target, load: Load, engine_pid: int) -> Measure:
     for pid in target.pids:
         argv += ["--cpu-pid", str(pid)]
     if target.key:
-        argv += ["--key", target.key]
+        argv.append(f"--key={target.key}")  # a key may begin with "-"
     if load.delay_ms is not None:
         argv += ["--delay-ms", str(load.delay_ms)]
     if not load.stream:
