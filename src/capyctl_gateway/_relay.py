@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 REJECTION_STATUSES = frozenset({400, 413, 422})
 MAX_ERROR_BODY = 16 * 1024
 MAX_MESSAGE_BYTES = 512
+DRAIN_S = 1.0
+"""How long a finished exchange waits for the end of the engine's body to pool its connection."""
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -236,10 +238,28 @@ async def relay_chat(
     finally:
         ctx.outcome.answered = ctx.outcome.answered or verifier.answered
         if upstream is not None:
-            if clean:
-                upstream.release()
-            else:
-                upstream.close()  # never back to the pool: the engine sees the close and stops
+            pooled = False
+            try:
+                pooled = clean and (upstream.content.is_eof() or await _body_ended(upstream))
+            finally:  # a hang-up may cancel the wait for the body's end
+                if pooled:
+                    upstream.release()
+                else:
+                    upstream.close()  # never back to the pool: the engine sees the close, stops
+
+
+async def _body_ended(upstream: aiohttp.ClientResponse) -> bool:
+    """Wait briefly for the end of the engine's chunked body after its ``[DONE]``.
+
+    uvicorn (vLLM, SGLang) writes that end on its own, after ``[DONE]``; a connection released
+    before it arrives is closed rather than pooled, and the next request pays for a new one.
+    Nothing but the end may come: more data, or none within `DRAIN_S`, closes the connection.
+    """
+    try:
+        with Deadline(asyncio.get_running_loop().time() + DRAIN_S):
+            return not await upstream.content.readany() and upstream.content.is_eof()
+    except (TimeoutError, aiohttp.ClientError):
+        return False
 
 
 async def _start_stream(request: web.Request, ctx: RelayContext) -> web.StreamResponse:

@@ -44,6 +44,8 @@ Item = bytes | Pause | Hold
 class Received:
     headers: dict[str, str]
     body: dict[str, Any]
+    peer: Any = None
+    """The gateway's end of the connection the request came on."""
 
 
 @dataclass
@@ -116,7 +118,8 @@ class FakeEngine:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
-        self.received.append(Received(dict(request.headers), body))
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.received.append(Received(dict(request.headers), body, peer))
         self.arrived.set()
         if isinstance(self.script, Reply):
             return web.Response(

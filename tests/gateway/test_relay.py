@@ -360,3 +360,33 @@ async def test_a_non_streaming_client_hang_up_before_the_first_token_closes_it_t
         tg.cancel_scope.cancel()  # the client gives up and closes its connection
     with anyio.fail_after(5):
         await engine.hung_up.wait()
+
+
+async def test_a_completed_exchange_leaves_its_engine_connection_in_the_pool(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    # [DONE], then the end of the chunked body in a later write, as uvicorn (vLLM, SGLang)
+    # sends them: the relay waits for that end instead of closing the connection.
+    engine.script = [*vllm_stream(), Pause(0.05)]
+    async with gateway.client() as c:
+        for body in ({**CHAT, "stream": True}, CHAT, {**CHAT, "stream": True}, CHAT):
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    peers = {r.peer for r in engine.received}
+    assert len(engine.received) == 4 and len(peers) == 1, peers
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_engine_that_never_ends_its_body_after_done_is_closed_not_pooled(
+    gateway: Gw, engine: FakeEngine, stream: bool
+) -> None:
+    engine.script = [*vllm_stream(), Hold()]  # [DONE], then the body never ends
+    async with gateway.client() as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+    assert r.status_code == 200
+    if stream:
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.json()["choices"][0]["message"]["content"] == "Hello!"
+    with anyio.fail_after(5):
+        await engine.hung_up.wait()  # closed, not left open in the pool
+    assert gateway.gateway.settlement.ledgers["my-model/0"].charged == 0  # it finished
