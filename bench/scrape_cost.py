@@ -2,7 +2,9 @@
 
 On the page captured live from vLLM 0.31.0 (47 KB, 582 lines), counting only the CPU of the
 thread that runs the collector (``time.thread_time``); the engine is a separate process (python
-http.server style), so its CPU is not counted:
+http.server), so its CPU is not counted. It sets TCP_NODELAY, as vLLM's server does: without it
+the end of each answer waited for the client's delayed ACK (about 20 ms per GET), and the httpx
+cycle measured 2.9 ms of CPU instead of 1.5 ms.
   * parse: the adapter turning the exposition into a snapshot's metrics (pure CPU);
   * then, for each fetcher and event loop -- httpx on asyncio (the SDK's default), aiohttp on
     uvloop (what capyctl-gateway runs) and aiohttp on asyncio (an asyncio provider that opts in
@@ -13,17 +15,19 @@ http.server style), so its CPU is not counted:
       - GET /metrics, GET /health: the fetcher's GET alone (a 47 KB body, an empty one).
 
 With --live-vllm the same is measured against a real vLLM 0.31.0 server, plus GET /metrics with
-the other Accept-Encoding for each client (httpx asks for gzip by default and vLLM then
-compresses; AiohttpFetcher asks for identity), to separate the encoding from the client.
+the other Accept-Encoding for each client (httpx asks for gzip by default, AiohttpFetcher for
+identity), to tell whether the encoding matters; the line about the live page says whether vLLM
+compressed its answer to httpx's default request.
 
-Run: .venv/bin/python bench/scrape_cost.py [--n 2000]
-     .venv/bin/python -m bench.scrape_cost --live-vllm   # also against a real vLLM 0.31.0 server
+Run: .venv/bin/python bench/scrape_cost.py [--n 2000] [--rounds 5]
+     .venv/bin/python bench/scrape_cost.py --n 1000 --live-vllm   # also a real vLLM 0.31.0 server
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -58,6 +62,7 @@ files = dict(a.split("=", 1) for a in sys.argv[2:])
 bodies = {path: open(f, "rb").read() for path, f in files.items()}
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # TCP_NODELAY, as asyncio servers (vLLM's uvicorn) set it
     def do_GET(self):
         body = bodies.get(self.path)
         self.send_response(200 if body is not None else 404)
@@ -82,20 +87,21 @@ def bench_parse(text: str, n: int) -> list[float]:
         t0 = time.thread_time()
         adapter.parse_metrics(text, "tiny")
         out.append(time.thread_time() - t0)
-    return out
+    return out[n // 10 :]  # the warm-up dropped
 
 
 Timed = Callable[[], Awaitable[object]]
 
 
 async def _timed(n: int, fn: Timed) -> list[float]:
+    """CPU seconds of ``n`` calls, the first tenth (warm-up) dropped."""
     out = []
     for _ in range(n):
         t0 = time.thread_time()
         result = await fn()
         out.append(time.thread_time() - t0)
         assert result is not None
-    return out
+    return out[n // 10 :]
 
 
 async def _measure(
@@ -144,20 +150,35 @@ async def measure_aiohttp(base_url: str, n: int, live: bool) -> dict[str, list[f
         return await _measure(fetcher, base_url, n, "gzip" if live else None)
 
 
-def run_on_uvloop(coro: Coroutine[Any, Any, T]) -> tuple[str, T]:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return "asyncio", asyncio.run(coro)
-    return "uvloop", uvloop.run(coro)
+GATEWAY_LOOP = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
 
 
-def measure_all(base_url: str, n: int, *, live: bool = False) -> None:
-    """Each fetcher on its event loop, one after another; a report line per figure."""
-    report_rows("httpx, asyncio", anyio.run(measure_httpx, base_url, n, live))
-    loop, rows = run_on_uvloop(measure_aiohttp(base_url, n, live))
-    report_rows(f"aiohttp, {loop}", rows)
-    report_rows("aiohttp, asyncio", asyncio.run(measure_aiohttp(base_url, n, live)))
+def run_like_the_gateway(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on uvloop when it is installed, as capyctl-gateway does."""
+    if GATEWAY_LOOP == "asyncio":  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(coro)
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+def measure_all(base_url: str, n: int, rounds: int, *, live: bool = False) -> None:
+    """Each fetcher on its event loop; the fetchers take turns, ``rounds`` times, so that a
+    change in the machine's load falls on all of them alike. A report line per figure."""
+    runs: dict[str, Callable[[int], dict[str, list[float]]]] = {
+        "httpx, asyncio": lambda k: anyio.run(measure_httpx, base_url, k, live),
+        f"aiohttp, {GATEWAY_LOOP}": lambda k: run_like_the_gateway(
+            measure_aiohttp(base_url, k, live)
+        ),
+        "aiohttp, asyncio": lambda k: asyncio.run(measure_aiohttp(base_url, k, live)),
+    }
+    pooled: dict[str, dict[str, list[float]]] = {name: {} for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            for what, samples in run(n // rounds).items():
+                pooled[name].setdefault(what, []).extend(samples)
+    for name, rows in pooled.items():
+        report_rows(name, rows)
 
 
 async def _page(base_url: str) -> tuple[bytes, str]:
@@ -167,7 +188,7 @@ async def _page(base_url: str) -> tuple[bytes, str]:
 
 
 def report(name: str, samples: list[float]) -> None:
-    ms = sorted(s * 1000 for s in samples[len(samples) // 10 :])  # drop warm-up
+    ms = sorted(s * 1000 for s in samples)
     print(
         f"{name:42s} CPU median {statistics.median(ms):.3f} ms, "
         f"p90 {ms[int(len(ms) * 0.9)]:.3f} ms, p99 {ms[int(len(ms) * 0.99)]:.3f} ms (n={len(ms)})"
@@ -181,10 +202,11 @@ def report_rows(client: str, rows: dict[str, list[float]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--n", type=int, default=2000, help="calls per figure, warm-up included")
+    ap.add_argument("--rounds", type=int, default=5, help="turns the fetchers take")
     ap.add_argument("--live-vllm", action="store_true", help="also scrape a real vLLM server")
     args = ap.parse_args()
-    n = args.n
+    n, rounds = args.n, args.rounds
     page = body_of(PAGE)
     lines = page.count(b"\n")
     print(f"page: {PAGE.relative_to(ROOT)} ({len(page)} bytes, {lines} lines)")
@@ -207,11 +229,13 @@ def main() -> None:
         try:
             assert server.stdout is not None
             port = int(server.stdout.readline())
-            measure_all(f"http://127.0.0.1:{port}", n)
+            measure_all(f"http://127.0.0.1:{port}", n, rounds)
         finally:
             server.terminate()
             server.wait()
     if args.live_vllm:
+        if str(ROOT) not in sys.path:  # run as a script, not with -m: contract/ is not importable
+            sys.path.insert(0, str(ROOT))
         from contract.engines.tiny_hf_model import write_tiny_llama
         from contract.engines.vllm import VllmServer, engine_dir, ensure_vllm
 
@@ -225,7 +249,7 @@ def main() -> None:
                 f"live vLLM 0.31.0 /metrics: {len(page)} bytes, {newlines} lines "
                 f"(content-encoding to httpx's default request: {encoding})"
             )
-            measure_all(srv.base_url, n, live=True)
+            measure_all(srv.base_url, n, rounds, live=True)
 
 
 if __name__ == "__main__":
