@@ -19,10 +19,21 @@ def test_all_is_sorted_and_resolves(module: str) -> None:
 def test_public_names_are_exported_and_private_modules_stay_private() -> None:
     import canopyx_provider as pkg
 
-    public = {n for n in vars(pkg) if not n.startswith("_")}
-    public -= {"adapters", "cli", "annotations"}
+    public = {n for n in vars(pkg) if not n.startswith("_")} | set(pkg._LAZY)
+    public -= {"adapters", "cli", "annotations", "TYPE_CHECKING", "Any"}
     assert public == set(pkg.__all__)
     for name in pkg.__all__:
         obj = getattr(pkg, name)
         if isinstance(obj, type) or callable(obj) and hasattr(obj, "__code__"):
             assert obj.__module__.startswith("canopyx_provider."), (name, obj.__module__)
+
+
+def test_the_sdk_imports_without_aiohttp_until_asked() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, canopyx_provider as p; assert 'aiohttp' not in sys.modules; "
+        "p.AiohttpFetcher; assert 'aiohttp' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,6 +3,8 @@ GPU providers who sell inference through Canopy."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._collector import Collector as Collector
 from ._collector import EngineStatus as EngineStatus
 from ._collector import TargetState as TargetState
@@ -49,7 +51,6 @@ from ._provider import Provider as Provider
 from ._scrape import Fetcher as Fetcher
 from ._scrape import HttpxFetcher as HttpxFetcher
 from ._scrape import RawResponse as RawResponse
-from ._scrape_aiohttp import AiohttpFetcher as AiohttpFetcher
 from ._snapshot import Capacity as Capacity
 from ._snapshot import CheckReport as CheckReport
 from ._snapshot import CheckResult as CheckResult
@@ -65,6 +66,25 @@ from .adapters import sglang as sglang
 from .adapters import tabby_api as tabby_api
 from .adapters import tensorfold as tensorfold
 from .adapters import vllm as vllm
+
+if TYPE_CHECKING:
+    from ._scrape_aiohttp import AiohttpFetcher as AiohttpFetcher
+
+_LAZY = {"AiohttpFetcher": "._scrape_aiohttp"}
+"""Names imported on first use: aiohttp is asyncio-only and slow to import; trio users and the
+CLI need not load it."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = (
     "AiohttpFetcher",

@@ -20,6 +20,7 @@ from aiohttp import web
 from yarl import URL
 
 from canopyx_provider import (
+    AiohttpFetcher,
     Collector,
     EngineAdapter,
     ProviderOptions,
@@ -177,8 +178,6 @@ class Gateway:
         jar, each GET bounded by the collector's request timeout. The session closes after the
         collector.
         """
-        from canopyx_provider import AiohttpFetcher
-
         timeout_s = self.collector_options.request_timeout_s
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=4),
