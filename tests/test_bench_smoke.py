@@ -51,3 +51,15 @@ def test_quick_run_measures_every_scenario_and_stops_what_it_started(tmp_path: P
     for pid in started.values():
         assert not running(pid)
         assert not [p for p in session_pids(pid) if running(p)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the harness reads /proc")
+def test_the_aiohttp_floor_measures_both_sides() -> None:
+    argv = [sys.executable, "-m", "bench.perf.aiohttp_floor", "--duration", "0.3"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    rows = [line for line in proc.stdout.decode().splitlines() if line.startswith("| client")]
+    rows += [line for line in proc.stdout.decode().splitlines() if line.startswith("| server")]
+    assert len(rows) == 5, proc.stdout.decode()
+    for row in rows:
+        assert float(row.rstrip(" |").rsplit("|", 1)[1]) > 0, row
