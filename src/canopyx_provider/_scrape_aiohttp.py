@@ -108,3 +108,7 @@ def map_aiohttp_errors(url: str) -> Iterator[None]:
         ) from exc
     except aiohttp.ClientError as exc:  # any subclass aiohttp adds later
         raise ScrapeError(f"{url}: transport error ({type(exc).__name__}: {exc})", url=url) from exc
+    except ValueError as exc:  # a request aiohttp would not send (a header with a newline, ...)
+        raise ScrapeError(
+            f"{url}: request not sent ({type(exc).__name__}: {exc})", url=url
+        ) from exc

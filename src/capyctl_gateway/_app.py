@@ -145,6 +145,8 @@ class Gateway:
             )
             self.routes[d.name] = _Route(d, instances, queue)
         self.session: aiohttp.ClientSession | None = None
+        self._drains: set[asyncio.Task[None]] = set()
+        """Engine connections waiting for the end of a finished answer's body (see _relay)."""
         self.collector: Collector | None = None
         self._models = orjson.dumps(
             {
@@ -167,8 +169,13 @@ class Gateway:
             cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar per request
         ) as session:
             self.session = session
-            yield
-            self.session = None
+            try:
+                yield
+            finally:
+                self.session = None
+                for task in list(self._drains):
+                    task.cancel()  # each closes its connection
+                await asyncio.gather(*self._drains, return_exceptions=True)
 
     async def _collector_ctx(self, app: web.Application) -> AsyncIterator[None]:
         """The engines' collector: polls each instance, and settles cut requests.
@@ -325,6 +332,7 @@ class Gateway:
             arrival=arrival,
             request_deadline=self.config.queue.request_deadline,
             stream_idle_timeout=self.config.queue.stream_idle_timeout,
+            drains=self._drains,
         )
         instance.ledger.running += 1
         try:

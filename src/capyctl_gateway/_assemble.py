@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._verify import TemplateText
+
 __all__ = ["Assembler"]
 
 _REASONING = ("reasoning_content", "reasoning")
@@ -31,12 +33,13 @@ class Assembler:
         self._chunk_extra: dict[str, Any] = {}
         self.finish: str | None = None
 
-    def add(self, chunk: dict[str, Any] | str) -> None:
-        """Fold in a verified chunk, or the text of one that is the verifier's template but
-        for its text (everything else in it was folded in with the template)."""
-        if isinstance(chunk, str):
-            if chunk:
-                self._content.append(chunk)
+    def add(self, chunk: dict[str, Any] | TemplateText) -> None:
+        """Fold in a verified chunk, or one that is the verifier's template but for its text."""
+        if isinstance(chunk, TemplateText):
+            if chunk.text:
+                self._content.append(chunk.text)
+            if chunk.extra:
+                self._chunk_extra.update(chunk.extra)
             return
         if self._first is None:
             self._first = chunk

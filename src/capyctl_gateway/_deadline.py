@@ -18,7 +18,7 @@ class Deadline:
     """``with Deadline(when):`` cancels the task at loop time ``when`` and turns that
     cancellation into `TimeoutError`, as ``asyncio.timeout_at`` does."""
 
-    __slots__ = ("_armed", "_cancelling", "_handle", "_loop", "_task", "expired", "when")
+    __slots__ = ("_armed", "_cancelling", "_done", "_handle", "_loop", "_task", "expired", "when")
 
     def __init__(self, when: float, *, first_check: float | None = None) -> None:
         """``first_check``: arm the timer for this earlier time; when it fires the deadline
@@ -26,6 +26,7 @@ class Deadline:
         (the relay: to the idle timeout once output starts), this saves a re-arm."""
         self.when = when
         self.expired = False
+        self._done = False
         self._armed = when if first_check is None else min(when, first_check)
         self._handle: asyncio.TimerHandle | None = None
 
@@ -42,7 +43,7 @@ class Deadline:
     def move(self, when: float) -> None:
         """Set the deadline to ``when``; later costs an attribute write, earlier a re-arm."""
         self.when = when
-        if when < self._armed and not self.expired:
+        if when < self._armed and not self.expired and not self._done:
             self._arm(when)
 
     def _arm(self, when: float) -> None:
@@ -65,9 +66,11 @@ class Deadline:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._done = True
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        expired = self.expired and exc_type is asyncio.CancelledError
-        if expired and self._task.uncancel() <= self._cancelling:
-            raise TimeoutError from exc
+        if self.expired:  # our cancel is taken back whatever the block raised, as asyncio does
+            left = self._task.uncancel()
+            if exc_type is asyncio.CancelledError and left <= self._cancelling:
+                raise TimeoutError from exc

@@ -28,7 +28,12 @@ def event(name: str, message: str, /, *args: object, **fields: Any) -> None:
     """Log one gateway event at INFO: ``message % args`` for people, ``fields`` for machines
     (the message is only formatted when a person will read it)."""
     handlers = _root.handlers
-    if len(handlers) == 1 and type(handlers[0]) is JsonLines and logger.isEnabledFor(logging.INFO):
+    if (
+        len(handlers) == 1
+        and type(handlers[0]) is JsonLines
+        and handlers[0].direct
+        and logger.isEnabledFor(logging.INFO)
+    ):
         line = {"ts": round(time.time(), 3), "level": "info", "event": name, **fields}
         handlers[0].add(orjson.dumps(line))
         return
@@ -69,7 +74,14 @@ class JsonLines(logging.Handler):
         self.setFormatter(JsonFormatter())
         self._stream = stream
         self._lines: list[bytes] = []
-        self._scheduled = False
+        self._flush_on: asyncio.AbstractEventLoop | None = None
+        """The loop a flush is scheduled on, if any."""
+
+    @property
+    def direct(self) -> bool:
+        """Whether `event` may hand this handler its line without a record: nothing here or
+        on the gateway's loggers would filter an INFO record out."""
+        return self.level <= logging.INFO and not self.filters and not logger.filters
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -83,21 +95,22 @@ class JsonLines(logging.Handler):
         """Queue one line (without its newline)."""
         with self.lock:  # type: ignore[union-attr]
             self._lines.append(line)
-            if self._scheduled:
-                return
             try:
-                loop = asyncio.get_running_loop()
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
             except RuntimeError:
                 loop = None
+            if loop is not None and loop is self._flush_on:
+                return
             if loop is not None:
-                self._scheduled = True
+                # Also when a flush is still scheduled on a loop that stopped before running it.
+                self._flush_on = loop
                 loop.call_soon(self.flush)
                 return
         self.flush()
 
     def flush(self) -> None:
         with self.lock:  # type: ignore[union-attr]
-            self._scheduled = False
+            self._flush_on = None
             if not self._lines:
                 return
             data = b"\n".join(self._lines) + b"\n"

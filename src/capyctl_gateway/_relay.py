@@ -69,6 +69,9 @@ class RelayContext:
     request_deadline: float
     stream_idle_timeout: float
     outcome: Outcome = field(default_factory=Outcome)
+    drains: set[asyncio.Task[None]] = field(default_factory=set)
+    """Where the relay parks the tasks that pool an engine connection after the answer left;
+    the gateway cancels what is left when it shuts down."""
 
 
 def _engine_message(raw: bytes) -> str:
@@ -238,28 +241,35 @@ async def relay_chat(
     finally:
         ctx.outcome.answered = ctx.outcome.answered or verifier.answered
         if upstream is not None:
-            pooled = False
-            try:
-                pooled = clean and (upstream.content.is_eof() or await _body_ended(upstream))
-            finally:  # a hang-up may cancel the wait for the body's end
-                if pooled:
-                    upstream.release()
-                else:
-                    upstream.close()  # never back to the pool: the engine sees the close, stops
+            if not clean:
+                upstream.close()  # never back to the pool: the engine sees the close and stops
+            elif upstream.content.is_eof():
+                upstream.release()
+            else:  # the answer is complete; wait for the body's end without holding it up
+                task = loop.create_task(_release_when_ended(upstream))
+                ctx.drains.add(task)
+                task.add_done_callback(ctx.drains.discard)
 
 
-async def _body_ended(upstream: aiohttp.ClientResponse) -> bool:
-    """Wait briefly for the end of the engine's chunked body after its ``[DONE]``.
+async def _release_when_ended(upstream: aiohttp.ClientResponse) -> None:
+    """Pool the engine connection once its chunked body has ended after ``[DONE]``.
 
     uvicorn (vLLM, SGLang) writes that end on its own, after ``[DONE]``; a connection released
     before it arrives is closed rather than pooled, and the next request pays for a new one.
-    Nothing but the end may come: more data, or none within `DRAIN_S`, closes the connection.
+    This runs after the client has its answer and the request has left the queue. Nothing but
+    the end may come: more data, none within `DRAIN_S`, or a shutdown closes the connection.
     """
+    ended = False
     try:
         with Deadline(asyncio.get_running_loop().time() + DRAIN_S):
-            return not await upstream.content.readany() and upstream.content.is_eof()
+            ended = not await upstream.content.readany() and upstream.content.is_eof()
     except (TimeoutError, aiohttp.ClientError):
-        return False
+        pass
+    finally:
+        if ended:
+            upstream.release()
+        else:
+            upstream.close()
 
 
 async def _start_stream(request: web.Request, ctx: RelayContext) -> web.StreamResponse:

@@ -13,13 +13,13 @@ time, key, a finish, usage) takes the full check, and may become the next templa
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 from ._config import EngineFamily
 
-__all__ = ["ChunkVerifier", "EngineRejectedError", "UnverifiedError"]
+__all__ = ["ChunkVerifier", "EngineRejectedError", "TemplateText", "UnverifiedError"]
 
 DELTA_KEYS: dict[EngineFamily, frozenset[str]] = {
     EngineFamily.VLLM: frozenset({"role", "content", "reasoning", "tool_calls"}),
@@ -33,6 +33,16 @@ TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
 FUNCTION_KEYS = frozenset({"name", "arguments"})
 ENGINE_OBJECTS = ("metrics", "timings", "tensorfold")
 _CONTENT_KEY = b'"content":'
+_CHUNK_FRAME = frozenset({"id", "object", "created", "model", "choices"})
+"""A chunk's keys that are not chunk-level fields of the answer (usage, metrics, ...)."""
+
+
+class TemplateText(NamedTuple):
+    """A chunk that is the verifier's template but for its text."""
+
+    text: str
+    extra: dict[str, Any]
+    """The template's non-null chunk-level fields (system_fingerprint, ...)."""
 
 
 class UnverifiedError(Exception):
@@ -74,7 +84,9 @@ class ChunkVerifier:
         "first_text_at",
         "id",
         "last_at",
-        "_length_shift",
+        "_model_out",
+        "_model_raw",
+        "_template_extra",
         "public",
         "served",
         "usage",
@@ -84,9 +96,11 @@ class ChunkVerifier:
         self._delta_keys = DELTA_KEYS[family]
         self.served = served
         self.public = public
-        # A chunk written compactly, as the engines write them, re-serialises to exactly its own
-        # length plus this (the public name replacing the engine's).
-        self._length_shift = len(orjson.dumps(public)) - len(orjson.dumps(served))
+        # A chunk written as orjson writes it (compact, keys once, numbers and strings in their
+        # shortest form, as the engines write them) re-serialises to its own bytes with only
+        # the model renamed.
+        self._model_raw = b'"model":' + orjson.dumps(served)
+        self._model_out = b'"model":' + orjson.dumps(public)
         self.id: str | None = None
         self.finished = False
         self.chunks = 0
@@ -102,6 +116,7 @@ class ChunkVerifier:
         # _out_head + text + _out_tail (framed as an SSE event, model renamed).
         self._head = self._tail = self._out_head = self._out_tail = b""
         self._head_len = self._tail_len = -1
+        self._template_extra: dict[str, Any] = {}
 
     def relay(self, raw: bytes, now: float) -> bytes:
         """Verify one chunk of a stream that goes to the client; return its SSE event."""
@@ -112,12 +127,12 @@ class ChunkVerifier:
         self._learn(raw, chunk, out)
         return b"data: " + out + b"\n\n"
 
-    def collect(self, raw: bytes, now: float) -> dict[str, Any] | str:
-        """Verify one chunk of a stream the gateway assembles: the chunk, or only its text
-        when it matches the template (all else in it is the template's)."""
+    def collect(self, raw: bytes, now: float) -> dict[str, Any] | TemplateText:
+        """Verify one chunk of a stream the gateway assembles: the chunk, or, when it matches
+        the template, its text and the template's chunk-level fields."""
         found = self._template_text(raw, now)
         if found is not None:
-            return found[1]
+            return TemplateText(found[1], self._template_extra)
         chunk, out = self.check(raw, now)
         self._learn(raw, chunk, out)
         return chunk
@@ -180,6 +195,9 @@ class ChunkVerifier:
         self._out_head = b"data: " + out[: out_at + cut]
         self._out_tail = out[out_at + back :] + b"\n\n"
         self._head_len, self._tail_len = len(self._head), len(self._tail)
+        self._template_extra = {
+            k: v for k, v in chunk.items() if k not in _CHUNK_FRAME and v is not None
+        }
 
     def check(self, raw: bytes, now: float) -> tuple[dict[str, Any], bytes]:
         """Parse and verify one chunk; return it with ``model`` set to the public name, and
@@ -234,10 +252,10 @@ class ChunkVerifier:
         self.last_at = now
         chunk["model"] = self.public
         out = orjson.dumps(chunk)
-        # orjson keeps the last of repeated keys silently, which shortens the re-serialised
-        # chunk. When the length is not exactly what a compact, repeat-free chunk gives (spaces,
-        # escapes or numbers written differently, or a repeated key), check exactly, slowly.
-        if len(out) != len(raw) + self._length_shift:
+        # orjson keeps the last of repeated keys silently, so a chunk with a repeated key does
+        # not re-serialise to its own bytes. Neither does one written another way (spaces,
+        # escapes, numbers spelled differently): those take the exact, slower check.
+        if out != raw.replace(self._model_raw, self._model_out, 1):
             try:
                 json.loads(raw, object_pairs_hook=_reject_duplicates)
             except ValueError:

@@ -96,3 +96,21 @@ async def test_moved_past_the_first_check_it_waits_for_the_new_time() -> None:
         d.move(start + 0.1)  # later than the first check: no re-arm, the check re-arms itself
         await never()
     assert 0.1 <= loop.time() - start < 60
+
+
+async def test_expiry_turned_into_another_error_leaves_the_task_uncancelled() -> None:
+    loop = asyncio.get_running_loop()
+    with pytest.raises(ValueError), Deadline(loop.time() + 0.01):
+        try:
+            await never()
+        except asyncio.CancelledError:
+            raise ValueError("handled its own way") from None
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_moving_it_after_the_block_arms_nothing() -> None:
+    loop = asyncio.get_running_loop()
+    with Deadline(loop.time() + 600) as d:
+        pass
+    d.move(loop.time())  # earlier than armed, but the block is over
+    assert d._handle is None

@@ -86,3 +86,26 @@ def test_the_direct_line_matches_the_formatter_s(sink: Writes) -> None:
     assert {k: v for k, v in direct.items() if k != "ts"} == {
         k: v for k, v in formatted.items() if k != "ts"
     }
+
+
+def test_lines_are_not_held_by_a_loop_that_stopped_before_flushing(sink: Writes) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def log_and_stop() -> None:
+            event("router_selection", "unused", capyctl_request_id="01D")
+            loop.stop()  # the scheduled flush never runs on this loop
+
+        loop.create_task(log_and_stop())
+        loop.run_forever()
+    finally:
+        loop.close()
+    assert sink.writes == []
+    event("router_selection", "unused", capyctl_request_id="01E")  # no loop now: written at once
+    assert [line["capyctl_request_id"] for line in lines(sink)] == ["01D", "01E"]
+
+
+def test_a_handler_above_info_gets_no_events(sink: Writes) -> None:
+    logging.getLogger().handlers[0].setLevel(logging.WARNING)
+    event("router_selection", "unused", capyctl_request_id="01F")
+    assert sink.writes == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -371,6 +372,8 @@ async def test_a_completed_exchange_leaves_its_engine_connection_in_the_pool(
     async with gateway.client() as c:
         for body in ({**CHAT, "stream": True}, CHAT, {**CHAT, "stream": True}, CHAT):
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+            # The connection goes back to the pool once the body's end came (after the answer).
+            await asyncio.gather(*gateway.gateway._drains)
     peers = {r.peer for r in engine.received}
     assert len(engine.received) == 4 and len(peers) == 1, peers
 
@@ -382,6 +385,9 @@ async def test_an_engine_that_never_ends_its_body_after_done_is_closed_not_poole
     engine.script = [*vllm_stream(), Hold()]  # [DONE], then the body never ends
     async with gateway.client() as c:
         r = await c.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        # The answer did not wait for the body's end (1 s), nor did the request's queue place.
+        assert not engine.hung_up.is_set()
+        assert gateway.gateway.routes["my-model"].queue.running == 0 or stream
     assert r.status_code == 200
     if stream:
         assert r.text.rstrip().endswith("data: [DONE]")

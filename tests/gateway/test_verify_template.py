@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,9 +56,11 @@ def llama_chunk(text: str | None, *, finish: str | None = None, **top: Any) -> d
     return chunk
 
 
-def write(chunk: dict[str, Any], ascii_only: bool) -> bytes:
-    if ascii_only:  # the way an engine that escapes every non-ASCII character writes it
+def write(chunk: dict[str, Any], style: int) -> bytes:
+    if style == 1:  # the way an engine that escapes every non-ASCII character writes it
         return json.dumps(chunk, separators=(",", ":"), ensure_ascii=True).encode()
+    if style == 2:  # Python's default spacing
+        return json.dumps(chunk).encode()
     return orjson.dumps(chunk)
 
 
@@ -74,13 +77,24 @@ MUTATIONS: list[tuple[bytes, bytes]] = [
     (b'"index":0', b'"index":1'),
     (b'"finish_reason":null', b'"finish_reason":"stop"'),
     (b"}]", b'},{"index":0,"delta":{}}]'),
+    # a repeated key hidden by numbers that re-serialise longer (1e3 is 1000.0): same length
+    (b'"created":1796000000', b'"created":1796000000,"y":1e3,"z":1e5,"z":1e5'),
+    (b'"},', b"},"),  # the text's closing quote dropped
+    (b'"content":"', b'"content": "'),  # a space where the template has none
 ]
 
 step = st.one_of(
-    st.tuples(st.just("text"), st.text(max_size=12), st.booleans()),
+    st.tuples(st.just("text"), st.text(max_size=12), st.integers(0, 2)),
     st.tuples(st.just("mutated"), st.text(max_size=6), st.sampled_from(range(len(MUTATIONS)))),
     st.tuples(st.just("finish"), st.sampled_from(["stop", "length"]), st.booleans()),
     st.tuples(st.just("usage"), st.just(""), st.booleans()),
+    # chunk-level fields that change, logprobs, and deltas with more than text
+    st.tuples(st.just("extra"), st.text(max_size=4), st.sampled_from([None, 1, "fp"])),
+    st.tuples(st.just("logprobs"), st.text(max_size=4), st.booleans()),
+    st.tuples(st.just("role"), st.text(max_size=4), st.booleans()),
+    st.tuples(st.just("reasoning"), st.text(max_size=4), st.booleans()),
+    st.tuples(st.just("float_repeat"), st.text(max_size=4), st.integers(0, 1)),
+    st.tuples(st.just("truncated"), st.text(max_size=6), st.integers(1, 3)),
 )
 
 
@@ -120,22 +134,45 @@ def run(
     return verdicts, state
 
 
-@settings(max_examples=400)
+@settings(max_examples=600)
 @given(st.sampled_from([vllm_chunk, llama_chunk]), st.lists(step, max_size=14), st.booleans())
 def test_the_template_path_gives_the_full_check_s_verdicts(
     make: Any, steps: list[tuple[str, Any, Any]], assemble: bool
 ) -> None:
-    raws = [write(make(None) | {"choices": [make("")["choices"][0]]}, False)]
+    raws = [write(make(None) | {"choices": [make("")["choices"][0]]}, 0)]
     for kind, value, extra in steps:
         if kind == "text":
-            raws.append(write(make(value), ascii_only=extra))
+            raws.append(write(make(value), extra))
         elif kind == "mutated":
             old, new = MUTATIONS[extra]
-            raws.append(write(make(value), False).replace(old, new, 1))
+            raws.append(write(make(value), 0).replace(old, new, 1))
         elif kind == "finish":
-            raws.append(write(make(None, finish=value), ascii_only=False))
+            raws.append(write(make(None, finish=value), 0))
+        elif kind == "extra":
+            raws.append(write(make(value, system_fingerprint=extra), 0))
+        elif kind == "logprobs":
+            chunk = make(value)
+            chunk["choices"][0]["logprobs"] = {"content": [{"token": value, "logprob": -0.5}]}
+            raws.append(write(chunk, 0))
+        elif kind == "role":  # never a template; may change a chunk-level field meanwhile
+            chunk = make(value, **({"system_fingerprint": "other"} if extra else {}))
+            chunk["choices"][0]["delta"] = {"role": "assistant", "content": value}
+            raws.append(write(chunk, 0))
+        elif kind == "float_repeat":  # a repeated key the length of the chunk would not show
+            raws.append(
+                write(make(value), extra).replace(
+                    b'"created":1796000000', b'"created":1796000000,"y":1e3,"z":1e5,"z":1e5', 1
+                )
+            )
+        elif kind == "reasoning":
+            chunk = make(value)
+            key = "reasoning" if make is vllm_chunk else "reasoning_content"
+            chunk["choices"][0]["delta"] = {key: "why", "content": value}
+            raws.append(write(chunk, 0))
+        elif kind == "truncated":
+            raws.append(write(make(value), 0)[:-extra])
         else:
-            raws.append(write(make(None, choices=[], usage={"completion_tokens": 3}), False))
+            raws.append(write(make(None, choices=[], usage={"completion_tokens": 3}), 0))
     family = EngineFamily.VLLM if make is vllm_chunk else EngineFamily.LLAMACPP
     real = ChunkVerifier(family, served="tiny", public="my-model")
     reference = FullCheckOnly(family, served="tiny", public="my-model")
@@ -152,3 +189,36 @@ def test_text_chunks_after_the_first_take_the_template_path() -> None:
     assert doc["model"] == "my-model"
     assert doc["choices"][0]["delta"] == {"content": 'lo "world"\\'}
     assert verifier.chunks == 2 and verifier.first_text_at == 0.0
+
+
+def same_as_full_check(family: EngineFamily, raws: list[bytes], *, assemble: bool) -> None:
+    real = ChunkVerifier(family, served="tiny", public="my-model")
+    reference = FullCheckOnly(family, served="tiny", public="my-model")
+    assert run(real, raws, assemble=assemble) == run(reference, raws, assemble=assemble)
+
+
+@pytest.mark.parametrize("assemble", [False, True])
+def test_known_hard_cases(assemble: bool) -> None:
+    llama, vllm = EngineFamily.LLAMACPP, EngineFamily.VLLM
+    # The template's bytes with an empty text and its closing quote gone: head + tail[1:].
+    cut = orjson.dumps(vllm_chunk("")).replace(b'"},', b"},", 1)
+    same_as_full_check(vllm, [orjson.dumps(vllm_chunk("a")), cut], assemble=assemble)
+    # A chunk-level field changed by a chunk that is never a template, then the template again.
+    role = llama_chunk("x", system_fingerprint="other")
+    role["choices"][0]["delta"] = {"role": "assistant", "content": "x"}
+    raws = [orjson.dumps(c) for c in (llama_chunk("a"), role, llama_chunk("b"))]
+    raws.append(orjson.dumps(llama_chunk(None, finish="stop", system_fingerprint=None)))
+    same_as_full_check(llama, raws, assemble=assemble)
+    # A chunk whose text also appears, spelled another way, in a field before it: its
+    # re-serialised bytes hold the text twice.
+    spaced = b'{"x":{"content" :"a"},' + orjson.dumps(vllm_chunk("a"))[1:]
+    nxt = b'{"x":{"content" :"a"},' + orjson.dumps(vllm_chunk("b"))[1:]
+    same_as_full_check(vllm, [spaced, nxt], assemble=assemble)
+    # A repeated key that the chunk's length would not show (1e3 re-serialises as 1000.0).
+    hidden = b'"created":1796000000,"y":1e3,"z":1e5,"z":1e5'
+    raws = [
+        orjson.dumps(vllm_chunk(t)).replace(b'"created":1796000000', hidden) for t in ("a", "b")
+    ]
+    same_as_full_check(vllm, raws, assemble=assemble)
+    with pytest.raises(UnverifiedError, match="repeats"):
+        ChunkVerifier(vllm, served="tiny", public="m").relay(raws[0], 0.0)

@@ -141,6 +141,17 @@ async def test_a_refused_connection_is_unreachable(session: aiohttp.ClientSessio
     assert info.value.url == url
 
 
+async def test_a_header_that_cannot_be_sent_is_a_scrape_error_and_sends_nothing(
+    session: aiohttp.ClientSession, engine: HTTPServer
+) -> None:
+    engine.expect_request("/health").respond_with_data("")
+    with pytest.raises(ScrapeError, match="request not sent"):
+        await AiohttpFetcher(session, timeout_s=5).get(
+            engine.url_for("/health"), headers={"Authorization": "Bearer a\nInjected: 1"}
+        )
+    assert requests_to(engine, "/health") == []
+
+
 async def test_an_engine_that_never_answers_times_out_within_the_timeout(
     session: aiohttp.ClientSession,
 ) -> None:
