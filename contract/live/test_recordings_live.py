@@ -119,7 +119,10 @@ def capture(
     base_url: str, endpoints: tuple[Endpoint, ...], idle_gauges: tuple[str, ...]
 ) -> list[tuple[Endpoint, httpx.Response]]:
     answers = []
-    with httpx.Client(timeout=120, trust_env=False, headers=HEADERS) as client:
+    # A new connection for every request: llama-server was seen closing a kept-alive one just
+    # as the next request went out on it (once in a CI run), which is not what this test checks.
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(timeout=120, trust_env=False, headers=HEADERS, limits=fresh) as client:
         wait_idle(client, base_url, idle_gauges)
         for ep in endpoints:
             resp = client.request(ep.method, base_url + ep.path, json=ep.body)

@@ -154,7 +154,12 @@ class Collector:
         if self._fetch is None:
             if self._client is None:
                 timeout = self.options.request_timeout_s
-                self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=False)
+                # Idle connections expire before the engines' own 5 s idle limit (llama-server,
+                # uvicorn), so a poll never goes out on a connection the engine is closing.
+                limits = httpx.Limits(keepalive_expiry=4.0)
+                self._client = httpx.AsyncClient(
+                    timeout=timeout, follow_redirects=False, limits=limits
+                )
                 self._owns_client = True
             self._fetch = HttpxFetcher(self._client, clock=self._clock)
         self._tg = anyio.create_task_group()

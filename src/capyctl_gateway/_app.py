@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 UNAUTHORIZED = GatewayError(401, "unauthorized", "missing or invalid api key")
 MAX_OFFERS = 4
+IDLE_CONNECTION_S = 4.0
+"""How long an idle engine connection stays pooled: under the 5 s after which llama-server and
+uvicorn (vLLM, SGLang) close one, so that the gateway never sends on a connection the engine
+is closing at that moment (measured on llama-server b10798: idle 5.5 s, then the next request
+met a closed connection)."""
 """Instances a request is offered to, when the ones before provably never got it."""
 _FACTORIES: dict[EngineFamily, Callable[..., EngineAdapter]] = {
     EngineFamily.VLLM: vllm,
@@ -160,7 +165,9 @@ class Gateway:
 
     # -- lifecycle --------------------------------------------------------------------
     async def _session_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=IDLE_CONNECTION_S
+        )
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         async with aiohttp.ClientSession(
             connector=connector,
@@ -187,7 +194,9 @@ class Gateway:
         """
         timeout_s = self.collector_options.request_timeout_s
         async with aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=4),
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=4, keepalive_timeout=IDLE_CONNECTION_S
+            ),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             cookie_jar=aiohttp.DummyCookieJar(),
         ) as session:

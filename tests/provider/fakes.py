@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from typing import TypeVar
 
 from pytest_httpserver import HTTPServer
 
@@ -33,18 +34,15 @@ def sglang_0521(server: HTTPServer) -> None:
     serve(server, "/server_info", "sglang/0.5.21/GET_server_info.http")
 
 
-class DroppingServer:
-    """A raw HTTP/1.1 server whose first connection answers one request with keep-alive, then
-    closes without answering the next; with ``always=True`` every request is dropped."""
+class RawServer:
+    """A raw TCP server on a loopback port for HTTP faults no HTTP server library will make:
+    each connection is handed to `handle` in the server's thread, one at a time."""
 
-    def __init__(self, *, always: bool = False) -> None:
-        self.always = always
+    def __init__(self) -> None:
         self.connections = 0
-        self.answered = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self.port: int = self._sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         while True:
@@ -53,23 +51,53 @@ class DroppingServer:
             except OSError:
                 return
             self.connections += 1
-            first = self.connections == 1
             with conn:
-                for n in range(2 if first else 100):
-                    data = b""
-                    while b"\r\n\r\n" not in data:
-                        chunk = conn.recv(4096)
-                        if not chunk:
-                            break
-                        data += chunk
-                    if not data or self.always or (first and n == 1):
-                        break  # close without a word
-                    body = b'{"status":"ok"}'
-                    self.answered += 1  # before the answer, which the client may read at once
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-                    )
+                self.handle(conn, self.connections)
+
+    def handle(self, conn: socket.socket, n: int) -> None:
+        """Serve the ``n``th connection."""
+        raise NotImplementedError
+
+    @staticmethod
+    def read_head(conn: socket.socket) -> bytes:
+        """A request's head, or what came before the client closed."""
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := conn.recv(4096)):
+            data += chunk
+        return data
 
     def close(self) -> None:
         self._sock.close()
+
+
+class DroppingServer(RawServer):
+    """A raw HTTP/1.1 server whose first connection answers one request with keep-alive, then
+    closes without answering the next; with ``always=True`` every request is dropped."""
+
+    def __init__(self, *, always: bool = False) -> None:
+        self.always = always
+        self.answered = 0
+        super().__init__()
+
+    def handle(self, conn: socket.socket, n: int) -> None:
+        first = n == 1
+        for i in range(2 if first else 100):
+            if not self.read_head(conn) or self.always or (first and i == 1):
+                return  # close without a word
+            body = b'{"status":"ok"}'
+            self.answered += 1  # before the answer, which the client may read at once
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+
+
+E = TypeVar("E", bound=Exception)
+
+
+def subclasses_of(cls: type[E]) -> set[type[E]]:
+    """``cls`` and every class below it."""
+    found = {cls}
+    for sub in cls.__subclasses__():
+        found |= subclasses_of(sub)
+    return found

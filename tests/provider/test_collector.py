@@ -32,7 +32,13 @@ from canopyx_provider import (
 )
 from canopyx_provider._scrape import HttpxFetcher, map_httpx_errors
 from tests.conftest import recorded, requests_to, serve
-from tests.provider.fakes import DroppingServer, llamacpp_10798, sglang_0521, vllm_031
+from tests.provider.fakes import (
+    DroppingServer,
+    llamacpp_10798,
+    sglang_0521,
+    subclasses_of,
+    vllm_031,
+)
 
 pytestmark = pytest.mark.anyio
 FAST = ProviderOptions(poll_interval_ms=20, request_timeout_ms=1000, connect_attempts=1)
@@ -390,13 +396,7 @@ async def test_set_poll_interval_takes_effect_at_once(engine: HTTPServer) -> Non
 
 
 def test_every_httpx_transport_error_is_mapped() -> None:
-    def subclasses(cls: type[Exception]) -> set[type[Exception]]:
-        found = {cls}
-        for sub in cls.__subclasses__():
-            found |= subclasses(sub)
-        return found
-
-    classes = subclasses(httpx.TransportError)
+    classes = subclasses_of(httpx.TransportError)
     assert len(classes) > 10
     for cls in classes:
         with pytest.raises(ScrapeError) as info, map_httpx_errors("http://e"):

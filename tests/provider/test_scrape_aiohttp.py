@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import socket
 import ssl
-import threading
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
@@ -30,7 +29,7 @@ from canopyx_provider import (
 )
 from canopyx_provider._scrape_aiohttp import map_aiohttp_errors
 from tests.conftest import requests_to
-from tests.provider.fakes import DroppingServer, vllm_031
+from tests.provider.fakes import DroppingServer, RawServer, subclasses_of, vllm_031
 
 pytestmark = pytest.mark.anyio
 
@@ -53,29 +52,16 @@ def dropping() -> Iterator[DroppingServer]:
     server.close()
 
 
-class OneAnswerServer:
+class OneAnswerServer(RawServer):
     """A raw server that reads one request per connection, writes ``answer`` and closes."""
 
     def __init__(self, answer: bytes) -> None:
         self.answer = answer
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data and (chunk := conn.recv(4096)):
-                    data += chunk
-                conn.sendall(self.answer)
-
-    def close(self) -> None:
-        self._sock.close()
+    def handle(self, conn: socket.socket, n: int) -> None:
+        self.read_head(conn)
+        conn.sendall(self.answer)
 
 
 async def test_a_200_gives_status_body_and_lower_cased_headers(
@@ -244,13 +230,7 @@ def _instance(cls: type[aiohttp.ClientError]) -> aiohttp.ClientError:
 
 
 def test_every_aiohttp_error_is_mapped() -> None:
-    def subclasses(cls: type[aiohttp.ClientError]) -> set[type[aiohttp.ClientError]]:
-        found = {cls}
-        for sub in cls.__subclasses__():
-            found |= subclasses(sub)
-        return found
-
-    classes = subclasses(aiohttp.ClientError)
+    classes = subclasses_of(aiohttp.ClientError)
     assert len(classes) > 20
     for cls in classes:
         with pytest.raises(ScrapeError) as info, map_aiohttp_errors("http://e"):
