@@ -166,3 +166,21 @@ async def test_a_cut_stream_settles_when_the_real_engine_reports_idle(
     idle = [s for s in samples if s.requested_at == done.sample_requested_at]
     assert idle and idle[0].metrics.running_requests == 0 and idle[0].metrics.waiting_requests == 0
     assert book.charged == 0
+
+
+async def test_requests_in_a_row_all_succeed(llama_gateway: RunningGateway) -> None:
+    """llama-server closes its connection after every streamed answer, without saying so in a
+    header; a gateway that pooled those connections would send the next request into a closed
+    one (measured: with one connection reused, every request after a stream failed)."""
+    body = {
+        "model": "my-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+    }
+    headers = {"Authorization": f"Bearer {llama_gateway.key}"}
+    statuses = []
+    async with httpx.AsyncClient(base_url=llama_gateway.url, headers=headers, timeout=60) as c:
+        for i in range(30):
+            r = await c.post("/v1/chat/completions", json={**body, "stream": i % 2 == 0})
+            statuses.append(r.status_code)
+    assert statuses == [200] * 30

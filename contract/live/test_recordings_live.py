@@ -119,8 +119,9 @@ def capture(
     base_url: str, endpoints: tuple[Endpoint, ...], idle_gauges: tuple[str, ...]
 ) -> list[tuple[Endpoint, httpx.Response]]:
     answers = []
-    # A new connection for every request: llama-server was seen closing a kept-alive one just
-    # as the next request went out on it (once in a CI run), which is not what this test checks.
+    # A new connection for every request: llama-server closes its connection after a streamed
+    # answer without saying so, and the next request sent on it can meet a closed socket (one
+    # CI run failed so); that is not what this test checks.
     fresh = httpx.Limits(max_keepalive_connections=0)
     with httpx.Client(timeout=120, trust_env=False, headers=HEADERS, limits=fresh) as client:
         wait_idle(client, base_url, idle_gauges)

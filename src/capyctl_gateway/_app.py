@@ -140,6 +140,11 @@ class Gateway:
                 }
                 if key is not None:
                     headers["Authorization"] = f"Bearer {key}"
+                if d.engine is EngineFamily.LLAMACPP:
+                    # llama-server closes its connection after every streamed answer without
+                    # saying so (measured on b10798: the next request sent on it met a closed
+                    # socket). Asked to close, it says so, and the connection is not reused.
+                    headers["Connection"] = "close"
                 ledger = self.settlement.ledger(f"{d.name}/{i}")
                 host = urlsplit(inst.url).hostname or ""
                 instances.append(_Instance(i, inst.url, host, headers, key, ledger))

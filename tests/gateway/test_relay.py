@@ -396,3 +396,12 @@ async def test_an_engine_that_never_ends_its_body_after_done_is_closed_not_poole
     with anyio.fail_after(5):
         await engine.hung_up.wait()  # closed, not left open in the pool
     assert gateway.gateway.settlement.ledgers["my-model/0"].charged == 0  # it finished
+
+
+async def test_llama_cpp_connections_are_not_reused(gateway: Gw, engine: FakeEngine) -> None:
+    # llama-server closes its connection after each streamed answer without a header saying so.
+    engine.script = vllm_stream()
+    async with gateway.client() as c:
+        for body in ({**CHAT, "model": "llama", "stream": True}, {**CHAT, "model": "llama"}):
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    assert len({r.peer for r in engine.received}) == 2

@@ -36,6 +36,7 @@ ENGINE_HEADERS = {
     "accept-encoding",
     "content-length",
     "user-agent",
+    "connection",  # llama.cpp deployments: close (llama-server closes after a stream anyway)
 }
 
 
