@@ -36,8 +36,11 @@ class Assembler:
     def add(self, chunk: dict[str, Any] | TemplateText) -> None:
         """Fold in a verified chunk, or one that is the verifier's template but for its text."""
         if isinstance(chunk, TemplateText):
-            if chunk.text:
-                self._content.append(chunk.text)
+            if chunk.key == "content":
+                if chunk.text:
+                    self._content.append(chunk.text)
+            else:
+                self._reasoning.setdefault(chunk.key, []).append(chunk.text)
             if chunk.extra:
                 self._chunk_extra.update(chunk.extra)
             return

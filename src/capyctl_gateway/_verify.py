@@ -32,7 +32,6 @@ TEXT_KEYS = ("content", "reasoning_content", "reasoning")
 TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
 FUNCTION_KEYS = frozenset({"name", "arguments"})
 ENGINE_OBJECTS = ("metrics", "timings", "tensorfold")
-_CONTENT_KEY = b'"content":'
 _CHUNK_FRAME = frozenset({"id", "object", "created", "model", "choices"})
 """A chunk's keys that are not chunk-level fields of the answer (usage, metrics, ...)."""
 
@@ -43,6 +42,8 @@ class TemplateText(NamedTuple):
     text: str
     extra: dict[str, Any]
     """The template's non-null chunk-level fields (system_fingerprint, ...)."""
+    key: str = "content"
+    """The delta key the text is under: content, or the engine's reasoning key."""
 
 
 class UnverifiedError(Exception):
@@ -87,6 +88,7 @@ class ChunkVerifier:
         "_model_out",
         "_model_raw",
         "_template_extra",
+        "_template_key",
         "public",
         "served",
         "usage",
@@ -117,6 +119,7 @@ class ChunkVerifier:
         self._head = self._tail = self._out_head = self._out_tail = b""
         self._head_len = self._tail_len = -1
         self._template_extra: dict[str, Any] = {}
+        self._template_key = "content"
 
     def relay(self, raw: bytes, now: float) -> bytes:
         """Verify one chunk of a stream that goes to the client; return its SSE event."""
@@ -132,7 +135,7 @@ class ChunkVerifier:
         the template, its text and the template's chunk-level fields."""
         found = self._template_text(raw, now)
         if found is not None:
-            return TemplateText(found[1], self._template_extra)
+            return TemplateText(found[1], self._template_extra, self._template_key)
         chunk, out = self.check(raw, now)
         self._learn(raw, chunk, out)
         return chunk
@@ -171,14 +174,17 @@ class ChunkVerifier:
             return
         choice = choices[0]
         delta = choice["delta"]
-        text = delta.get("content")
-        if len(delta) != 1 or type(text) is not str:
+        if len(delta) != 1:
+            return
+        ((key, text),) = delta.items()
+        if key not in TEXT_KEYS or type(text) is not str:
             return
         if choice.get("logprobs") is not None or any(
             chunk.get(key) is not None for key in ENGINE_OBJECTS
         ):
             return
-        needle = _CONTENT_KEY + orjson.dumps(text)
+        name = b'"' + key.encode() + b'":'
+        needle = name + orjson.dumps(text)
         at = raw.find(needle)
         out_at = out.find(needle)
         if (
@@ -188,7 +194,7 @@ class ChunkVerifier:
             or out.find(needle, out_at + 1) >= 0
         ):
             return  # written another way, or twice: no template
-        cut = len(_CONTENT_KEY) + 1  # past the opening quote of the text
+        cut = len(name) + 1  # past the opening quote of the text
         back = len(needle) - 1  # to its closing quote
         self._head = raw[: at + cut]
         self._tail = raw[at + back :]
@@ -198,6 +204,7 @@ class ChunkVerifier:
         self._template_extra = {
             k: v for k, v in chunk.items() if k not in _CHUNK_FRAME and v is not None
         }
+        self._template_key = key
 
     def check(self, raw: bytes, now: float) -> tuple[dict[str, Any], bytes]:
         """Parse and verify one chunk; return it with ``model`` set to the public name, and

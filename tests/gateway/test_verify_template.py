@@ -94,6 +94,7 @@ step = st.one_of(
     st.tuples(st.just("role"), st.text(max_size=4), st.booleans()),
     st.tuples(st.just("reasoning"), st.text(max_size=4), st.booleans()),
     st.tuples(st.just("float_repeat"), st.text(max_size=4), st.integers(0, 1)),
+    st.tuples(st.just("reasoning_only"), st.text(max_size=8), st.integers(0, 1)),
     st.tuples(st.just("truncated"), st.text(max_size=6), st.integers(1, 3)),
 )
 
@@ -169,6 +170,11 @@ def test_the_template_path_gives_the_full_check_s_verdicts(
             key = "reasoning" if make is vllm_chunk else "reasoning_content"
             chunk["choices"][0]["delta"] = {key: "why", "content": value}
             raws.append(write(chunk, 0))
+        elif kind == "reasoning_only":  # a reasoning model's thinking, one piece at a time
+            chunk = make(value)
+            key = "reasoning" if make is vllm_chunk else "reasoning_content"
+            chunk["choices"][0]["delta"] = {key: value}
+            raws.append(write(chunk, extra))
         elif kind == "truncated":
             raws.append(write(make(value), 0)[:-extra])
         else:
@@ -222,3 +228,18 @@ def test_known_hard_cases(assemble: bool) -> None:
     same_as_full_check(vllm, raws, assemble=assemble)
     with pytest.raises(UnverifiedError, match="repeats"):
         ChunkVerifier(vllm, served="tiny", public="m").relay(raws[0], 0.0)
+
+
+def test_reasoning_chunks_take_the_template_path_too() -> None:
+    verifier = ChunkVerifier(EngineFamily.VLLM, served="tiny", public="my-model")
+    thinking = [vllm_chunk(None) for _ in range(3)]
+    for chunk, text in zip(thinking, ("Let", " me", ' "think"'), strict=True):
+        chunk["choices"][0]["delta"] = {"reasoning": text}
+    events = [verifier.relay(orjson.dumps(c), float(i)) for i, c in enumerate(thinking)]
+    assert verifier._head.endswith(b'"reasoning":"')
+    assert [orjson.loads(e[6:-2])["choices"][0]["delta"] for e in events] == [
+        {"reasoning": "Let"},
+        {"reasoning": " me"},
+        {"reasoning": ' "think"'},
+    ]
+    assert verifier.first_text_at == 0.0 and verifier.chunks == 3
