@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,8 +23,10 @@ from typing import Any
 
 import anyio
 import httpx
-from contract.engines._proc import free_port
 
+from bench.perf._loads import Target
+from bench.perf._procs import ProcessSet
+from bench.perf.run import start_gateway
 from canopyx_provider import Collector, EngineAdapter, ProviderOptions, llama_cpp, vllm
 
 CAP_S = 20.0  # give up reading after this long; reported as "> 20 s"
@@ -81,42 +81,6 @@ async def one_run(
         return None
 
 
-def _gateway(
-    engine: str, version: str, url: str, workdir: Path
-) -> tuple[subprocess.Popen[bytes], str, str]:
-    config = workdir / f"gateway-{engine}.yaml"
-    config.write_text(
-        f'deployments:\n  - name: bench\n    engine: {engine}\n    engine_version: "{version}"\n'
-        f"    served_model: tiny\n    instances:\n      - url: {url}\n"
-    )
-    port, mport = free_port(), free_port()
-    state = workdir / "state"
-    cmd = [
-        str(Path(sys.executable).with_name("capyctl-gateway")),
-        "serve",
-        "--config",
-        str(config),
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--management",
-        f"127.0.0.1:{mport}",
-        "--state-dir",
-        str(state),
-        "--log-format",
-        "json",
-    ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            httpx.get(base + "/v1/models", timeout=1)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    key = (state / "identity" / "credentials").read_text().split("api_key: ")[1].split()[0]
-    return proc, base, key
-
-
 def _run(
     url: str, body: dict[str, Any], headers: dict[str, str], adapter: EngineAdapter, model: str
 ) -> float | None:
@@ -136,6 +100,36 @@ def measure(name: str, run: Callable[[], float | None], repeats: int) -> dict[st
     return row
 
 
+def _rows(
+    label: str,
+    engine_url: str,
+    adapter: Callable[[str], EngineAdapter],
+    gateway: Target,
+    body: dict[str, Any],
+    repeats: int,
+) -> list[dict[str, Any]]:
+    """Through the gateway and directly, streamed and not: four rows for one engine."""
+    rows = []
+    auth = {"Authorization": f"Bearer {gateway.key}"}
+    for stream in (True, False):
+        kind = "streamed" if stream else "non-streamed"
+        sent = {**body, "stream": stream}
+        for path, url, headers, model in (
+            ("via gateway", gateway.url, auth, "bench"),
+            ("direct", engine_url, {}, "tiny"),
+        ):
+            run = partial(
+                _run,
+                url + "/v1/chat/completions",
+                {**sent, "model": model},
+                headers,
+                adapter(engine_url),
+                "tiny",
+            )
+            rows.append(measure(f"{label} {path}, {kind}", run, repeats))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -144,97 +138,37 @@ def main() -> None:
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     workdir = Path(tempfile.mkdtemp(prefix="cancel-bench-"))
-    chat = {"model": "bench", "messages": [{"role": "user", "content": "count"}]}
-    if "llamacpp" in args.engines:
-        from contract.engines.llamacpp import LlamaServer, ensure_llama_server
-        from contract.engines.tiny_gguf import write_tiny_gguf
+    procs = ProcessSet(workdir)
+    chat = {"messages": [{"role": "user", "content": "count"}]}
+    try:
+        if "llamacpp" in args.engines:
+            from contract.engines.llamacpp import LlamaServer, ensure_llama_server
+            from contract.engines.tiny_gguf import write_tiny_gguf
 
-        model = write_tiny_gguf(workdir / "tiny.gguf", context_length=262144)
-        with LlamaServer(ensure_llama_server(), model, parallel=CLIENTS, ctx=262144) as srv:
-            proc, base, key = _gateway("llamacpp", "b10798", srv.base_url, workdir)
-            try:
-                auth = {"Authorization": f"Bearer {key}"}
-                for stream in (True, False):
-                    kind = "streamed" if stream else "non-streamed"
-                    body = {**chat, "max_tokens": 60000, "stream": stream}
-                    rows.append(
-                        measure(
-                            f"llama.cpp b10798 via gateway, {kind}",
-                            partial(
-                                _run,
-                                base + "/v1/chat/completions",
-                                body,
-                                auth,
-                                llama_cpp(srv.base_url),
-                                "tiny",
-                            ),
-                            args.repeats,
-                        )
-                    )
-                    direct = {**body, "model": "tiny"}
-                    rows.append(
-                        measure(
-                            f"llama.cpp b10798 direct, {kind}",
-                            partial(
-                                _run,
-                                srv.base_url + "/v1/chat/completions",
-                                direct,
-                                {},
-                                llama_cpp(srv.base_url),
-                                "tiny",
-                            ),
-                            args.repeats,
-                        )
-                    )
-            finally:
-                proc.terminate()
-                proc.wait(10)
-    if "vllm" in args.engines:
-        from contract.engines.tiny_hf_model import write_tiny_llama
-        from contract.engines.vllm import VllmServer, engine_dir, ensure_vllm
+            model = write_tiny_gguf(workdir / "tiny.gguf", context_length=262144)
+            with LlamaServer(ensure_llama_server(), model, parallel=CLIENTS, ctx=262144) as srv:
+                _, target = start_gateway(
+                    procs, workdir, srv.base_url, engine="llamacpp", engine_version="b10798"
+                )
+                body = {**chat, "max_tokens": 60000}
+                rows += _rows(
+                    "llama.cpp b10798", srv.base_url, llama_cpp, target, body, args.repeats
+                )
+                procs.stop_all()  # the gateway, before its engine stops
+        if "vllm" in args.engines:
+            from contract.engines.tiny_hf_model import write_tiny_llama
+            from contract.engines.vllm import VllmServer, engine_dir, ensure_vllm
 
-        python = ensure_vllm()
-        model_dir = engine_dir() / "tiny-llama"
-        write_tiny_llama(model_dir, python=python)
-        with VllmServer(python, model_dir, max_model_len=16384) as srv:
-            proc, base, key = _gateway("vllm", "0.31.0", srv.base_url, workdir)
-            try:
-                auth = {"Authorization": f"Bearer {key}"}
-                for stream in (True, False):
-                    kind = "streamed" if stream else "non-streamed"
-                    body = {**chat, "max_tokens": 12000, "ignore_eos": True, "stream": stream}
-                    rows.append(
-                        measure(
-                            f"vLLM 0.31.0 via gateway, {kind}",
-                            partial(
-                                _run,
-                                base + "/v1/chat/completions",
-                                body,
-                                auth,
-                                vllm(srv.base_url),
-                                "tiny",
-                            ),
-                            args.repeats,
-                        )
-                    )
-                    direct = {**body, "model": "tiny"}
-                    rows.append(
-                        measure(
-                            f"vLLM 0.31.0 direct, {kind}",
-                            partial(
-                                _run,
-                                srv.base_url + "/v1/chat/completions",
-                                direct,
-                                {},
-                                vllm(srv.base_url),
-                                "tiny",
-                            ),
-                            args.repeats,
-                        )
-                    )
-            finally:
-                proc.terminate()
-                proc.wait(10)
+            python = ensure_vllm()
+            model_dir = engine_dir() / "tiny-llama"
+            write_tiny_llama(model_dir, python=python)
+            with VllmServer(python, model_dir, max_model_len=16384) as srv:
+                _, target = start_gateway(procs, workdir, srv.base_url)
+                body = {**chat, "max_tokens": 12000, "ignore_eos": True}
+                rows += _rows("vLLM 0.31.0", srv.base_url, vllm, target, body, args.repeats)
+                procs.stop_all()  # the gateway, before its engine stops
+    finally:
+        procs.stop_all()
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 

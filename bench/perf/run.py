@@ -38,11 +38,11 @@ __all__ = ["main"]
 CONFIG = """\
 deployments:
   - name: bench
-    engine: vllm
-    engine_version: "0.31.0"
+    engine: {engine}
+    engine_version: "{version}"
     served_model: tiny
     instances:
-      - url: http://127.0.0.1:{port}
+      - url: {url}
 """
 LONG, SHORT = 256, 16
 
@@ -118,12 +118,20 @@ def start_engine(procs: ProcessSet) -> tuple[Proc, int]:
 
 
 def start_gateway(
-    procs: ProcessSet, work: Path, eport: int, *, extra: str = ""
+    procs: ProcessSet,
+    work: Path,
+    engine_url: str,
+    *,
+    engine: str = "vllm",
+    engine_version: str = "0.31.0",
+    extra: str = "",
 ) -> tuple[Proc, Target]:
-    """capyctl-gateway in front of the fake engine (``extra``: more YAML for its config), ready."""
+    """capyctl-gateway serving the engine at ``engine_url`` as the deployment ``bench``
+    (``extra``: more YAML for its config), ready."""
     py = sys.executable
     config = work / "gateway.yaml"
-    config.write_text(CONFIG.format(port=eport) + extra, encoding="utf-8")
+    text = CONFIG.format(engine=engine, version=engine_version, url=engine_url) + extra
+    config.write_text(text, encoding="utf-8")
     state = work / "state"
     gport, mport = free_port(), free_port()
     gw_bin = str(Path(py).with_name("capyctl-gateway"))
@@ -158,7 +166,7 @@ def _serve(args: argparse.Namespace, procs: ProcessSet, work: Path) -> tuple[lis
     engine, eport = start_engine(procs)
     engine_url = f"http://127.0.0.1:{eport}"
     targets = [Target("direct", engine_url, "tiny", None, ())]
-    _, gateway_target = start_gateway(procs, work, eport)
+    _, gateway_target = start_gateway(procs, work, engine_url)
     targets.append(gateway_target)
 
     peer_bin = None if args.no_peer else _peer_bin(args.peer_bin)

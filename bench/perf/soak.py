@@ -151,7 +151,7 @@ def _serve(procs: ProcessSet, work: Path, *, max_running: int, max_waiting: int)
         f"  max_running_per_deployment: {max_running}\n"
         f"  max_waiting_per_deployment: {max_waiting}\n"
     )
-    gateway, target = start_gateway(procs, work, eport, extra=queue)
+    gateway, target = start_gateway(procs, work, f"http://127.0.0.1:{eport}", extra=queue)
     _check_target(target, stream=True)
     _check_target(target, stream=False)
     return Served(engine, gateway, target, engine_url)
