@@ -10,13 +10,14 @@ import shlex
 import signal
 import socket
 import subprocess
+import threading
 import time
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
-    from pathlib import Path
     from types import TracebackType
 
 log = logging.getLogger(__name__)
@@ -240,7 +241,52 @@ def run_logged(
 
 
 class ServerProcess(ABC):
-    """An engine server as a context manager: started on entry, stopped by process group on exit."""
+    """An engine server as a context manager: started on entry, stopped by process group on exit.
+
+    Subclasses set ``port`` and ``_proc`` when they start."""
+
+    port: int
+    _proc: EngineProcess | None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def process(self) -> EngineProcess:
+        if self._proc is None:
+            raise RuntimeError("server not started")
+        return self._proc
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        return self.process.log_tail(max_bytes)
+
+    def serve_until_signalled(self, name: str) -> int:
+        """Print the base URL and serve until SIGTERM or SIGINT (0), or until the engine exits
+        on its own (1). For the modules' ``up`` commands."""
+        stop = threading.Event()
+
+        def _on_signal(signum: int, _frame: object) -> None:
+            log.info("signal %d: stopping", signum)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+        with self:
+            print(self.base_url, flush=True)
+            while not stop.wait(1.0):
+                if not self.process.running():
+                    log.error("%s exited:\n%s", name, self.log_tail())
+                    return 1
+        return 0
 
     @abstractmethod
     def start(self) -> Self: ...

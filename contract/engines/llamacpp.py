@@ -18,11 +18,9 @@ import logging
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -280,30 +278,6 @@ class LlamaServer(ServerProcess):
         self.startup_s = 0.0
         self._proc: EngineProcess | None = None
 
-    # -- properties
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        if self._proc is None:
-            raise RuntimeError("server not started")
-        return self._proc.pid
-
-    @property
-    def process(self) -> EngineProcess:
-        if self._proc is None:
-            raise RuntimeError("server not started")
-        return self._proc
-
-    @property
-    def log_path(self) -> Path:
-        return self.process.log_path
-
-    def log_tail(self, max_bytes: int = 4000) -> str:
-        return self.process.log_tail(max_bytes)
-
     def argv(self, port: int) -> list[str]:
         args = [str(self.binary)]
         if self.router:
@@ -389,21 +363,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     binary = ensure_llama_server()
     model_dir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="llamacpp-tiny-"))
     model = write_tiny_gguf(model_dir / "tiny.gguf", seed=args.seed)
-    stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    with LlamaServer(binary, model, port=args.port, parallel=args.parallel) as srv:
-        print(srv.base_url, flush=True)
-        while not stop.wait(1.0):
-            if not srv.process.running():
-                log.error("llama-server exited:\n%s", srv.log_tail())
-                return 1
-    return 0
+    server = LlamaServer(binary, model, port=args.port, parallel=args.parallel)
+    return server.serve_until_signalled("llama-server")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,11 +37,9 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -282,28 +280,6 @@ class VllmServer(ServerProcess):
         self._proc: EngineProcess | None = None
         self._run_dir: Path | None = None
 
-    # -- properties
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def process(self) -> EngineProcess:
-        if self._proc is None:
-            raise RuntimeError("server not started")
-        return self._proc
-
-    @property
-    def log_path(self) -> Path:
-        return self.process.log_path
-
-    def log_tail(self, max_bytes: int = 4000) -> str:
-        return self.process.log_tail(max_bytes)
-
     def argv(self, port: int) -> list[str]:
         return [
             str(self.python),
@@ -446,21 +422,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     python = ensure_vllm()
     model_dir = Path(args.dir) if args.dir else engine_dir() / "tiny-llama"
     write_tiny_llama(model_dir, python=python)
-    stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    with VllmServer(python, model_dir, port=args.port, max_model_len=args.max_model_len) as srv:
-        print(srv.base_url, flush=True)
-        while not stop.wait(1.0):
-            if not srv.process.running():
-                log.error("vLLM exited:\n%s", srv.log_tail())
-                return 1
-    return 0
+    server = VllmServer(python, model_dir, port=args.port, max_model_len=args.max_model_len)
+    return server.serve_until_signalled("vLLM")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
