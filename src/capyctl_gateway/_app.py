@@ -440,52 +440,48 @@ class Gateway:
         return web.Response(body=orjson.dumps(status), content_type="application/json")
 
 
-def _log_failover(
-    rid: str, caller: str | None, dep: Deployment, instance: _Instance, detail: str
-) -> None:
-    who = f" (caller {caller})" if caller is not None else ""
+def _request_fields(
+    rid: str, caller: str | None, dep: Deployment, instance: _Instance
+) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "capyctl_request_id": rid,
         "deployment": dep.name,
         "instance": instance.index,
         "host": instance.host,
-        "reason": "not_accepted",
-        "detail": detail,
     }
     if caller is not None:
         fields["caller_request_id"] = caller
+    return fields
+
+
+def _log_failover(
+    rid: str, caller: str | None, dep: Deployment, instance: _Instance, detail: str
+) -> None:
     event(
         "router_failover",
         "request %s%s %s: instance %d on %s did not take it (%s)",
         rid,
-        who,
+        f" (caller {caller})" if caller is not None else "",
         dep.name,
         instance.index,
         instance.host,
         detail,
-        **fields,
+        **_request_fields(rid, caller, dep, instance),
+        reason="not_accepted",
+        detail=detail,
     )
 
 
 def _log_selection(rid: str, caller: str | None, dep: Deployment, instance: _Instance) -> None:
-    who = f" (caller {caller})" if caller is not None else ""
-    fields: dict[str, Any] = {
-        "capyctl_request_id": rid,
-        "deployment": dep.name,
-        "instance": instance.index,
-        "host": instance.host,
-    }
-    if caller is not None:
-        fields["caller_request_id"] = caller
     event(
         "router_selection",
         "request %s%s %s -> %s instance %d",
         rid,
-        who,
+        f" (caller {caller})" if caller is not None else "",
         dep.name,
         instance.host,
         instance.index,
-        **fields,
+        **_request_fields(rid, caller, dep, instance),
     )
 
 

@@ -11,9 +11,16 @@ import orjson
 from aiohttp import web
 
 from ._config import Api, Deployment, GatewayConfig
-from ._errors import GatewayError, NotAcceptedError, invalid
+from ._errors import GatewayError, invalid
 from ._permetrics import Figures, _num, _put
-from ._relay import MAX_MESSAGE_BYTES, RelayContext, _engine_message, _gateway_error_response
+from ._relay import (
+    MAX_MESSAGE_BYTES,
+    REJECTION_STATUSES,
+    RelayContext,
+    _engine_message,
+    _gateway_error_response,
+    post_to_engine,
+)
 from ._validate import resolve
 
 __all__ = ["DECISION_FIELDS", "DecisionRequest", "parse_decision_request", "relay_decision"]
@@ -76,19 +83,12 @@ async def relay_decision(ctx: RelayContext, body: dict[str, Any]) -> web.Respons
     sent_at = loop.time()
     try:
         async with asyncio.timeout_at(ctx.arrival + ctx.request_deadline):
-            ctx.outcome.sent = True
-            try:
-                upstream = await ctx.session.post(
-                    ctx.url, data=orjson.dumps(body), headers=ctx.engine_headers
-                )
-            except aiohttp.ClientConnectorError as exc:
-                ctx.outcome.sent = False  # never connected: the engine has nothing to stop
-                raise NotAcceptedError(f"the engine could not be reached: {exc}") from exc
+            upstream = await post_to_engine(ctx, body)
             raw = await upstream.content.read(MAX_ANSWER_BYTES + 1)
         clean = True
         ctx.outcome.completed = True
         ctype = upstream.headers.get("Content-Type", "")
-        if upstream.status in (400, 413, 422) and "json" in ctype:
+        if upstream.status in REJECTION_STATUSES and "json" in ctype:
             message = _engine_message(raw) or "rejected by the engine"
             raise GatewayError(upstream.status, "engine_rejected", message[:MAX_MESSAGE_BYTES])
         if upstream.status != 200 or len(raw) > MAX_ANSWER_BYTES:

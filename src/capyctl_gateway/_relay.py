@@ -27,7 +27,7 @@ from ._permetrics import chat_figures
 from ._sse import DONE, SSEDecoder, SSEError
 from ._verify import ChunkVerifier, EngineRejectedError, UnverifiedError
 
-__all__ = ["Outcome", "RelayContext", "relay_chat"]
+__all__ = ["Outcome", "RelayContext", "post_to_engine", "relay_chat"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,18 @@ def _gateway_error_response(err: GatewayError, headers: dict[str, str]) -> web.R
     )
 
 
+async def post_to_engine(ctx: RelayContext, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    """Send ``body`` to the engine and return its answer's head. A connection that could not
+    even be opened is `NotAcceptedError`: the engine has nothing to stop, and another instance
+    may take the request."""
+    ctx.outcome.sent = True
+    try:
+        return await ctx.session.post(ctx.url, data=orjson.dumps(body), headers=ctx.engine_headers)
+    except aiohttp.ClientConnectorError as exc:
+        ctx.outcome.sent = False
+        raise NotAcceptedError(f"the engine could not be reached: {exc}") from exc
+
+
 async def relay_chat(
     request: web.Request, ctx: RelayContext, body: dict[str, Any], *, stream: bool
 ) -> web.StreamResponse:
@@ -115,14 +127,8 @@ async def relay_chat(
     sent_at = loop.time()
     try:
         with Deadline(first_deadline, first_check=sent_at + ctx.stream_idle_timeout) as bound:
-            ctx.outcome.sent = True
             try:
-                upstream = await ctx.session.post(
-                    ctx.url, data=orjson.dumps(body), headers=ctx.engine_headers
-                )
-            except aiohttp.ClientConnectorError as exc:
-                ctx.outcome.sent = False  # never connected: the engine has nothing to stop
-                raise NotAcceptedError(f"the engine could not be reached: {exc}") from exc
+                upstream = await post_to_engine(ctx, body)
             except aiohttp.ClientError as exc:
                 raise GatewayError(
                     502, "engine_error", f"the engine could not be reached: {exc}"
