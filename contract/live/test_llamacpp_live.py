@@ -7,7 +7,6 @@ from contextlib import asynccontextmanager
 
 import anyio
 import httpx
-import orjson
 import pytest
 
 from canopyx_provider import Collector, EngineSnapshot, ProviderOptions, llama_cpp
@@ -16,6 +15,7 @@ from canopyx_provider.adapters._llamacpp import _POLLED
 from capyctl_gateway._config import EngineFamily
 from capyctl_gateway._verify import DELTA_KEYS
 from contract.engines.llamacpp import LlamaServer
+from contract.live import streamed_chunks
 
 pytestmark = pytest.mark.anyio
 OPTIONS = ProviderOptions(poll_interval_ms=100, connect_attempts=1)
@@ -126,21 +126,7 @@ async def test_router_mode_reads_a_loaded_model_and_never_loads_another(
 
 async def test_streamed_chunk_fields(llama_server: LlamaServer) -> None:
     """The field set the gateway's verifier allows for llama.cpp, read off the real server."""
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 12,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    async with httpx.AsyncClient(timeout=60) as client:
-        r = await client.post(llama_server.base_url + "/v1/chat/completions", json=body)
-    assert r.text.rstrip().endswith("data: [DONE]")
-    chunks = [
-        orjson.loads(line[6:])
-        for line in r.text.split("\n")
-        if line.startswith("data: ") and line != "data: [DONE]"
-    ]
+    chunks = await streamed_chunks(llama_server.base_url)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     delta_keys = {k for c in chunks for ch in c["choices"] for k in ch["delta"]}
     assert delta_keys <= DELTA_KEYS[EngineFamily.LLAMACPP]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import anyio
 import httpx
-import orjson
 import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
@@ -21,6 +20,7 @@ from capyctl_gateway._config import EngineFamily
 from capyctl_gateway._verify import DELTA_KEYS
 from contract.conftest import RunningGateway
 from contract.engines.vllm import VllmServer
+from contract.live import streamed_chunks
 
 pytestmark = pytest.mark.anyio
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello"}]
@@ -128,21 +128,7 @@ async def test_running_rises_under_load_and_returns_to_zero_after_hang_up(
 
 
 async def test_streamed_chunk_fields(vllm_server: VllmServer) -> None:
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 12,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    async with httpx.AsyncClient(timeout=60) as client:
-        r = await client.post(vllm_server.base_url + "/v1/chat/completions", json=body)
-    chunks = [
-        orjson.loads(line[6:])
-        for line in r.text.split("\n")
-        if line.startswith("data: ") and line != "data: [DONE]"
-    ]
-    assert r.text.rstrip().endswith("data: [DONE]")
+    chunks = await streamed_chunks(vllm_server.base_url)
     delta_keys = {k for c in chunks for ch in c["choices"] for k in ch["delta"]}
     assert delta_keys <= DELTA_KEYS[EngineFamily.VLLM]
     beside = {k for c in chunks for ch in c["choices"] for k in ch} - {"delta"}
