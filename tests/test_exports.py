@@ -37,3 +37,14 @@ def test_the_sdk_imports_without_aiohttp_until_asked() -> None:
         "p.AiohttpFetcher; assert 'aiohttp' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_top_level_re_exports_every_adapter_factory_and_adapter_for() -> None:
+    import canopyx_provider as pkg
+    from canopyx_provider import adapters
+
+    # origin() is for code that checks engine URLs itself (the gateway), not a factory.
+    factories = {n for n in adapters.__all__ if n.islower()} - {"origin"}
+    assert {"adapter_for", "vllm", "llama_cpp", "tabby_api"} <= factories
+    for name in factories:
+        assert getattr(pkg, name) is getattr(adapters, name), name

@@ -59,6 +59,7 @@ from ._snapshot import EngineMetrics as EngineMetrics
 from ._snapshot import EngineSnapshot as EngineSnapshot
 from ._snapshot import SupportLevel as SupportLevel
 from .adapters import EngineAdapter as EngineAdapter
+from .adapters import adapter_for as adapter_for
 from .adapters import llama_cpp as llama_cpp
 from .adapters import mlx as mlx
 from .adapters import ollama as ollama
@@ -142,6 +143,7 @@ __all__ = (
     "SupportLevel",
     "TargetState",
     "UnexpectedStatusError",
+    "adapter_for",
     "engine_api_key",
     "error_code",
     "llama_cpp",

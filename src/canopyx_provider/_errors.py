@@ -150,7 +150,15 @@ class StaleSnapshotError(CanopyxError):
 
 
 class ConfigError(CanopyxError, ValueError):
-    """Options or files that cannot be used as given."""
+    """Options or files that cannot be used as given.
+
+    ``option`` names the option at fault where one does (``labels``, ``router``...), so that a
+    front end can word the message in its own terms.
+    """
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 def _labels(labels: Mapping[str, str]) -> str:

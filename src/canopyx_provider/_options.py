@@ -18,7 +18,7 @@ class ProviderOptions(BaseModel):
     poll_interval_ms: int = Field(default=1000, gt=0)
     """Delay between collection cycles."""
     request_timeout_ms: int = Field(default=3000, gt=0)
-    """Bound on one collection cycle (and on ordinary callbacks)."""
+    """Bound on one collection cycle, and on each quote callback (a late quote is declined)."""
     max_metrics_age_ms: int = Field(default=5000, gt=0)
     """Maximum age of a usable snapshot."""
     connect_attempts: int = Field(default=3, ge=1, le=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Protocol
@@ -83,8 +84,15 @@ class PricingStrategy(Protocol):
     @property
     def list_price(self) -> Price: ...
 
-    def quote(self, request: QuoteRequest, context: QuoteContext) -> Price | Decline:
-        """Price ``request`` from ``context`` alone: no I/O, no waiting."""
+    def quote(
+        self, request: QuoteRequest, context: QuoteContext
+    ) -> Price | Decline | Awaitable[Price | Decline]:
+        """Price ``request`` from ``context`` alone, without I/O.
+
+        It may be ``async def``. Either way the connector declines the quote (``quote_timeout``)
+        when the callback takes longer than ``request_timeout_ms``, and cancels an async one
+        still running.
+        """
         ...
 
 

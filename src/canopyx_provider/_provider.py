@@ -21,6 +21,8 @@ __all__ = ["Provider"]
 
 logger = logging.getLogger(__name__)
 ENGINE = "engine"
+QUOTE_TIMEOUT = "quote_timeout"
+"""The decline code of a quote whose callback did not answer within ``request_timeout_ms``."""
 
 
 class Provider:
@@ -65,7 +67,7 @@ class Provider:
             )
             while True:
                 request = await self.link.receive_quote()
-                await self.link.answer(QuoteAnswer.of(request, self.quote(request)))
+                await self.link.answer(QuoteAnswer.of(request, await self.quote(request)))
 
     async def _until_ready(self) -> CheckReport:
         while True:
@@ -87,8 +89,35 @@ class Provider:
             counts=self.link.counts(),
         )
 
-    def quote(self, request: QuoteRequest) -> Price | Decline:
-        return self.strategy.quote(request, self.context())
+    async def quote(self, request: QuoteRequest) -> Price | Decline:
+        """The strategy's answer to ``request``, or a decline if it takes longer than
+        ``request_timeout_ms``.
+
+        An async callback still running at the deadline is cancelled. A plain callback cannot be
+        interrupted: it holds up the connector until it returns, and its late answer is then
+        replaced by the decline.
+        """
+        timeout_s = self.options.request_timeout_s
+        start = anyio.current_time()
+        outcome: Price | Decline | None = None
+        with anyio.move_on_after(timeout_s) as scope:
+            answer = self.strategy.quote(request, self.context())
+            outcome = answer if isinstance(answer, Price | Decline) else await answer
+        # Late is late, even for a callback that swallowed its cancellation and answered.
+        if outcome is None or scope.cancel_called or anyio.current_time() - start > timeout_s:
+            return self._timed_out(request)
+        return outcome
+
+    def _timed_out(self, request: QuoteRequest) -> Decline:
+        ms = self.options.request_timeout_ms
+        # The request ID only: a request's other fields and the strategy's state stay out of logs.
+        logger.warning(
+            "quote %s declined (%s): the pricing callback took longer than %d ms",
+            request.request_id,
+            QUOTE_TIMEOUT,
+            ms,
+        )
+        return Decline(QUOTE_TIMEOUT, f"the pricing callback took longer than {ms} ms")
 
     def overview(self) -> EngineStatus:
         """Which check passed or failed, and the latest snapshot."""

@@ -7,7 +7,6 @@ import json
 import os
 import time
 from decimal import Decimal, InvalidOperation
-from enum import StrEnum
 from typing import Annotated
 
 import anyio
@@ -23,17 +22,8 @@ from ._link import InProcessLink, StatusReport
 from ._options import ProviderOptions
 from ._pricing import CanopyCounts, LoadAndAdmission, Price, QuoteRequest
 from ._provider import Provider
-from ._snapshot import CheckReport, EngineMetrics
-from .adapters import (
-    EngineAdapter,
-    llama_cpp,
-    mlx,
-    ollama,
-    sglang,
-    tabby_api,
-    tensorfold,
-    vllm,
-)
+from ._snapshot import CheckReport, EngineKind, EngineMetrics
+from .adapters import EngineAdapter, adapter_for
 
 app = typer.Typer(
     name="canopyx-provider",
@@ -43,17 +33,7 @@ app = typer.Typer(
 )
 
 
-class Engine(StrEnum):
-    vllm = "vllm"
-    sglang = "sglang"
-    llamacpp = "llamacpp"
-    ollama = "ollama"
-    mlx = "mlx"
-    tabbyapi = "tabbyapi"
-    tensorfold = "tensorfold"
-
-
-EngineOpt = Annotated[Engine, typer.Option("--engine", help="The engine's kind.")]
+EngineOpt = Annotated[EngineKind, typer.Option("--engine", help="The engine's kind.")]
 BaseUrlOpt = Annotated[str, typer.Option("--base-url", help="The engine's origin.")]
 ModelOpt = Annotated[str, typer.Option("--model", help="The engine model ID.")]
 LabelOpt = Annotated[
@@ -71,7 +51,7 @@ TimeoutOpt = Annotated[int, typer.Option("--request-timeout-ms", min=50)]
 
 
 def _adapter(
-    engine: Engine,
+    engine: EngineKind,
     base_url: str,
     labels: list[str] | None,
     metrics_url: str | None,
@@ -91,32 +71,23 @@ def _adapter(
             raise ConfigError(f"--api-key-env {api_key_env}: the variable is not set")
     else:
         api_key = engine_api_key()
-    if (router or slots is not None) and engine is not Engine.llamacpp:
-        raise ConfigError("--router and --slots apply to --engine llamacpp only")
-    if parsed and engine not in (Engine.vllm, Engine.sglang, Engine.llamacpp):
-        raise ConfigError(f"--label does not apply to --engine {engine.value}")
-    match engine:
-        case Engine.vllm:
-            return vllm(base_url, api_key=api_key, labels=parsed, metrics_url=metrics_url)
-        case Engine.sglang:
-            return sglang(base_url, api_key=api_key, labels=parsed, metrics_url=metrics_url)
-        case Engine.llamacpp:
-            return llama_cpp(
-                base_url,
-                api_key=api_key,
-                labels=parsed,
-                metrics_url=metrics_url,
-                router=router,
-                slots=slots,
-            )
-        case Engine.ollama:
-            return ollama(base_url, api_key=api_key, metrics_url=metrics_url)
-        case Engine.mlx:
-            return mlx(base_url, api_key=api_key, metrics_url=metrics_url)
-        case Engine.tabbyapi:
-            return tabby_api(base_url, api_key=api_key, metrics_url=metrics_url)
-        case Engine.tensorfold:
-            return tensorfold(base_url, api_key=api_key, metrics_url=metrics_url)
+    try:
+        return adapter_for(
+            engine,
+            base_url,
+            api_key=api_key,
+            labels=parsed,
+            metrics_url=metrics_url,
+            router=router,
+            slots=slots,
+        )
+    except ConfigError as exc:
+        # adapter_for decides which options an engine takes; this only words it in flags.
+        if exc.option in ("router", "slots"):
+            raise ConfigError("--router and --slots apply to --engine llamacpp only") from None
+        if exc.option == "labels":
+            raise ConfigError(f"--label does not apply to --engine {engine.value}") from None
+        raise
 
 
 def _fail(message: str) -> typer.Exit:

@@ -218,13 +218,48 @@ def test_model_lists(rel: str, ids: tuple[str, ...]) -> None:
         ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000"),
         ("https://gpu.example:443/api/?x=1#f", "https://gpu.example:443"),
         ("http://user:pw@127.0.0.1:8000/", "http://127.0.0.1:8000"),
+        ("http://[::1]:8000/v1", "http://[::1]:8000"),
+        (" HTTP://GPU-Box.lan:8000 ", "http://gpu-box.lan:8000"),
+        ("http://engine_0:", "http://engine_0"),
     ],
 )
 def test_base_url_is_an_origin(given: str, origin: str) -> None:
     assert vllm(given).base_url == origin
 
 
-@pytest.mark.parametrize("bad", ["127.0.0.1:8000", "ftp://x", "http://"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "127.0.0.1:8000",
+        "ftp://x",
+        "http://",
+        "http://user@:8000",
+        "http://127.0.0.1:http",
+        "http://127.0.0.1:0",
+        "http://127.0.0.1:65536",
+        "http://[::1",
+        "http://[not-ipv6]:80",
+        "http://gpu box:8000",
+        "http://evil\\@127.0.0.1:8000",
+        "http://%31%32%37.0.0.1:8000",
+        "http://x;y:8000",
+    ],
+)
 def test_bad_base_url_is_refused(bad: str) -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="^base_url must be an http") as info:
         vllm(bad)
+    assert info.value.option == "base_url"
+
+
+def test_a_refused_url_keeps_its_credentials_out_of_the_message() -> None:
+    with pytest.raises(ConfigError) as info:
+        vllm("http://user:s3cret@127.0.0.1:http/")
+    assert "s3cret" not in str(info.value)
+    assert "//***@127.0.0.1:http/" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["/metrics", "ftp://x/metrics", "http:///metrics", "http://x:y/m"])
+def test_bad_metrics_url_is_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="^metrics_url must be an http") as info:
+        vllm(BASE, metrics_url=bad)
+    assert info.value.option == "metrics_url"

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from decimal import Decimal
 
 import anyio
+import anyio.lowlevel
 import pytest
 from pytest_httpserver import HTTPServer
 
 from canopyx_provider import (
     CanopyCounts,
+    Decline,
     Event,
     InProcessLink,
     LoadAndAdmission,
     Price,
     PricePublication,
+    PricingStrategy,
     Provider,
     ProviderOptions,
     QuoteAnswer,
+    QuoteContext,
     QuoteRequest,
     ScrapeSucceeded,
     StatusReport,
@@ -131,3 +137,100 @@ async def test_failed_startup_reports_but_publishes_no_price(engine: HTTPServer)
     assert not any(isinstance(m, PricePublication) for m in link.sent)
     error = provider.overview().error
     assert error is not None and "vllm:num_requests_running" in error
+
+
+# -- quote callbacks are bounded by request_timeout_ms --------------------------------------
+QUICK = ProviderOptions(poll_interval_ms=20, request_timeout_ms=50, connect_attempts=1)
+
+
+class Stalling:
+    """An async callback that never answers request ``stall``, and answers others at once."""
+
+    list_price = LIST
+
+    def __init__(self) -> None:
+        self.never = anyio.Event()  # never set
+        self.cancelled = anyio.Event()
+        self.finished: list[str] = []
+
+    async def quote(self, request: QuoteRequest, context: QuoteContext) -> Price | Decline:
+        if request.request_id == "stall":
+            try:
+                await self.never.wait()
+            except anyio.get_cancelled_exc_class():
+                self.cancelled.set()
+                raise
+        await anyio.lowlevel.checkpoint()
+        self.finished.append(request.request_id)
+        return LIST
+
+
+class Overrunning:
+    """A plain callback that cannot be interrupted: it runs past the timeout, then answers."""
+
+    list_price = LIST
+
+    def quote(self, request: QuoteRequest, context: QuoteContext) -> Price | Decline:
+        if request.request_id == "stall":
+            time.sleep(QUICK.request_timeout_s + 0.03)  # past the timeout, the one thing tested
+        return LIST
+
+
+async def ask(
+    engine: HTTPServer, strategy: PricingStrategy, *requests: QuoteRequest
+) -> list[QuoteAnswer]:
+    serve_engine(engine, recorded("vllm/0.31.0/GET_metrics_idle.http").text)
+    link = InProcessLink("tiny")
+    adapter = vllm(engine.url_for("/"), api_key="k-engine-secret")
+    provider = Provider(adapter, strategy, link, options=QUICK)
+    with link:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(provider.run)
+            with anyio.fail_after(10):
+                await link.ready.wait()
+                answers = [await link.request_quote(r) for r in requests]  # one at a time
+            tg.cancel_scope.cancel()
+    return answers
+
+
+STALL = QuoteRequest("stall", "tiny", 100, 10, session_id="session-secret")
+
+
+async def test_a_callback_past_the_timeout_is_cancelled_and_declined_once(
+    engine: HTTPServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy = Stalling()
+    with caplog.at_level(logging.DEBUG, logger="canopyx_provider"):
+        stalled, after = await ask(engine, strategy, STALL, QuoteRequest("after", "tiny", 1, 1))
+
+    assert stalled == QuoteAnswer("stall", None, "quote_timeout")
+    assert strategy.cancelled.is_set()  # the callback's work was cancelled, not left running
+    assert strategy.finished == ["after"]
+    assert after == QuoteAnswer("after", LIST, None)  # the connector goes on answering
+
+    timeouts = [r for r in caplog.records if "quote_timeout" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in timeouts] == [
+        (
+            logging.WARNING,
+            "quote stall declined (quote_timeout): the pricing callback took longer than 50 ms",
+        )
+    ]
+    assert "k-engine-secret" not in caplog.text and "session-secret" not in caplog.text
+
+
+async def test_a_plain_callback_that_overruns_is_declined_when_it_returns(
+    engine: HTTPServer,
+) -> None:
+    stalled, after = await ask(engine, Overrunning(), STALL, QuoteRequest("after", "tiny", 1, 1))
+    assert stalled == QuoteAnswer("stall", None, "quote_timeout")
+    assert after == QuoteAnswer("after", LIST, None)
+
+
+# Neither reads the metrics: a collection slower than the 50 ms bound must not decline these.
+@pytest.mark.parametrize("strategy", [Stalling(), Overrunning()], ids=["async", "plain"])
+async def test_fast_callbacks_are_unaffected_by_the_timeout(
+    engine: HTTPServer, strategy: PricingStrategy
+) -> None:
+    requests = [QuoteRequest(f"q{i}", "tiny", 100, 10) for i in range(5)]
+    answers = await ask(engine, strategy, *requests)
+    assert answers == [QuoteAnswer(r.request_id, LIST, None) for r in requests]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
+from .._errors import ConfigError
+from .._snapshot import EngineKind
 from ._base import Discovery as Discovery
 from ._base import EngineAdapter as EngineAdapter
 from ._base import Poll as Poll
+from ._base import origin as origin
 from ._limited import MlxAdapter as MlxAdapter
 from ._limited import OllamaAdapter as OllamaAdapter
 from ._limited import TabbyApiAdapter as TabbyApiAdapter
@@ -26,9 +30,11 @@ __all__ = (
     "TabbyApiAdapter",
     "TensorFoldAdapter",
     "VllmAdapter",
+    "adapter_for",
     "llama_cpp",
     "mlx",
     "ollama",
+    "origin",
     "sglang",
     "tabby_api",
     "tensorfold",
@@ -115,3 +121,67 @@ def tensorfold(
 ) -> TensorFoldAdapter:
     """An adapter for TensorFold, whose ``/health`` carries its load (for the gateway)."""
     return TensorFoldAdapter(base_url, api_key=api_key, metrics_url=metrics_url)
+
+
+_FACTORIES: Mapping[EngineKind, Callable[..., EngineAdapter]] = MappingProxyType(
+    {
+        EngineKind.VLLM: vllm,
+        EngineKind.SGLANG: sglang,
+        EngineKind.LLAMACPP: llama_cpp,
+        EngineKind.OLLAMA: ollama,
+        EngineKind.MLX: mlx,
+        EngineKind.TABBYAPI: tabby_api,
+        EngineKind.TENSORFOLD: tensorfold,
+    }
+)
+"""The factory of each engine kind: the one place a kind's name meets its adapter."""
+
+_LABELLED = frozenset({EngineKind.VLLM, EngineKind.SGLANG, EngineKind.LLAMACPP})
+"""Kinds whose metric samples carry labels that can select one engine."""
+
+
+def adapter_for(
+    kind: EngineKind | str,
+    base_url: str,
+    *,
+    api_key: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    metrics_url: str | None = None,
+    router: bool = False,
+    slots: int | None = None,
+) -> EngineAdapter:
+    """The adapter for an engine named by its kind, e.g. from a configuration file.
+
+    Args:
+        kind: an `EngineKind` or its value (``"vllm"``, ``"llamacpp"``, ``"tabbyapi"``...).
+        base_url, api_key, metrics_url: as for every factory (see `vllm`).
+        labels: vLLM, SGLang and llama.cpp only.
+        router, slots: llama.cpp only (see `llama_cpp`).
+
+    Raises:
+        ConfigError: an unknown kind, or an option the kind does not take; ``option`` names it
+            (``kind``, ``labels``, ``router`` or ``slots``).
+    """
+    try:
+        kind = EngineKind(kind)
+    except ValueError:
+        known = ", ".join(k.value for k in EngineKind)
+        raise ConfigError(
+            f"unknown engine kind {kind!r}; the known kinds are {known}", option="kind"
+        ) from None
+    options: dict[str, object] = {"api_key": api_key, "metrics_url": metrics_url}
+    if kind is EngineKind.LLAMACPP:
+        options.update(router=router, slots=slots)
+    elif router or slots is not None:
+        raise ConfigError(
+            f"router and slots apply to llamacpp only, not {kind.value}",
+            option="router" if router else "slots",
+        )
+    if kind in _LABELLED:
+        options["labels"] = labels
+    elif labels:
+        raise ConfigError(
+            f"labels do not apply to {kind.value}: it publishes no labelled metrics",
+            option="labels",
+        )
+    return _FACTORIES[kind](base_url, **options)

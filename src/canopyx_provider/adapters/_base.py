@@ -7,6 +7,7 @@ that answer, testable on recorded text.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,14 +38,42 @@ class Poll:
     process_start: float | None = None
 
 
-def origin(base_url: str) -> str:
-    """``scheme://host[:port]`` of ``base_url``; any path, query or fragment is ignored."""
-    parts = urlsplit(base_url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(
-            f"base_url must be an http(s) origin such as http://127.0.0.1:8000, got {base_url!r}"
-        )
-    return f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}"
+_HOST_NAME = re.compile(r"[a-z0-9._-]+")
+_USERINFO = re.compile(r"//[^/?#]*@")
+
+
+def origin(base_url: str, *, what: str = "base_url") -> str:
+    """``scheme://host[:port]`` of an http(s) URL; any path, query, fragment or credentials are
+    dropped. The one check of an engine URL in the SDK (and in the gateway).
+
+    Args:
+        base_url: the URL, e.g. ``http://127.0.0.1:8000/v1``.
+        what: the option's name, for the error message.
+
+    Raises:
+        ConfigError: not http(s), no host, a host that is not a name or an IP address, or a port
+            that is not a number from 1 to 65535.
+    """
+    shown = _USERINFO.sub("//***@", base_url)  # credentials in a URL stay out of messages
+    problem = ConfigError(
+        f"{what} must be an http(s) URL such as http://127.0.0.1:8000, got {shown!r}", option=what
+    )
+    try:
+        parts = urlsplit(base_url.strip())
+        port = parts.port  # raises on a port that is not a number in range
+    except ValueError:  # also a bracketed host that is not an IPv6 address
+        raise problem from None
+    host = parts.hostname
+    if parts.scheme not in ("http", "https") or not host or port == 0:
+        raise problem
+    # A backslash or a space would let this parser and the engine's disagree on the host.
+    if any(c == "\\" or c.isspace() for c in parts.netloc):
+        raise problem
+    if ":" in host:
+        host = f"[{host}]"  # urlsplit has checked that it is an IPv6 address
+    elif not _HOST_NAME.fullmatch(host):
+        raise problem
+    return f"{parts.scheme}://{host}" + ("" if port is None else f":{port}")
 
 
 class EngineAdapter(ABC):
@@ -66,8 +95,8 @@ class EngineAdapter(ABC):
     ) -> None:
         self.base_url = origin(base_url)
         self.labels: dict[str, str] = dict(labels or {})
-        if metrics_url is not None and urlsplit(metrics_url).scheme not in ("http", "https"):
-            raise ConfigError(f"metrics_url must be an http(s) URL, got {metrics_url!r}")
+        if metrics_url is not None:
+            origin(metrics_url, what="metrics_url")  # a full URL, but its origin must be sound
         self.metrics_url = metrics_url or self.base_url + self.default_metrics_path
         self._headers: dict[str, str] = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
