@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from capyctl_gateway import Gateway, GatewayConfig, create_app
-from capyctl_gateway._app import GATEWAY_KEY
+from capyctl_gateway import GATEWAY_KEY, Gateway, GatewayConfig, GatewayRunner, create_app
 from contract.engines.llamacpp import LlamaServer, ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
 from contract.engines.tiny_hf_model import write_tiny_llama
@@ -87,7 +86,7 @@ async def _gateway(engine: str, version: str, url: str) -> AsyncIterator[Running
     config = GatewayConfig.model_validate({"deployments": [deployment]})
     key = "live-" + "k" * 40
     app = create_app(config, key, env={})
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = GatewayRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

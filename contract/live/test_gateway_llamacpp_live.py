@@ -12,7 +12,7 @@ from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from canopyx_provider import Collector, Event, ProviderOptions, ScrapeSucceeded, llama_cpp
-from capyctl_gateway._settle import SettleRule
+from capyctl_gateway._deployments.settle import SettleRule
 from contract.conftest import RunningGateway
 from contract.engines.llamacpp import LlamaServer
 

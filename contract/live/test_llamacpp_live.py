@@ -12,8 +12,7 @@ import pytest
 from canopyx_provider import Collector, EngineSnapshot, ProviderOptions, llama_cpp
 from canopyx_provider._prom import parse_samples
 from canopyx_provider.adapters._llamacpp import _POLLED
-from capyctl_gateway._config import EngineFamily
-from capyctl_gateway._verify import DELTA_KEYS
+from capyctl_gateway._engines import FACTS, EngineKind
 from contract.engines.llamacpp import LlamaServer
 from contract.live import streamed_chunks
 
@@ -129,7 +128,7 @@ async def test_streamed_chunk_fields(llama_server: LlamaServer) -> None:
     chunks = await streamed_chunks(llama_server.base_url)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     delta_keys = {k for c in chunks for ch in c["choices"] for k in ch["delta"]}
-    assert delta_keys <= DELTA_KEYS[EngineFamily.LLAMACPP]
+    assert delta_keys <= FACTS[EngineKind.LLAMACPP].delta_keys
     beside = {k for c in chunks for ch in c["choices"] for k in ch} - {"delta"}
     assert beside <= {"index", "finish_reason", "logprobs"}
     assert {c["system_fingerprint"] for c in chunks} == {"b10798-unknown"}

@@ -16,8 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from canopyx_provider import Collector, EngineSnapshot, ProviderOptions, vllm
 from canopyx_provider._prom import parse_samples
 from canopyx_provider.adapters._vllm import _POLLED, CACHE_CONFIG, GENERATED_TOKENS
-from capyctl_gateway._config import EngineFamily
-from capyctl_gateway._verify import DELTA_KEYS
+from capyctl_gateway._engines import FACTS, EngineKind
 from contract.conftest import RunningGateway
 from contract.engines.vllm import VllmServer
 from contract.live import streamed_chunks
@@ -130,7 +129,7 @@ async def test_running_rises_under_load_and_returns_to_zero_after_hang_up(
 async def test_streamed_chunk_fields(vllm_server: VllmServer) -> None:
     chunks = await streamed_chunks(vllm_server.base_url)
     delta_keys = {k for c in chunks for ch in c["choices"] for k in ch["delta"]}
-    assert delta_keys <= DELTA_KEYS[EngineFamily.VLLM]
+    assert delta_keys <= FACTS[EngineKind.VLLM].delta_keys
     beside = {k for c in chunks for ch in c["choices"] for k in ch} - {"delta"}
     assert beside <= {"index", "logprobs", "finish_reason", "stop_reason", "token_ids"}
     usage_chunk = chunks[-1]

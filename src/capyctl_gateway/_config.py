@@ -18,11 +18,15 @@ from pydantic import (
     model_validator,
 )
 
+from canopyx_provider import CanopyxError, EngineKind
+from canopyx_provider.adapters import origin
+
+from ._engines import FACTS
+
 __all__ = [
     "Api",
     "ConfigError",
     "Deployment",
-    "EngineFamily",
     "GatewayConfig",
     "Instance",
     "QueueConfig",
@@ -59,17 +63,6 @@ class Api(StrEnum):
     DECISIONS = "decisions"
 
 
-class EngineFamily(StrEnum):
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    LLAMACPP = "llamacpp"
-    TENSORFOLD = "tensorfold"
-
-    @property
-    def honours_cache_salt(self) -> bool:
-        return self in (EngineFamily.VLLM, EngineFamily.SGLANG)
-
-
 class QueueConfig(BaseModel):
     model_config = _STRICT
 
@@ -77,6 +70,9 @@ class QueueConfig(BaseModel):
     """First output must arrive within this, counted from arrival (waiting included)."""
     stream_idle_timeout: Seconds = 120.0
     """Longest quiet gap once output has started."""
+    connect_timeout: Seconds = 10.0
+    """Opening a connection to an engine may take this long; past it the engine never got the
+    request, and the next instance is offered it."""
     max_running_per_deployment: int = Field(default=32, ge=1, le=4096)
     max_waiting_per_deployment: int = Field(default=64, ge=0, le=4096)
     max_waiting_total: int = Field(default=256, ge=0, le=65536)
@@ -101,9 +97,14 @@ class Instance(BaseModel):
     @field_validator("url")
     @classmethod
     def _origin(cls, v: str) -> str:
-        if not re.match(r"^https?://[^/?#\s]+/?$", v):
-            raise ValueError(f"{v!r} is not an engine origin such as http://127.0.0.1:8000")
-        return v.rstrip("/")
+        try:
+            found = origin(v, what="url")
+        except CanopyxError as exc:
+            raise ValueError(str(exc)) from None
+        if found != v.rstrip("/").lower():
+            shown = re.sub(r"//[^/?#]*@", "//***@", v)  # credentials stay out of messages
+            raise ValueError(f"{shown!r} is not an engine origin such as http://127.0.0.1:8000")
+        return found
 
 
 class Deployment(BaseModel):
@@ -112,12 +113,20 @@ class Deployment(BaseModel):
     name: str = Field(min_length=1, max_length=256)
     """The public model id clients send."""
     api: Api = Api.CHAT
-    engine: EngineFamily
+    engine: EngineKind
     engine_version: str = Field(min_length=1)
     """As the engine reports it (llama.cpp: its build, e.g. b10798)."""
     served_model: str | None = None
     """The engine's own model id (default: name)."""
     instances: list[Instance] = Field(min_length=1)
+
+    @field_validator("engine")
+    @classmethod
+    def _served(cls, v: EngineKind) -> EngineKind:
+        if v not in FACTS:
+            kinds = ", ".join(k.value for k in FACTS)
+            raise ValueError(f"the gateway serves {kinds}; {v.value} has a health-only adapter")
+        return v
 
     @property
     def engine_model(self) -> str:

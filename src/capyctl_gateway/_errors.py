@@ -1,8 +1,32 @@
-"""Errors the gateway answers with, as the documented ``{"code", "message"}`` objects.
+"""Every error the gateway answers with, in one tree.
 
-Every refusal is a `GatewayError`: its ``code`` and ``status`` are the documented ones, and
-``retryable`` adds ``"retryable": true`` (a 429 also carries ``Retry-After``). Before a stream has
-started an error is an HTTP answer; after, it is one in-band ``data:`` event.
+    GatewayError                  status, code, message, retryable; detail for the log only
+    ├── RefusedError              the request as sent is refused (4xx, the client's to fix)
+    │   ├── InvalidRequestError   400 invalid_request
+    │   ├── UnauthorizedError     401 unauthorized
+    │   ├── UnknownModelError     404 unknown_model
+    │   └── TooLargeError         413 request_too_large
+    ├── BusyError                 the gateway cannot take it now (retryable)
+    │   ├── QueueFullError        429 queue_full (with Retry-After)
+    │   └── UnavailableError      503 unavailable: a deadline passed, no slot or instance
+    ├── ClientGoneError           the client hung up: there is nobody left to answer
+    └── EngineError               502 engine_error: the engine failed this request
+        ├── NotAcceptedError      the engine provably never got it: another instance may
+        ├── EngineRejectedError   the engine refused it: its 4xx status and message are kept
+        └── UnverifiedError       the engine's stream broke a rule (stream_unverified in band)
+            └── SSEError          the bytes are not a stream of data events
+
+The rarer refusals (``unsupported_parameter``, ``api_mismatch``, ``cache_salt_unsupported``,
+``not_found``, ``method_not_allowed``) are a `RefusedError` or a `GatewayError` given their
+status and code.
+
+Only ``message`` reaches a client; it names a deployment and an instance index, never an
+address. ``detail`` (an aiohttp error's text, an engine's own words) goes to the log with the
+request ID. Errors are built per request, never shared: a traceback or a ``__context__`` must
+not carry one request's state into another's.
+
+`answer` and `error_event` (in ``_http/answers.py`` and here) are the only places that turn
+one into bytes for a client. Imports nothing of the gateway.
 """
 
 from __future__ import annotations
@@ -11,18 +35,63 @@ from typing import Any
 
 import orjson
 
-__all__ = ["GatewayError", "NotAcceptedError", "error_body", "error_event"]
+__all__ = [
+    "BusyError",
+    "ClientGoneError",
+    "EngineError",
+    "EngineRejectedError",
+    "GatewayError",
+    "InvalidRequestError",
+    "NotAcceptedError",
+    "QueueFullError",
+    "RefusedError",
+    "SSEError",
+    "TooLargeError",
+    "UnauthorizedError",
+    "UnavailableError",
+    "UnknownModelError",
+    "UnverifiedError",
+    "error_body",
+    "error_event",
+]
+
+MAX_MESSAGE_BYTES = 512
+"""An engine's own message is cut to this many bytes before it reaches a client."""
 
 
 class GatewayError(Exception):
-    """A documented refusal: HTTP ``status``, machine ``code``, human ``message``."""
+    """A documented refusal: HTTP ``status``, machine ``code``, human ``message``.
 
-    def __init__(self, status: int, code: str, message: str, *, retryable: bool = False) -> None:
+    Subclasses fix the status and code; the base takes them for the rarer codes
+    (``unsupported_parameter``, ``api_mismatch``, ``cache_salt_unsupported``, ...).
+    """
+
+    status: int = 500
+    code: str = "internal_error"
+    retryable: bool = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        retryable: bool | None = None,
+        detail: str | None = None,
+        in_band: bool = False,
+    ) -> None:
         super().__init__(message)
-        self.status = status
-        self.code = code
         self.message = message
-        self.retryable = retryable
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+        if retryable is not None:
+            self.retryable = retryable
+        self.detail = detail
+        """What only the log may see (addresses, the engine's own words)."""
+        self.in_band = in_band
+        """The client asked for a stream and hears of this as an error event on it."""
 
     def body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"code": self.code, "message": self.message}
@@ -31,15 +100,93 @@ class GatewayError(Exception):
         return out
 
     def __repr__(self) -> str:
-        return f"GatewayError({self.status}, {self.code!r}, {self.message!r})"
+        return f"{type(self).__name__}({self.status}, {self.code!r}, {self.message!r})"
 
 
-class NotAcceptedError(Exception):
-    """The engine provably never got the request (no connection): another instance may take it."""
+class RefusedError(GatewayError):
+    """The request, as sent, is refused before any engine sees it."""
+
+    status = 400
+    code = "invalid_request"
 
 
-def invalid(message: str) -> GatewayError:
-    return GatewayError(400, "invalid_request", message)
+class InvalidRequestError(RefusedError):
+    pass
+
+
+class UnauthorizedError(RefusedError):
+    status = 401
+    code = "unauthorized"
+
+    def __init__(self) -> None:
+        super().__init__("missing or invalid api key")
+
+
+class UnknownModelError(RefusedError):
+    status = 404
+    code = "unknown_model"
+
+
+class TooLargeError(RefusedError):
+    status = 413
+    code = "request_too_large"
+
+
+class BusyError(GatewayError):
+    """The gateway cannot take the request now; the same request may succeed later."""
+
+    retryable = True
+
+
+class QueueFullError(BusyError):
+    status = 429
+    code = "queue_full"
+
+
+class UnavailableError(BusyError):
+    status = 503
+    code = "unavailable"
+
+
+class ClientGoneError(GatewayError):
+    """The client went away; logged as 499, never written anywhere."""
+
+    status = 499
+    code = "client_gone"
+
+    def __init__(self) -> None:
+        super().__init__("the client hung up")
+
+
+class EngineError(GatewayError):
+    """The engine failed this request (connection, status, answer)."""
+
+    status = 502
+    code = "engine_error"
+
+
+class NotAcceptedError(EngineError):
+    """The engine provably never got the request (no connection was established)."""
+
+
+class EngineRejectedError(EngineError):
+    """The engine refused the request; its status (400, 413, 422) and message are kept."""
+
+    code = "engine_rejected"
+
+    def __init__(self, status: int, message: str) -> None:
+        cut = message.encode()[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore")
+        super().__init__(cut or "rejected by the engine", status=status)
+
+
+class UnverifiedError(EngineError):
+    """The engine's stream broke a rule: nothing more of it may reach the client."""
+
+    code = "stream_unverified"
+
+
+class SSEError(UnverifiedError):
+    """The bytes are not a stream of data events."""
 
 
 def error_body(err: GatewayError) -> bytes:
@@ -50,3 +197,7 @@ def error_event(err: GatewayError) -> bytes:
     """The in-band form, once a stream has started: one data event, never followed by [DONE]."""
     inner = {"code": err.code, "message": err.message, "retryable": err.retryable}
     return b"data: " + orjson.dumps({"error": inner}) + b"\n\n"
+
+
+def invalid(message: str) -> InvalidRequestError:
+    return InvalidRequestError(message)

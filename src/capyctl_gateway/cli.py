@@ -10,16 +10,15 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import httpx
 import typer
 from aiohttp import web
 from rich.console import Console
-from rich.table import Table
 
-from ._app import GATEWAY_KEY, create_app, create_management_app
 from ._config import ConfigError, load_config
+from ._http.app import GATEWAY_KEY, GatewayRunner, create_app
 from ._identity import (
     CredentialsError,
     credentials_path,
@@ -27,6 +26,8 @@ from ._identity import (
     read_api_key,
 )
 from ._log import configure_logging
+from ._management.api import create_management_app
+from ._management.render import print_status
 
 app = typer.Typer(
     name="capyctl-gateway",
@@ -130,7 +131,7 @@ def serve(
 
 
 async def _run(application: web.Application, sock: socket.socket, msock: socket.socket) -> None:
-    runner = web.AppRunner(application, handler_cancellation=True, access_log=None)
+    runner = GatewayRunner(application)
     await runner.setup()
     mrunner = web.AppRunner(create_management_app(application[GATEWAY_KEY]), access_log=None)
     await mrunner.setup()
@@ -179,46 +180,7 @@ def status_deployment(
     if as_json:
         typer.echo(json.dumps(doc))
     else:
-        _print_status(Console(highlight=False), doc)
-
-
-def _cell(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
-def _print_status(console: Console, doc: dict[str, Any]) -> None:
-    d = doc["deployment"]
-    console.print(
-        f"{d['name']}: api {d['api']}, {d['engine']} {d['engine_version']} "
-        f"({d['served_model']}), {d['state']}; "
-        f"gateway running {d['running']}, waiting {d['waiting']}"
-    )
-    table = Table("instance", "url", "host", "state", "running", "waiting", "snapshot age")
-    for i in doc["instances"]:
-        age = i["snapshot_age_s"]
-        table.add_row(
-            str(i["index"]),
-            i["url"],
-            i["host"],
-            i["state"],
-            _cell(i["running"]),
-            _cell(i["waiting"]),
-            "-" if age is None else f"{age:.1f} s",
-        )
-    console.print(table)
-    for i in doc["instances"]:
-        cut = i["cancelled"]
-        if not cut:
-            console.print(f"instance {i['index']}: no cancelled requests counted")
-            continue
-        console.print(
-            f"instance {i['index']}: {len(cut)} cancelled request(s) still counted", soft_wrap=True
-        )
-        for c in cut:
-            console.print(
-                f"  {c['capyctl_request_id']} ({c['reason']}): settles {c['settles']}",
-                soft_wrap=True,
-            )
+        print_status(Console(highlight=False), doc)
 
 
 def _fail(message: str) -> typer.Exit:

@@ -10,8 +10,7 @@ import pytest
 from aiohttp import web
 
 from canopyx_provider import ProviderOptions
-from capyctl_gateway import Gateway, GatewayConfig, create_app
-from capyctl_gateway._app import GATEWAY_KEY
+from capyctl_gateway import GATEWAY_KEY, Gateway, GatewayConfig, GatewayRunner, create_app
 from tests.gateway.fake_engine import FakeEngine
 
 KEY = "k" * 43
@@ -24,8 +23,11 @@ def anyio_backend() -> str:
     return "asyncio"  # aiohttp runs on asyncio only
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def _serve(app: web.Application, *, gateway: bool = False) -> tuple[web.AppRunner, str]:
+    if gateway:
+        runner: web.AppRunner = GatewayRunner(app)
+    else:  # the fake engine notices hang-ups the same way
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -85,7 +87,7 @@ async def make_gateway() -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
             env=env or {},
             collector_options=collector or COLLECTOR,
         )
-        runner, url = await _serve(app)
+        runner, url = await _serve(app, gateway=True)
         runners.append(runner)
         return Gw(url, KEY, app[GATEWAY_KEY])
 

@@ -15,8 +15,8 @@ from aiohttp import web
 from typer.testing import CliRunner
 
 from canopyx_provider import EngineRestarted, EngineSnapshot, Event, ScrapeSucceeded
-from capyctl_gateway._app import create_management_app
-from capyctl_gateway._settle import InstanceLedger, SettleRule
+from capyctl_gateway import create_management_app
+from capyctl_gateway._deployments.settle import InstanceLedger, SettleRule
 from capyctl_gateway.cli import app as cli
 from tests.gateway.conftest import Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Hold, Pause, chunk, event, vllm_stream

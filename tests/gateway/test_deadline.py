@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from capyctl_gateway._deadline import Deadline
+from capyctl_gateway._relay.deadline import Deadline
 
 pytestmark = pytest.mark.anyio
 

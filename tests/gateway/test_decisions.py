@@ -10,7 +10,7 @@ import anyio
 import orjson
 import pytest
 
-from capyctl_gateway._settle import SettleRule
+from capyctl_gateway._deployments.settle import SettleRule
 from tests.gateway.conftest import Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Hold, Reply
 

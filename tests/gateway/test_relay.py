@@ -373,7 +373,7 @@ async def test_a_completed_exchange_leaves_its_engine_connection_in_the_pool(
         for body in ({**CHAT, "stream": True}, CHAT, {**CHAT, "stream": True}, CHAT):
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
             # The connection goes back to the pool once the body's end came (after the answer).
-            await asyncio.gather(*gateway.gateway._drains)
+            await asyncio.gather(*gateway.gateway.drains)
     peers = {r.peer for r in engine.received}
     assert len(engine.received) == 4 and len(peers) == 1, peers
 

@@ -4,6 +4,7 @@ what reaches the engine, and the router's log line."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -400,9 +401,37 @@ async def test_api_mismatch_names_the_decisions_endpoint(gateway: Gw, engine: Fa
 async def test_cache_salt_unsupported_is_the_documented_object(
     gateway: Gw, engine: FakeEngine
 ) -> None:
-    r = await post(gateway, {**CHAT, "model": "llama", "cache_salt": "tenant-a", "stream": True})
+    r = await post(gateway, {**CHAT, "model": "llama", "cache_salt": "tenant-a"})
     assert r.status_code == 400
     assert r.json() == {"code": "cache_salt_unsupported", "message": SALT_UNSUPPORTED}
+    assert r.headers["x-capyctl-request-id"]
+    assert engine.received == []
+
+
+async def test_cache_salt_unsupported_on_a_stream_is_one_error_event(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    # The spec: "400 with code cache_salt_unsupported (on a stream, an error event with that
+    # code)": the client asked for a stream, so it hears of the refusal on one.
+    body = {**CHAT, "model": "llama", "cache_salt": "tenant-a", "stream": True}
+    r = await post(gateway, body, headers={"X-Request-Id": "salt-1"})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["x-request-id"] == "salt-1" and r.headers["x-capyctl-request-id"]
+    events = [line for line in r.text.split("\n\n") if line]
+    assert events == [
+        "data: "
+        + json.dumps(
+            {
+                "error": {
+                    "code": "cache_salt_unsupported",
+                    "message": SALT_UNSUPPORTED,
+                    "retryable": False,
+                }
+            },
+            separators=(",", ":"),
+        )
+    ]
     assert engine.received == []
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from capyctl_gateway._sse import SSEDecoder, SSEError
+from capyctl_gateway._relay.sse import SSEDecoder, SSEError
 
 
 def reference(stream: bytes) -> list[bytes]:

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capyctl_gateway._assemble import Assembler
-from capyctl_gateway._config import EngineFamily
-from capyctl_gateway._verify import ChunkVerifier, UnverifiedError
+from capyctl_gateway._engines import EngineKind
+from capyctl_gateway._relay.assemble import Assembler
+from capyctl_gateway._relay.verify import ChunkVerifier, UnverifiedError
 
 
 class FullCheckOnly(ChunkVerifier):
@@ -179,17 +179,17 @@ def test_the_template_path_gives_the_full_check_s_verdicts(
             raws.append(write(make(value), 0)[:-extra])
         else:
             raws.append(write(make(None, choices=[], usage={"completion_tokens": 3}), 0))
-    family = EngineFamily.VLLM if make is vllm_chunk else EngineFamily.LLAMACPP
+    family = EngineKind.VLLM if make is vllm_chunk else EngineKind.LLAMACPP
     real = ChunkVerifier(family, served="tiny", public="my-model")
     reference = FullCheckOnly(family, served="tiny", public="my-model")
     assert run(real, raws, assemble=assemble) == run(reference, raws, assemble=assemble)
 
 
 def test_text_chunks_after_the_first_take_the_template_path() -> None:
-    verifier = ChunkVerifier(EngineFamily.VLLM, served="tiny", public="my-model")
-    assert verifier._head_len < 0
+    verifier = ChunkVerifier(EngineKind.VLLM, served="tiny", public="my-model")
+    assert verifier._template.head_len < 0
     verifier.relay(orjson.dumps(vllm_chunk("Hel")), 0.0)
-    assert verifier._head_len > 0  # learned
+    assert verifier._template.head_len > 0  # learned
     event = verifier.relay(orjson.dumps(vllm_chunk('lo "world"\\')), 1.0)
     doc = orjson.loads(event[6:-2])
     assert doc["model"] == "my-model"
@@ -197,7 +197,7 @@ def test_text_chunks_after_the_first_take_the_template_path() -> None:
     assert verifier.chunks == 2 and verifier.first_text_at == 0.0
 
 
-def same_as_full_check(family: EngineFamily, raws: list[bytes], *, assemble: bool) -> None:
+def same_as_full_check(family: EngineKind, raws: list[bytes], *, assemble: bool) -> None:
     real = ChunkVerifier(family, served="tiny", public="my-model")
     reference = FullCheckOnly(family, served="tiny", public="my-model")
     assert run(real, raws, assemble=assemble) == run(reference, raws, assemble=assemble)
@@ -205,7 +205,7 @@ def same_as_full_check(family: EngineFamily, raws: list[bytes], *, assemble: boo
 
 @pytest.mark.parametrize("assemble", [False, True])
 def test_known_hard_cases(assemble: bool) -> None:
-    llama, vllm = EngineFamily.LLAMACPP, EngineFamily.VLLM
+    llama, vllm = EngineKind.LLAMACPP, EngineKind.VLLM
     # The template's bytes with an empty text and its closing quote gone: head + tail[1:].
     cut = orjson.dumps(vllm_chunk("")).replace(b'"},', b"},", 1)
     same_as_full_check(vllm, [orjson.dumps(vllm_chunk("a")), cut], assemble=assemble)
@@ -231,12 +231,12 @@ def test_known_hard_cases(assemble: bool) -> None:
 
 
 def test_reasoning_chunks_take_the_template_path_too() -> None:
-    verifier = ChunkVerifier(EngineFamily.VLLM, served="tiny", public="my-model")
+    verifier = ChunkVerifier(EngineKind.VLLM, served="tiny", public="my-model")
     thinking = [vllm_chunk(None) for _ in range(3)]
     for chunk, text in zip(thinking, ("Let", " me", ' "think"'), strict=True):
         chunk["choices"][0]["delta"] = {"reasoning": text}
     events = [verifier.relay(orjson.dumps(c), float(i)) for i, c in enumerate(thinking)]
-    assert verifier._head.endswith(b'"reasoning":"')
+    assert verifier._template.head.endswith(b'"reasoning":"')
     assert [orjson.loads(e[6:-2])["choices"][0]["delta"] for e in events] == [
         {"reasoning": "Let"},
         {"reasoning": " me"},

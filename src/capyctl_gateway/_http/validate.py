@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from ._config import Api, Deployment, GatewayConfig
-from ._errors import GatewayError, invalid
+from .._config import Api, Deployment, GatewayConfig
+from .._engines import facts
+from .._errors import RefusedError, UnknownModelError, invalid
 
-__all__ = ["CHAT_FIELDS", "ChatRequest", "caller_request_id", "parse_chat_request", "resolve"]
+__all__ = [
+    "CHAT_FIELDS",
+    "DECISION_FIELDS",
+    "ChatRequest",
+    "DecisionRequest",
+    "caller_request_id",
+    "engine_payload",
+    "parse_chat_request",
+    "parse_decision_request",
+    "resolve",
+]
 
 # Top-level fields a chat request may carry: OpenAI's chat fields and the engines' documented
 # sampling, templating, structured-output and reasoning extensions. Anything else is refused
@@ -40,6 +54,7 @@ CHAT_FIELDS = frozenset(
     }
 )  # fmt: skip
 
+DECISION_FIELDS = frozenset({"model", "state", "questions", "images", "files"})
 CACHE_SALT_UNSUPPORTED = (
     "this deployment's engine does not partition its prefix cache by cache_salt"
 )
@@ -51,6 +66,35 @@ class ChatRequest:
     deployment: Deployment
     body: dict[str, Any]
     stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRequest:
+    deployment: Deployment
+    body: dict[str, Any]
+
+
+_LONG_DIGITS = re.compile(rb"\d{20}|-\d{19}")
+"""Digits enough for an integer orjson would read as a float (outside -2^63 .. 2^64-1)."""
+_INT_RANGE = range(-(2**63), 2**64)
+
+
+def _exact_integers(raw: bytes) -> None:
+    """Refuse an integer the engine would not receive exactly: orjson reads one outside
+    -2^63 .. 2^64-1 as a float, and the engine would get another number than the one sent."""
+
+    def exact(text: str) -> int:
+        value = int(text)
+        if value not in _INT_RANGE:
+            raise invalid(
+                f"the integer {text[:24]}{'...' if len(text) > 24 else ''} is outside "
+                "-2^63 .. 2^64-1, which the gateway cannot forward exactly"
+            )
+        return value
+
+    # orjson took the body; only the integers are looked at here.
+    with contextlib.suppress(ValueError, RecursionError):
+        json.loads(raw, parse_int=exact)
 
 
 _ENDPOINT = {Api.CHAT: "/v1/chat/completions", Api.DECISIONS: "/v1/systemone"}
@@ -65,19 +109,20 @@ def resolve(raw: bytes, config: GatewayConfig, api: Api) -> tuple[dict[str, Any]
         raise invalid(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
+    if _LONG_DIGITS.search(raw) is not None:
+        _exact_integers(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required and must be a non-empty string")
     deployment = config.deployment(model)
     if deployment is None:
-        raise GatewayError(404, "unknown_model", f"no deployment serves model {model!r}")
+        raise UnknownModelError(f"no deployment serves model {model!r}")
     if deployment.api is not api:
         served = deployment.api
-        raise GatewayError(
-            400,
-            "api_mismatch",
+        raise RefusedError(
             f"model {model} serves the {served.value} API, which {_ENDPOINT[api]} does not "
             f"answer; send its requests to POST {_ENDPOINT[served]}",
+            code="api_mismatch",
         )
     return body, deployment
 
@@ -88,12 +133,15 @@ def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
     for key in body:
         if key not in CHAT_FIELDS:
             raise invalid(f"request field `{key}` is not accepted")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise invalid("messages is required and must be a list")
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
-        raise GatewayError(400, "unsupported_parameter", "n must be 1: one choice is relayed")
+        raise RefusedError("n must be 1: one choice is relayed", code="unsupported_parameter")
     if body.get("functions") is not None or body.get("function_call") is not None:
-        raise GatewayError(
-            400, "unsupported_parameter", "functions and function_call are not supported; use tools"
+        raise RefusedError(
+            "functions and function_call are not supported; use tools", code="unsupported_parameter"
         )
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -107,9 +155,43 @@ def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
             raise invalid(
                 f"cache_salt must be a non-empty string of at most {MAX_SALT_BYTES} bytes"
             )
-        if not deployment.engine.honours_cache_salt:
-            raise GatewayError(400, "cache_salt_unsupported", CACHE_SALT_UNSUPPORTED)
+        if not facts(deployment.engine).honours_cache_salt:
+            raise RefusedError(
+                CACHE_SALT_UNSUPPORTED, code="cache_salt_unsupported", in_band=bool(stream)
+            )
     return ChatRequest(deployment, body, bool(stream))
+
+
+def parse_decision_request(raw: bytes, config: GatewayConfig) -> DecisionRequest:
+    """The documented checks, in order; the engine judges the rest."""
+    body, deployment = resolve(raw, config, Api.DECISIONS)
+    for key in body:
+        if key not in DECISION_FIELDS:
+            raise invalid(f"request field `{key}` is not accepted")
+    for key in ("images", "files"):
+        value = body.get(key)
+        if value is not None and (
+            not isinstance(value, list) or not all(isinstance(v, str) for v in value)
+        ):
+            raise invalid(f"{key} must be a list of data-URI strings")
+    return DecisionRequest(deployment, body)
+
+
+def engine_payload(
+    body: dict[str, Any], deployment: Deployment, *, chat: bool, stream: bool
+) -> bytes:
+    """The bytes the engine receives: the body addressed to the engine's own model id; a chat
+    request always asks for a stream (with usage, when the gateway collects it)."""
+    body["model"] = deployment.engine_model
+    if chat:
+        body["stream"] = True
+        if not stream:
+            options = body.get("stream_options") or {}
+            body["stream_options"] = {**options, "include_usage": True}
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:  # nested deeper than an engine's parser would take
+        raise invalid("the body is nested too deeply") from None
 
 
 def caller_request_id(values: list[str]) -> str | None:

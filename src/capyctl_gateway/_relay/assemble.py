@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._verify import TemplateText
+from .verify import TemplateText
 
 __all__ = ["Assembler"]
 
@@ -31,7 +31,8 @@ class Assembler:
         self._calls: dict[int, dict[str, Any]] = {}
         self._logprobs: list[Any] | None = None
         self._chunk_extra: dict[str, Any] = {}
-        self.finish: str | None = None
+        self.finish: Any = None
+        """The finish_reason the engine sent, whatever it is (stop, length, vLLM's abort...)."""
 
     def add(self, chunk: dict[str, Any] | TemplateText) -> None:
         """Fold in a verified chunk, or one that is the verifier's template but for its text."""
@@ -64,8 +65,9 @@ class Assembler:
             lp = choice.get("logprobs")
             if isinstance(lp, dict) and isinstance(lp.get("content"), list):
                 self._logprobs = (self._logprobs or []) + lp["content"]
-            if choice.get("finish_reason") is not None:
-                self.finish = choice["finish_reason"]
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                self.finish = finish  # as sent: the verifier does not judge it
 
     def _fold_call(self, call: dict[str, Any]) -> None:
         slot = self._calls.setdefault(call["index"], {"function": {"arguments": ""}})

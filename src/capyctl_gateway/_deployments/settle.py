@@ -22,7 +22,6 @@ from enum import StrEnum
 
 from canopyx_provider import (
     ChecksCompleted,
-    Collector,
     EngineRestarted,
     Event,
     ScrapeFailed,
@@ -76,11 +75,20 @@ class InstanceLedger:
 class Settlement:
     """Receives the collector's events and settles cut requests (an EventHook)."""
 
-    def __init__(self, clock: Callable[[], float], *, fast_poll_ms: int = FAST_POLL_MS) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        *,
+        poll: Callable[[str, int | None], None],
+        fast_poll_ms: int = FAST_POLL_MS,
+    ) -> None:
+        """``poll(key, interval_ms)`` sets an instance's polling interval (None: the
+        collector's default); it is how settlement asks for faster samples while a cut
+        request waits to be settled."""
         self._clock = clock
+        self._poll = poll
         self.fast_poll_ms = fast_poll_ms
         self.ledgers: dict[str, InstanceLedger] = {}
-        self.collector: Collector | None = None
         self.settled = 0
         self.recent: deque[Settled] = deque(maxlen=256)
         """The latest settlements, newest last."""
@@ -96,8 +104,7 @@ class Settlement:
         rule = SettleRule.WHEN_IDLE if answered else SettleRule.AT_RESTART
         item = CutRequest(request_id, self._clock(), rule, reason)
         ledger.cut.append(item)
-        if self.collector is not None:
-            self.collector.set_poll_interval(ledger.key, self.fast_poll_ms)
+        self._poll(ledger.key, self.fast_poll_ms)
         logger.info(
             "request %s cut (%s); charged to %s until settled %s",
             request_id,
@@ -159,5 +166,5 @@ class Settlement:
         ledger.cut = keep
         self.settled += gone
         logger.info("%s: %d cut request(s) settled (%s)", ledger.key, gone, why)
-        if not keep and self.collector is not None:
-            self.collector.set_poll_interval(ledger.key, None)
+        if not keep:
+            self._poll(ledger.key, None)

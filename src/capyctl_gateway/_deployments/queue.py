@@ -7,13 +7,9 @@ import asyncio
 import contextlib
 from collections import deque
 
-from ._errors import GatewayError
+from .._errors import QueueFullError, UnavailableError
 
 __all__ = ["Admission", "DeploymentQueue"]
-
-
-def _queue_full(message: str) -> GatewayError:
-    return GatewayError(429, "queue_full", message, retryable=True)
 
 
 class Admission:
@@ -42,16 +38,16 @@ class DeploymentQueue:
         """Take a running slot, waiting until ``deadline`` (``loop.time()``) at the latest.
 
         Raises:
-            GatewayError: 429 ``queue_full`` when no place is left to wait, 503 ``unavailable``
-                when the deadline passes while waiting.
+            QueueFullError: 429 ``queue_full`` when no place is left to wait.
+            UnavailableError: 503 ``unavailable`` when the deadline passes while waiting.
         """
         if self.running < self.max_running and not self._waiters:
             self.running += 1
             return
         if len(self._waiters) >= self.max_waiting:
-            raise _queue_full("this model's waiting queue is full; retry shortly")
+            raise QueueFullError("this model's waiting queue is full; retry shortly")
         if self._admission.waiting >= self._admission.max_waiting_total:
-            raise _queue_full("the gateway's waiting queue is full; retry shortly")
+            raise QueueFullError("the gateway's waiting queue is full; retry shortly")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._admission.waiting += 1
@@ -61,9 +57,7 @@ class DeploymentQueue:
         except TimeoutError:
             if waiter.done() and not waiter.cancelled():
                 return  # the slot arrived together with the deadline: keep it
-            raise GatewayError(
-                503, "unavailable", "no running slot within queue.request_deadline", retryable=True
-            ) from None
+            raise UnavailableError("no running slot within queue.request_deadline") from None
         except BaseException:
             # A slot handed over just as we were cancelled must not be lost.
             if waiter.done() and not waiter.cancelled():

@@ -7,14 +7,12 @@ optional ``\\r``; an event ends at a blank line; its data lines are joined with 
 
 from __future__ import annotations
 
+from .._errors import SSEError
+
 __all__ = ["DONE", "MAX_EVENT_BYTES", "SSEDecoder", "SSEError"]
 
 DONE = b"[DONE]"
 MAX_EVENT_BYTES = 64 * 1024
-
-
-class SSEError(Exception):
-    """The bytes are not a stream of data events."""
 
 
 class SSEDecoder:

@@ -1,0 +1,123 @@
+"""Deployments as the gateway serves them: their instances, queue and instance choice.
+
+A `Route` is one deployment: its instances, its waiting queue, and the choice of the
+instance a request is offered to. Load is the engine's own count of running and waiting
+requests when a fresh sample has it, and never less than the requests the gateway has in
+flight there. Cut requests still waiting to be settled are not load: they say what the engine
+may still be doing and what memory stays counted, and an instance whose clients gave up early
+must not be starved of traffic for it.
+
+Never imports the HTTP surface or the relay.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from yarl import URL
+
+from .._config import ConfigError, Deployment, GatewayConfig, Instance
+from .._engines import facts
+from .queue import Admission, DeploymentQueue
+from .settle import InstanceLedger, Settlement
+
+__all__ = ["EngineInstance", "Route", "build_routes"]
+
+ENGINE_HEADERS = {
+    "Content-Type": "application/json",
+    "Accept": "text/event-stream",
+    # The stream is parsed as it comes: the engine must not compress it.
+    "Accept-Encoding": "identity",
+    # Ours, so that aiohttp adds none of its own (and skips work doing so).
+    "User-Agent": "capyctl-gateway",
+}
+
+
+@dataclass(eq=False)
+class EngineInstance:
+    """One engine serving a deployment, as the gateway reaches it."""
+
+    deployment: str
+    index: int
+    url: str
+    headers: dict[str, str]
+    engine_key: str | None
+    ledger: InstanceLedger
+    host: str = field(init=False)
+    where: str = field(init=False)
+    """How clients hear of it: never its address."""
+    chat_url: URL = field(init=False)
+    decision_url: URL = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = urlsplit(self.url).hostname or ""
+        self.where = f"deployment {self.deployment}, instance {self.index}"
+        # Parsed once: aiohttp would parse a string URL on every request.
+        self.chat_url = URL(self.url + "/v1/chat/completions")
+        self.decision_url = URL(self.url + "/v1/systemone")
+
+    @property
+    def key(self) -> str:
+        """The collector's and the ledger's key: ``<deployment>/<index>``."""
+        return self.ledger.key
+
+
+@dataclass(eq=False)
+class Route:
+    deployment: Deployment
+    instances: list[EngineInstance]
+    queue: DeploymentQueue
+    turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    def choose(
+        self,
+        load: Callable[[EngineInstance], int],
+        exclude: set[int] | frozenset[int] = frozenset(),
+    ) -> EngineInstance | None:
+        """The least loaded instance among those not excluded; ties rotate."""
+        if len(self.instances) == 1:
+            only = self.instances[0]
+            return None if only.index in exclude else only
+        start = next(self.turn) % len(self.instances)
+        ordered = [
+            i for i in self.instances[start:] + self.instances[:start] if i.index not in exclude
+        ]
+        return min(ordered, key=load) if ordered else None
+
+
+def _engine_key(instance: Instance, env: Mapping[str, str]) -> str | None:
+    if instance.api_key_env is None:
+        return None
+    key = env.get(instance.api_key_env)
+    if not key:
+        raise ConfigError(f"instance {instance.url}: api_key_env {instance.api_key_env} is not set")
+    return key
+
+
+def build_routes(
+    config: GatewayConfig, env: Mapping[str, str], settlement: Settlement
+) -> dict[str, Route]:
+    """One route per deployment; raises ConfigError for an engine key that is not set."""
+    admission = Admission(config.queue.max_waiting_total)
+    routes: dict[str, Route] = {}
+    for d in config.deployments:
+        instances = []
+        for i, inst in enumerate(d.instances):
+            key = _engine_key(inst, env)
+            headers = dict(ENGINE_HEADERS)
+            if key is not None:
+                headers["Authorization"] = f"Bearer {key}"
+            if facts(d.engine).closes_after_stream:
+                headers["Connection"] = "close"  # so the connection is never reused
+            ledger = settlement.ledger(f"{d.name}/{i}")
+            instances.append(EngineInstance(d.name, i, inst.url, headers, key, ledger))
+        queue = DeploymentQueue(
+            admission,
+            max_running=config.queue.max_running_per_deployment,
+            max_waiting=config.queue.max_waiting_per_deployment,
+        )
+        routes[d.name] = Route(d, instances, queue)
+    return routes

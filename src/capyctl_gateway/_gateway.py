@@ -1,0 +1,148 @@
+"""What one gateway process holds: its configuration, key, routes, engine connections and the
+collector that watches the engines. No module globals; the HTTP surface reads it, the rooms
+below it never import it.
+
+Two lifetimes are tied to the application's (as aiohttp cleanup contexts): the engine session
+(its connection pool, and the connections still draining after an answer) and the collector
+(its own small session; it polls every instance and feeds `Settlement`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions, adapter_for
+
+from ._config import GatewayConfig
+from ._deployments.routes import EngineInstance, Route, build_routes
+from ._deployments.settle import Settlement
+
+__all__ = ["IDLE_CONNECTION_S", "Gateway"]
+
+IDLE_CONNECTION_S = 4.0
+"""How long an idle engine connection stays pooled: under the 5 s after which llama-server and
+uvicorn (vLLM, SGLang) close one, so that the gateway never sends on a connection the engine
+is closing at that moment (measured on llama-server b10798: idle 5.5 s, then the next request
+met a closed connection)."""
+
+
+class Gateway:
+    """Everything one gateway process holds."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        api_key: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        collector_options: ProviderOptions | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """Raises ConfigError when an instance's engine key is not in ``env``."""
+        self.config = config
+        self._key = api_key.encode()
+        self.collector_options = collector_options or ProviderOptions()
+        self._clock = clock
+        self.collector: Collector | None = None
+        self.settlement = Settlement(clock, poll=self._set_poll_interval)
+        self.routes: dict[str, Route] = build_routes(
+            config, os.environ if env is None else env, self.settlement
+        )
+        self.session: aiohttp.ClientSession | None = None
+        self.drains: set[asyncio.Task[None]] = set()
+        """Engine connections waiting for the end of a finished answer's body."""
+        self.models_document = orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"id": d.name, "object": "model", "capyctl": {"api": d.api.value}}
+                    for d in config.deployments
+                ],
+            }
+        )
+
+    def now(self) -> float:
+        return self._clock()
+
+    def authorized(self, header: str) -> bool:
+        """Whether an ``Authorization`` header value carries the gateway's key."""
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        # aiohttp decodes header bytes that are not UTF-8 as surrogates: keep them comparable.
+        return hmac.compare_digest(key.lstrip(" ").encode("utf-8", "surrogateescape"), self._key)
+
+    def load(self, instance: EngineInstance) -> int:
+        """What routing weighs: the engine's running and waiting requests from a fresh sample,
+        never less than the requests the gateway has in flight there."""
+        running = instance.ledger.running
+        snap = self.collector.snapshot(instance.key) if self.collector is not None else None
+        if snap is not None:
+            m = snap.metrics
+            if m.running_requests is not None and m.waiting_requests is not None:
+                return max(running, int(m.running_requests + m.waiting_requests))
+        return running
+
+    def _set_poll_interval(self, key: str, interval_ms: int | None) -> None:
+        if self.collector is not None:
+            self.collector.set_poll_interval(key, interval_ms)
+
+    # -- lifetimes (aiohttp cleanup contexts) ---------------------------------------------
+    async def engine_session(self, app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=IDLE_CONNECTION_S
+        )
+        async with aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.config.queue.connect_timeout
+            ),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar
+        ) as session:
+            self.session = session
+            try:
+                yield
+            finally:
+                self.session = None
+                for task in list(self.drains):
+                    task.cancel()  # each closes its connection
+                await asyncio.gather(*self.drains, return_exceptions=True)
+
+    async def engine_collector(self, app: web.Application) -> AsyncIterator[None]:
+        """Polls each instance, and settles cut requests. It fetches through its own aiohttp
+        session (cheaper per GET than the SDK's default httpx client): at most 4 kept-alive
+        connections per engine, each GET bounded by the collector's request timeout."""
+        timeout_s = self.collector_options.request_timeout_s
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=4, keepalive_timeout=IDLE_CONNECTION_S
+            ),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        ) as session:
+            collector = Collector(
+                options=self.collector_options,
+                fetcher=AiohttpFetcher(session, timeout_s=timeout_s, clock=self._clock),
+                clock=self._clock,
+                hooks=[self.settlement],
+            )
+            async with collector:
+                for route in self.routes.values():
+                    d = route.deployment
+                    for inst in route.instances:
+                        adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key)
+                        collector.add(inst.key, adapter, model_id=d.engine_model)
+                self.collector = collector
+                try:
+                    yield
+                finally:
+                    self.collector = None

@@ -1,0 +1,43 @@
+"""Turning a `GatewayError` into what the client receives, in one place.
+
+Before anything was written an error is an HTTP answer with the documented JSON body, the
+request's IDs and, for a 429, ``Retry-After``. An error marked in band (the client asked for a
+stream) is a ``200`` event stream with one error event instead. What only the log may see
+(``detail``) is logged here with the request ID, never sent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from .._errors import ClientGoneError, GatewayError, error_body
+from .._relay.chat import stream_error
+
+__all__ = ["answer", "error_response"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+
+def error_response(err: GatewayError, headers: dict[str, str]) -> web.Response:
+    """The HTTP answer for ``err`` (nothing of it was sent yet)."""
+    h = dict(headers)
+    if err.status == 429:
+        h["Retry-After"] = "1"
+    return web.Response(
+        status=err.status, body=error_body(err), headers=h, content_type="application/json"
+    )
+
+
+async def answer(
+    request: web.Request, err: GatewayError, headers: dict[str, str], rid: str
+) -> web.StreamResponse:
+    """Answer ``err`` for the request ``rid``, logging what the client is not told."""
+    if err.detail is not None:
+        logger.warning("request %s: %s (%s)", rid, err.message, err.detail)
+    if isinstance(err, ClientGoneError):
+        return web.Response(status=499)
+    if err.in_band:
+        return await stream_error(request, None, err, headers)
+    return error_response(err, headers)

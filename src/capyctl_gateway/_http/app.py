@@ -1,0 +1,70 @@
+"""The public application, and the runner that every gateway must be served by.
+
+aiohttp notices a client that hangs up only when the runner cancels the handler
+(``handler_cancellation=True``); without it a cut stream would run on at the engine. So the
+setting is not the caller's to forget: `create_app` refuses to start under any runner but
+`GatewayRunner`, which sets it (tests, benchmarks and the CLI alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from canopyx_provider import ProviderOptions
+
+from .._config import GatewayConfig
+from .._gateway import Gateway
+from .inference import Inference
+
+__all__ = ["GATEWAY_KEY", "GatewayRunner", "create_app"]
+
+GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
+_HANGUPS_SEEN: web.AppKey[bool] = web.AppKey("hang_ups_seen")
+
+
+class GatewayRunner(web.AppRunner):
+    """An `aiohttp.web.AppRunner` with the settings the gateway's correctness depends on:
+    handlers are cancelled when their client goes away; no access log (the gateway logs each
+    request itself)."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        kwargs.setdefault("access_log", None)
+        kwargs["handler_cancellation"] = True
+        app[_HANGUPS_SEEN] = True
+        super().__init__(app, **kwargs)
+
+
+async def _require_gateway_runner(app: web.Application) -> None:
+    if not app.get(_HANGUPS_SEEN):
+        raise RuntimeError(
+            "serve capyctl-gateway's application with GatewayRunner: under another runner "
+            "a client that hangs up would not stop its engine request"
+        )
+
+
+def create_app(
+    config: GatewayConfig,
+    api_key: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    collector_options: ProviderOptions | None = None,
+) -> web.Application:
+    """The inference application for ``config``; serve it with `GatewayRunner`. Its cleanup
+    closes everything it opened."""
+    gateway = Gateway(config, api_key, env=env, collector_options=collector_options)
+    handlers = Inference(gateway)
+    app = web.Application(client_max_size=config.limits.max_body_bytes)
+    app[GATEWAY_KEY] = gateway
+    app.on_startup.append(_require_gateway_runner)
+    app.cleanup_ctx.append(gateway.engine_session)
+    app.cleanup_ctx.append(gateway.engine_collector)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_post("/v1/chat/completions", handlers.chat)
+    app.router.add_route("*", "/v1/chat/completions", handlers.wrong_method)
+    app.router.add_post("/v1/systemone", handlers.decide)
+    app.router.add_route("*", "/v1/systemone", handlers.wrong_method)
+    app.router.add_route("*", "/{tail:.*}", handlers.not_found)
+    return app

@@ -1,0 +1,236 @@
+"""The public listener's handlers: ``/v1/models``, chat and decisions.
+
+A chat or decision request goes: request ID, key, caller's ID, body (bounded), checks, the
+engine's payload, the deployment's queue, then offers to its instances. An offer that the
+engine provably never got (`NotAcceptedError`) goes to the next instance, up to `MAX_OFFERS`; any
+other outcome is the answer. After each offer the request is charged to its instance until
+settled if it may still run there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from .._config import Api, Deployment
+from .._errors import EngineError, GatewayError, NotAcceptedError, TooLargeError, UnauthorizedError
+from .._gateway import Gateway
+from .._log import event
+from .._relay.chat import collect_chat, relay_chat
+from .._relay.decisions import relay_decision
+from .._relay.exchange import Exchange, Outcome
+from .._ulid import new_ulid
+from .answers import answer, error_response
+from .validate import caller_request_id, engine_payload, parse_chat_request, parse_decision_request
+
+__all__ = ["MAX_OFFERS", "Inference", "read_body"]
+
+logger = logging.getLogger("capyctl_gateway")
+MAX_OFFERS = 4
+"""Instances a request is offered to, when the ones before provably never got it."""
+
+
+class Inference:
+    """The handlers of the public listener, over one `Gateway`."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def models(self, request: web.Request) -> web.Response:
+        headers = {"X-CapyCTL-Request-Id": new_ulid()}
+        try:
+            identify(self.gw, request, headers)
+        except GatewayError as err:
+            return error_response(err, headers)
+        return web.Response(
+            body=self.gw.models_document, headers=headers, content_type="application/json"
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Api.CHAT)
+
+    async def decide(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Api.DECISIONS)
+
+    async def _serve(self, request: web.Request, api: Api) -> web.StreamResponse:
+        arrival = asyncio.get_running_loop().time()
+        rid = new_ulid()
+        headers = {"X-CapyCTL-Request-Id": rid}
+        config = self.gw.config
+        try:
+            caller = identify(self.gw, request, headers)
+            if api is Api.CHAT:
+                raw = await read_body(request, config.limits.max_body_bytes)
+                chat = parse_chat_request(raw, config)
+                dep, body, stream = chat.deployment, chat.body, chat.stream
+            else:
+                raw = await read_body(request, config.limits.max_decision_body_bytes)
+                decision = parse_decision_request(raw, config)
+                dep, body, stream = decision.deployment, decision.body, False
+            payload = engine_payload(body, dep, chat=api is Api.CHAT, stream=stream)
+            route = self.gw.routes[dep.name]
+            await route.queue.acquire(arrival + config.queue.request_deadline)
+        except GatewayError as err:
+            return await answer(request, err, headers, rid)
+        try:
+            call = _Call(request, api, dep, payload, stream, headers, rid, caller, arrival)
+            return await self._offer(call)
+        except GatewayError as err:
+            return await answer(request, err, headers, rid)
+        finally:
+            route.queue.release()
+
+    async def _offer(self, call: _Call) -> web.StreamResponse:
+        route = self.gw.routes[call.dep.name]
+        refused: set[int] = set()
+        details: list[str] = []
+        while len(refused) < MAX_OFFERS:
+            instance = route.choose(self.gw.load, refused)
+            if instance is None:
+                break
+            _log_route("router_selection", call, instance.index, instance.host)
+            assert self.gw.session is not None
+            ex = Exchange(
+                self.gw.session,
+                instance.chat_url if call.api is Api.CHAT else instance.decision_url,
+                instance.headers,
+                where=instance.where,
+                deadline=call.arrival + self.gw.config.queue.request_deadline,
+                idle_timeout=self.gw.config.queue.stream_idle_timeout,
+                drains=self.gw.drains,
+            )
+            instance.ledger.running += 1
+            try:
+                return await self._exchange(call, ex)
+            except NotAcceptedError as exc:
+                # The engine never saw it: another instance may serve it, within the deadline.
+                refused.add(instance.index)
+                details.append(exc.detail or exc.message)
+                _log_route("router_failover", call, instance.index, instance.host, exc.detail)
+            finally:
+                instance.ledger.running -= 1
+                self._account(call.rid, instance.ledger.key, ex.outcome)
+        raise EngineError(
+            f"deployment {call.dep.name}: its instances could not be reached",
+            detail="; ".join(details) or "no instance to send it to",
+        )
+
+    async def _exchange(self, call: _Call, ex: Exchange) -> web.StreamResponse:
+        if call.api is Api.DECISIONS:
+            body = await relay_decision(
+                ex, call.payload, public=call.dep.name, arrival=call.arrival
+            )
+        elif not call.stream:
+            body = await collect_chat(ex, call.dep, call.payload)
+        else:
+            return await relay_chat(call.request, ex, call.dep, call.payload, headers=call.headers)
+        return web.Response(body=body, headers=call.headers, content_type="application/json")
+
+    def _account(self, rid: str, key: str, out: Outcome) -> None:
+        """A request that may still run on the engine stays charged until it is settled."""
+        if out.sent and not out.completed:
+            reason = out.cut or "engine stream broken"
+            ledger = self.gw.settlement.ledgers[key]
+            self.gw.settlement.cut(ledger, rid, answered=out.answered, reason=reason)
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        headers = {"X-CapyCTL-Request-Id": new_ulid()}
+        err = GatewayError(
+            f"no route {request.method} {request.path}", status=404, code="not_found"
+        )
+        return error_response(err, headers)
+
+    async def wrong_method(self, request: web.Request) -> web.Response:
+        err = GatewayError(
+            f"{request.path} answers POST, not {request.method}",
+            status=405,
+            code="method_not_allowed",
+        )
+        return error_response(err, {"X-CapyCTL-Request-Id": new_ulid(), "Allow": "POST"})
+
+
+class _Call:
+    """One admitted request on its way to an instance."""
+
+    __slots__ = (
+        "api",
+        "arrival",
+        "caller",
+        "dep",
+        "headers",
+        "payload",
+        "request",
+        "rid",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        request: web.Request,
+        api: Api,
+        dep: Deployment,
+        payload: bytes,
+        stream: bool,
+        headers: dict[str, str],
+        rid: str,
+        caller: str | None,
+        arrival: float,
+    ) -> None:
+        self.request, self.api, self.dep, self.payload = request, api, dep, payload
+        self.stream, self.headers, self.rid, self.caller = stream, headers, rid, caller
+        self.arrival = arrival
+
+
+def identify(gateway: Gateway, request: web.Request, headers: dict[str, str]) -> str | None:
+    """Check the key and the caller's ``X-Request-Id``; the latter is handed back on every
+    answer that follows, a 401 included. Returns the caller's ID."""
+    problem: GatewayError | None = None
+    caller = None
+    try:
+        caller = caller_request_id(request.headers.getall("X-Request-Id", []))
+    except GatewayError as err:
+        problem = err
+    if caller is not None:
+        headers["X-Request-Id"] = caller
+    keys = request.headers.getall("Authorization", [])
+    if len(keys) != 1 or not gateway.authorized(keys[0]):
+        raise UnauthorizedError()  # none, a wrong one, or several (never the first that fits)
+    if problem is not None:
+        raise problem
+    return caller
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it is known to be over ``limit``."""
+    if request.content_length is not None and request.content_length > limit:
+        raise TooLargeError(f"the request body is over {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    while block := await request.content.readany():
+        size += len(block)
+        if size > limit:
+            raise TooLargeError(f"the request body is over {limit} bytes")
+        parts.append(block)
+    return b"".join(parts)
+
+
+def _log_route(name: str, call: _Call, index: int, host: str, detail: str | None = None) -> None:
+    fields: dict[str, Any] = {
+        "capyctl_request_id": call.rid,
+        "deployment": call.dep.name,
+        "instance": index,
+        "host": host,
+    }
+    if call.caller is not None:
+        fields["caller_request_id"] = call.caller
+    caller = f" (caller {call.caller})" if call.caller is not None else ""
+    if name == "router_selection":
+        event(name, "request %s%s %s -> %s instance %d", call.rid, caller, call.dep.name, host,
+              index, **fields)  # fmt: skip
+    else:
+        event(name, "request %s%s %s: instance %d on %s did not take it (%s)", call.rid, caller,
+              call.dep.name, index, host, detail, **fields, reason="not_accepted",
+              detail=detail)  # fmt: skip

@@ -1,0 +1,56 @@
+"""``capyctl-gateway status deployment`` as text: a line for the deployment, a table of its
+instances, and the cut requests each still counts. Nothing is cut short: a URL or a request ID
+is printed whole however narrow the terminal, and when the output is piped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["print_status"]
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def print_status(console: Console, doc: dict[str, Any]) -> None:
+    d = doc["deployment"]
+    console.print(
+        f"{d['name']}: api {d['api']}, {d['engine']} {d['engine_version']} "
+        f"({d['served_model']}), {d['state']}; "
+        f"gateway running {d['running']}, waiting {d['waiting']}",
+        soft_wrap=True,
+    )
+    rows = doc["instances"]
+    table = Table("instance", "state", "running", "waiting", "snapshot age")
+    for i in rows:
+        age = i["snapshot_age_s"]
+        table.add_row(
+            str(i["index"]),
+            i["state"],
+            _cell(i["running"]),
+            _cell(i["waiting"]),
+            "-" if age is None else f"{age:.1f} s",
+        )
+    console.print(table)
+    # Addresses and reasons on lines of their own: a table column would cut them short.
+    for i in rows:
+        console.print(f"instance {i['index']}: {i['url']} (host {i['host']})", soft_wrap=True)
+        if i.get("error"):
+            console.print(f"  error: {i['error']}", soft_wrap=True)
+    for i in rows:
+        cut = i["cancelled"]
+        if not cut:
+            console.print(f"instance {i['index']}: no cancelled requests counted")
+            continue
+        console.print(
+            f"instance {i['index']}: {len(cut)} cancelled request(s) still counted", soft_wrap=True
+        )
+        for c in cut:
+            console.print(
+                f"  {c['capyctl_request_id']} ({c['reason']}): settles {c['settles']}",
+                soft_wrap=True,
+            )

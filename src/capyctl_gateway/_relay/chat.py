@@ -1,0 +1,168 @@
+"""A chat answer: relayed chunk by chunk to a streaming client, or collected (hot path).
+
+The engine is always asked for a stream (an `Exchange`). Each block read from it is decoded,
+every chunk verified, and the verified chunks of one block leave in one write. For a client
+that did not ask for a stream the chunks are assembled into one answer instead. What can go
+wrong is mapped by the exchange; this module decides only how the client hears of it: an HTTP
+error while nothing was written, else one in-band error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+from aiohttp import web
+
+from .._config import Deployment
+from .._errors import (
+    ClientGoneError,
+    EngineError,
+    GatewayError,
+    NotAcceptedError,
+    UnverifiedError,
+    error_event,
+)
+from .assemble import Assembler
+from .exchange import Exchange
+from .figures import Figures, chat_figures
+from .sse import DONE, SSEDecoder
+from .verify import ChunkVerifier
+
+__all__ = ["SSE_HEADERS", "collect_chat", "relay_chat", "start_stream", "stream_error"]
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+
+async def relay_chat(
+    request: web.Request,
+    ex: Exchange,
+    dep: Deployment,
+    payload: bytes,
+    *,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    """Relay the engine's stream to a streaming client, chunk by verified chunk."""
+    loop = asyncio.get_running_loop()
+    verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
+    decoder = SSEDecoder()
+    out: web.StreamResponse | None = None
+    sent_at = loop.time()
+    try:
+        async with ex:
+            content = await ex.open_stream(payload)
+            done = False
+            while not done and (block := await content.readany()):
+                now = loop.time()
+                parts: list[bytes] = []
+                for data in decoder.feed(block):
+                    if data == DONE:
+                        done = True
+                        break
+                    parts.append(verifier.relay(data, now))
+                if parts:
+                    if verifier.first_output_at is not None:
+                        ex.output(now)  # only relayed output keeps a stream alive, not pings
+                    if out is None:
+                        out = await start_stream(request, headers)
+                    await out.write(b"".join(parts))
+            verifier.verify_end(done)
+            ex.complete()
+        if out is None:
+            out = await start_stream(request, headers)
+        # The figures, [DONE] and the end of the chunked body leave in one write.
+        figures = _figures(dep, verifier, sent_at)
+        await out.write_eof(
+            b": x-capyctl-metrics " + orjson.dumps(figures) + b"\n\ndata: [DONE]\n\n"
+        )
+        return out
+    except (ClientGoneError, ConnectionResetError):
+        return out if out is not None else web.Response(status=499)
+    except NotAcceptedError:
+        raise
+    except UnverifiedError as exc:
+        logger.warning("engine stream unverified (%s): %s%s", ex.where, exc, _said(exc))
+        err = UnverifiedError(f"the engine stream failed verification: {exc}", detail=exc.detail)
+        return await stream_error(request, out, err, headers)
+    except GatewayError as err:
+        if out is None:
+            raise  # nothing written yet: the HTTP surface answers it
+        return await stream_error(request, out, err, headers)
+    finally:
+        ex.outcome.answered = ex.outcome.answered or verifier.answered
+
+
+async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes) -> bytes:
+    """Collect the engine's stream into one chat answer for a client that asked for none;
+    returns the answer's JSON bytes."""
+    loop = asyncio.get_running_loop()
+    verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
+    decoder = SSEDecoder()
+    assembler = Assembler()
+    sent_at = loop.time()
+    try:
+        async with ex:
+            content = await ex.open_stream(payload)
+            done = False
+            while not done and (block := await content.readany()):
+                now = loop.time()
+                events = decoder.feed(block)
+                for data in events:
+                    if data == DONE:
+                        done = True
+                        break
+                    assembler.add(verifier.collect(data, now))
+                if events and verifier.first_output_at is not None:
+                    ex.output(now)
+            verifier.verify_end(done)
+            ex.complete()
+    except UnverifiedError as exc:
+        logger.warning("engine answer unverified (%s): %s%s", ex.where, exc, _said(exc))
+        message = f"the engine answer failed verification: {exc}"
+        raise EngineError(message, detail=exc.detail) from exc
+    finally:
+        ex.outcome.answered = ex.outcome.answered or verifier.answered
+    result = assembler.result()
+    result["capyctl"] = {"metrics": _figures(dep, verifier, sent_at)}
+    return orjson.dumps(result)
+
+
+def _said(exc: UnverifiedError) -> str:
+    return f" (the engine said: {exc.detail})" if exc.detail else ""
+
+
+def _figures(dep: Deployment, verifier: ChunkVerifier, sent_at: float) -> Figures:
+    return chat_figures(
+        dep.engine,
+        engine_objects=verifier.engine_objects,
+        usage=verifier.usage,
+        sent_at=sent_at,
+        first_text_at=verifier.first_text_at,
+        last_at=verifier.last_at,
+    )
+
+
+async def start_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    await out.prepare(request)
+    return out
+
+
+async def stream_error(
+    request: web.Request,
+    out: web.StreamResponse | None,
+    err: GatewayError,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    """Answer ``err`` in band on a stream (started here if nothing was written yet)."""
+    if out is None:
+        out = await start_stream(request, headers)
+    try:
+        await out.write(error_event(err))
+        await out.write_eof()
+    except ConnectionResetError:
+        pass  # the client left too; nothing more to tell it
+    return out

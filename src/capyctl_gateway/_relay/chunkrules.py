@@ -1,0 +1,164 @@
+"""Rules on a chunk's bytes and on its tool calls, for the verifier (pure functions)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import orjson
+
+from .._errors import UnverifiedError
+
+__all__ = [
+    "check_choice",
+    "check_frame",
+    "check_tool_calls",
+    "client_bytes",
+    "reject_duplicates",
+    "renamed",
+]
+
+TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
+FUNCTION_KEYS = frozenset({"name", "arguments"})
+_MODEL_MEMBER = re.compile(rb'"model"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")', re.DOTALL)
+"""A "model" member with a string value (or text that looks like one), as written."""
+_MAX_PROBES = 4
+"""How many "model" members of a chunk are tried as its own before it is re-serialised
+(each try parses the chunk up to the member)."""
+
+
+def reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise UnverifiedError("a chunk repeats a JSON key")
+    return d
+
+
+def client_bytes(
+    raw: bytes, chunk: dict[str, Any], served_member: bytes, public_json: bytes
+) -> bytes:
+    """What the client gets for a checked chunk: the engine's bytes ``raw``, unchanged but for
+    the top-level model (``chunk`` is ``raw`` parsed, with the model already renamed to
+    ``public_json``). A chunk that repeats a key is refused here.
+
+    orjson keeps the last of repeated keys silently, so a chunk with a repeated key does not
+    re-serialise to its own bytes. Neither does one written another way (spaces, escapes,
+    numbers spelled differently): those take the exact, slower check. A chunk that does
+    re-serialise to its own bytes with one "model":<served> renamed had that as its top-level
+    model (else the two would parse differently), so the re-serialisation is those bytes. In
+    one written another way, the top-level model is found in its bytes.
+    """
+    out = orjson.dumps(chunk)
+    if out != raw.replace(served_member, b'"model":' + public_json, 1):
+        try:
+            json.loads(raw, object_pairs_hook=reject_duplicates)
+        except ValueError:
+            raise UnverifiedError("a chunk repeats a JSON key") from None
+        out = renamed(raw, served_member, public_json) or out
+    return out
+
+
+def renamed(raw: bytes, served_member: bytes, public_json: bytes) -> bytes | None:
+    """A verified chunk, written another way than orjson writes it, with only its
+    top-level model value replaced by ``public_json``; None if that value is not found.
+    ``served_member`` is ``"model":<served>`` as orjson writes it."""
+    probes = _MAX_PROBES
+    at = raw.find(b'"model"')
+    while at >= 0:
+        if raw.startswith(served_member, at):  # as the engines write it
+            start, end = at + 8, at + len(served_member)
+        else:
+            member = _MODEL_MEMBER.match(raw, at)
+            start, end = (-1, -1) if member is None else member.span(1)
+        # Unless its first quote is escaped (the end of a longer key), that quote opens a
+        # string: this is a "model" member at some depth, with a string value. It is the
+        # chunk's own (the only one: keys are not repeated) if the chunk opened nothing
+        # before it, or if closing one object right after it makes valid JSON.
+        if start >= 0 and raw[at - 1 : at] != b"\\":
+            if raw[0] == 0x7B and raw.find(b"{", 1, at) < 0 and raw.find(b"[", 1, at) < 0:
+                return raw[:start] + public_json + raw[end:]
+            if not probes:
+                return None
+            probes -= 1
+            try:
+                orjson.loads(raw[:end] + b"}")
+            except orjson.JSONDecodeError:
+                pass  # a member of an object inside the chunk
+            else:
+                return raw[:start] + public_json + raw[end:]
+        at = raw.find(b'"model"', at + 1)
+    return None
+
+
+def check_frame(chunk: dict[str, Any], known_id: str | None, served: str) -> str:
+    """Check what every chunk of a stream shares; return the stream's id."""
+    if chunk.get("object") != "chat.completion.chunk":
+        raise UnverifiedError("a chunk is not a chat.completion.chunk")
+    cid = chunk.get("id")
+    if known_id is None:
+        if type(cid) is not str or not cid:
+            raise UnverifiedError("a chunk has no id")
+    elif cid != known_id:
+        raise UnverifiedError("the chunk id changed within the stream")
+    if chunk.get("model") != served:
+        raise UnverifiedError("a chunk names another model")
+    created = chunk.get("created")
+    if type(created) is not int or created < 0:
+        raise UnverifiedError("a chunk has no creation time")
+    if type(chunk.get("choices")) is not list:
+        raise UnverifiedError("a chunk has no choices list")
+    return cid
+
+
+def check_choice(
+    choice: Any, delta_keys: frozenset[str], text_keys: tuple[str, ...]
+) -> tuple[bool, bool, bool]:
+    """Check a chunk's one choice; return whether it carries text, tool calls, and a finish.
+
+    Beside the delta, a choice is relayed as the engine sent it: its index, and a
+    finish_reason the gateway does not know (vLLM's "abort"), are the engine's to say.
+    """
+    if type(choice) is not dict:
+        raise UnverifiedError("the choice is not an object")
+    delta = choice.get("delta")
+    if type(delta) is not dict:
+        raise UnverifiedError("the choice has no delta")
+    if not delta_keys.issuperset(delta):
+        key = next(k for k in delta if k not in delta_keys)
+        raise UnverifiedError(f"the delta carries {key!r}, which is not verified for this engine")
+    role = delta.get("role")
+    if role is not None and role != "assistant":
+        raise UnverifiedError("the delta names a role other than assistant")
+    text = False
+    for key in text_keys:  # the others are not in the delta: checked above
+        value = delta.get(key)
+        if value is not None:
+            if type(value) is not str:
+                raise UnverifiedError(f"delta {key} is not a string")
+            if value:
+                text = True
+    calls = delta.get("tool_calls")
+    if calls is not None:
+        check_tool_calls(calls)
+    return text, bool(calls), choice.get("finish_reason") is not None
+
+
+def check_tool_calls(calls: Any) -> None:
+    if type(calls) is not list:
+        raise UnverifiedError("delta tool_calls is not a list")
+    for call in calls:
+        if type(call) is not dict or not TOOL_CALL_KEYS.issuperset(call):
+            raise UnverifiedError("a tool call has unknown keys")
+        if type(call.get("index")) is not int:
+            raise UnverifiedError("a tool call has no integer index")
+        if call.get("id") is not None and type(call.get("id")) is not str:
+            raise UnverifiedError("a tool call id is not a string")
+        if call.get("type") not in (None, "function"):
+            raise UnverifiedError("a tool call type is not function")
+        fn = call.get("function")
+        if fn is not None:
+            if type(fn) is not dict or not FUNCTION_KEYS.issuperset(fn):
+                raise UnverifiedError("a tool call function has unknown keys")
+            if any(v is not None and type(v) is not str for v in fn.values()):
+                raise UnverifiedError("a tool call function field is not a string")

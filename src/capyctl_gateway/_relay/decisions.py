@@ -1,0 +1,65 @@
+"""A decision answer on ``POST /v1/systemone``: forwarded whole, answered whole."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from .._errors import EngineError
+from .exchange import Exchange, refusal
+from .figures import Figures, num, put
+
+__all__ = ["MAX_ANSWER_BYTES", "decision_figures", "relay_decision"]
+
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+
+
+def decision_figures(
+    answer: dict[str, Any], *, arrival: float, sent_at: float, now: float
+) -> Figures:
+    out: Figures = {}
+    put(out, "total_ms", (now - arrival) * 1000, "router")
+    put(out, "time_to_response_ms", (now - sent_at) * 1000, "router")
+    usage = answer.get("usage")
+    if isinstance(usage, dict):
+        put(out, "input_tokens", num(usage.get("input_tokens")), "engine")
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        if isinstance(details, dict):
+            put(out, "cached_tokens", num(details.get("cached_tokens")), "engine")
+    m = answer.get("metrics")
+    if isinstance(m, dict):  # vLLM-style per-request metrics
+        put(out, "queue_ms", num(m.get("queue_time_ms")), "engine")
+        put(out, "prefill_ms", num(m.get("time_to_first_token_ms")), "engine")
+    t = answer.get("tensorfold")
+    if isinstance(t, dict):
+        prefill = num(t.get("prefill_seconds"))
+        put(out, "prefill_ms", None if prefill is None else prefill * 1000, "engine")
+        queue = num(t.get("queue_seconds"))
+        put(out, "queue_ms", None if queue is None else queue * 1000, "engine")
+    return dict(sorted(out.items()))
+
+
+async def relay_decision(ex: Exchange, payload: bytes, *, public: str, arrival: float) -> bytes:
+    """Forward ``payload`` (addressed to the engine); return the client's answer's bytes."""
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    async with ex:
+        resp = await ex.post(payload)
+        raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
+        ex.complete()
+    if resp.status != 200:
+        raise await refusal(resp, ex.where, raw)
+    if len(raw) > MAX_ANSWER_BYTES:
+        raise EngineError(f"{ex.where}: the engine's answer is over {MAX_ANSWER_BYTES} bytes")
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise EngineError(f"{ex.where}: the engine's answer is not JSON") from None
+    if not isinstance(answer, dict):
+        raise EngineError(f"{ex.where}: the engine's answer is not a JSON object")
+    answer["model"] = public
+    figures = decision_figures(answer, arrival=arrival, sent_at=sent_at, now=loop.time())
+    answer["capyctl"] = {"metrics": figures}
+    return orjson.dumps(answer)

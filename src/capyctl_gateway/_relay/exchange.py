@@ -1,0 +1,280 @@
+"""One exchange with one engine instance, from the POST to the connection's fate (hot path).
+
+`Exchange` is the only code that talks to an engine's chat or decision endpoint. Used as
+``async with``, it owns:
+
+* the POST (never following a redirect: an engine that redirects has failed);
+* the deadline: the request deadline until output starts, then the stream idle timeout, pushed
+  back only by output the caller relays (`Exchange.output`), never by pings;
+* the one mapping of what can go wrong to the error tree: a connection that was never
+  established is `NotAcceptedError` (the engine never got it; another instance may), any other
+  aiohttp error is `EngineError`, our deadline is `UnavailableError`, a client that went away while
+  we wrote is `ClientGoneError`, and a cancellation (aiohttp's, on a hang-up) stays one;
+* the `Outcome`, read afterwards to charge or settle the request;
+* the end: an answer that ended on the engine's terms returns its connection to the pool
+  (after waiting briefly for the chunked body's end); anything else closes it, and the close is
+  what tells the engine to stop.
+
+Client-facing messages name the deployment and instance; the aiohttp text goes in ``detail``.
+Never imports the HTTP surface or the deployments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+import orjson
+from yarl import URL
+
+from .._errors import (
+    ClientGoneError,
+    EngineError,
+    EngineRejectedError,
+    GatewayError,
+    NotAcceptedError,
+    UnavailableError,
+    UnverifiedError,
+)
+from .deadline import Deadline
+
+__all__ = [
+    "DRAIN_S",
+    "MAX_ERROR_BODY",
+    "REJECTION_STATUSES",
+    "Exchange",
+    "Outcome",
+    "engine_message",
+    "refusal",
+]
+
+logger = logging.getLogger(__name__)
+
+REJECTION_STATUSES = frozenset({400, 413, 422})
+"""An engine answering one of these refused the request itself: its status is kept."""
+MAX_ERROR_BODY = 16 * 1024
+DRAIN_S = 1.0
+"""How long a finished exchange waits for the end of the engine's body to pool its connection."""
+_NEVER_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How the exchange ended, for the caller's accounting and logs."""
+
+    sent: bool = False
+    """The request may have reached the engine."""
+    completed: bool = False
+    """The engine's answer ended on its own terms ([DONE], a whole answer, or a refusal)."""
+    cut: str | None = None
+    """Why the gateway cut it short: hang_up, deadline or idle_timeout."""
+    answered: bool = False
+    """The engine produced part of the answer, or an error, before the end."""
+    error: str | None = None
+    """What went wrong with the engine, for the log."""
+
+
+class Exchange:
+    """One POST to one engine instance and everything up to its connection's release."""
+
+    __slots__ = (
+        "_bound",
+        "_clean",
+        "_deadline",
+        "_drains",
+        "_headers",
+        "_idle_timeout",
+        "_session",
+        "_started",
+        "_url",
+        "outcome",
+        "response",
+        "where",
+    )
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: URL,
+        headers: dict[str, str],
+        *,
+        where: str,
+        deadline: float,
+        idle_timeout: float,
+        drains: set[asyncio.Task[None]],
+    ) -> None:
+        """``where``: how clients hear of this instance ("deployment tiny, instance 0").
+        ``deadline``: loop time by which output must start. ``drains``: where connections
+        waiting for their body's end are kept, for the gateway to cancel at shutdown."""
+        self._session = session
+        self._url = url
+        self._headers = headers
+        self.where = where
+        self._idle_timeout = idle_timeout
+        self._drains = drains
+        self._deadline = deadline
+        self._bound: Deadline
+        self._started = False
+        self._clean = False
+        self.outcome = Outcome()
+        self.response: aiohttp.ClientResponse | None = None
+
+    # -- the exchange ------------------------------------------------------------------
+    async def post(self, payload: bytes) -> aiohttp.ClientResponse:
+        """Send the request; return the answer's head, whatever its status."""
+        self.outcome.sent = True
+        self.response = await self._session.post(
+            self._url, data=payload, headers=self._headers, allow_redirects=False
+        )
+        return self.response
+
+    async def open_stream(self, payload: bytes) -> aiohttp.StreamReader:
+        """Send the request and return the engine's event stream; a refusal or an answer that
+        is not a stream raises here."""
+        resp = await self.post(payload)
+        if resp.status != 200:
+            self.outcome.completed = True  # an answer, not a stream: nothing runs on
+            raise await refusal(resp, self.where)
+        ctype = resp.headers.get("Content-Type", "")
+        if not ctype.startswith("text/event-stream"):
+            raise EngineError(
+                f"{self.where}: the engine answered {ctype or 'no content type'}, not a stream"
+            )
+        return resp.content
+
+    def output(self, now: float) -> None:
+        """Output was relayed at ``now``: the stream may now be quiet for the idle timeout."""
+        self._started = True
+        self._bound.move(now + self._idle_timeout)
+
+    def complete(self) -> None:
+        """The engine's answer ended on its own terms; its connection may be pooled."""
+        self._clean = self.outcome.completed = True
+
+    # -- the frame ---------------------------------------------------------------------
+    async def __aenter__(self) -> Exchange:
+        # Armed first for the idle timeout, which output starting will move it to: one re-arm
+        # saved on most requests (see Deadline).
+        first = asyncio.get_running_loop().time() + self._idle_timeout
+        self._bound = Deadline(self._deadline, first_check=first)
+        self._bound.__enter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        error: BaseException | None = exc
+        try:
+            try:
+                self._bound.__exit__(exc_type, exc, tb)
+            except TimeoutError as timeout:  # our deadline turned a cancellation into this
+                error = timeout
+            if error is not None:
+                error = self._failure(error)
+        finally:
+            self._end()
+        if error is not None and error is not exc:
+            raise error from exc
+
+    def _failure(self, exc: BaseException) -> BaseException:
+        """The one mapping of a failed exchange to what the caller sees; notes the outcome."""
+        out = self.outcome
+        if isinstance(exc, _NEVER_CONNECTED) and self.response is None:
+            out.sent = False
+            return NotAcceptedError(f"{self.where} could not be reached", detail=str(exc))
+        if isinstance(exc, aiohttp.ClientError):
+            out.error = str(exc) or type(exc).__name__
+            return EngineError(f"{self.where}: the engine connection failed", detail=out.error)
+        if isinstance(exc, TimeoutError) and self._bound.expired:
+            out.cut = "idle_timeout" if self._started else "deadline"
+            what = (
+                "the engine stream was quiet for longer than queue.stream_idle_timeout"
+                if self._started
+                else "no output within queue.request_deadline"
+            )
+            return UnavailableError(what)
+        if isinstance(exc, asyncio.CancelledError):
+            out.cut = "hang_up"  # aiohttp cancels the handler when the client goes away
+            return exc
+        if isinstance(exc, ConnectionResetError):
+            out.cut = "hang_up"  # noticed by a write before the cancellation
+            return ClientGoneError()
+        if isinstance(exc, EngineRejectedError):
+            out.answered = out.completed = True
+        elif isinstance(exc, UnverifiedError):
+            out.error = str(exc)
+        elif not isinstance(exc, GatewayError):
+            out.error = repr(exc)
+        return exc
+
+    def _end(self) -> None:
+        resp = self.response
+        if resp is None:
+            return
+        if not self._clean:
+            resp.close()  # never back to the pool: the engine sees the close and stops
+        elif resp.content.is_eof():
+            resp.release()
+        else:  # the answer is complete; wait for the body's end without holding it up
+            task = asyncio.get_running_loop().create_task(_release_when_ended(resp))
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+
+
+async def _release_when_ended(resp: aiohttp.ClientResponse) -> None:
+    """Pool the engine connection once its chunked body has ended after ``[DONE]``.
+
+    uvicorn (vLLM, SGLang) writes that end on its own, after ``[DONE]``; a connection released
+    before it arrives is closed rather than pooled, and the next request pays for a new one.
+    Nothing but the end may come: more data, none within `DRAIN_S`, or a shutdown closes it.
+    """
+    ended = False
+    try:
+        with Deadline(asyncio.get_running_loop().time() + DRAIN_S):
+            ended = not await resp.content.readany() and resp.content.is_eof()
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    finally:
+        if ended:
+            resp.release()
+        else:
+            resp.close()
+
+
+async def refusal(
+    resp: aiohttp.ClientResponse, where: str, raw: bytes | None = None
+) -> EngineError:
+    """The error for an engine's non-200 answer: its own refusals keep their status."""
+    if resp.status in REJECTION_STATUSES and "json" in resp.headers.get("Content-Type", ""):
+        if raw is None:
+            try:
+                raw = await asyncio.wait_for(resp.content.read(MAX_ERROR_BODY), 5)
+            except (TimeoutError, aiohttp.ClientError):
+                raw = b""
+        if raw:
+            return EngineRejectedError(resp.status, engine_message(raw))
+    return EngineError(
+        f"{where}: the engine answered HTTP {resp.status}", detail=f"status {resp.status}"
+    )
+
+
+def engine_message(raw: bytes) -> str:
+    """The message of an engine's JSON refusal ("" when it has none)."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return ""
+    message: Any = None
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        message = err.get("message") if isinstance(err, dict) else doc.get("message")
+        if message is None and isinstance(err, str):
+            message = err
+    return str(message) if message is not None else ""

@@ -1,0 +1,124 @@
+"""Defects a hostile client or a broken engine found, each held fixed over real sockets."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import Gw, deployments
+from tests.gateway.fake_engine import FakeEngine, vllm_stream
+
+pytestmark = pytest.mark.anyio
+CHAT: dict[str, Any] = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
+MakeGateway = Callable[..., Awaitable[Gw]]
+
+
+@pytest.fixture
+def unresponsive() -> Iterator[str]:
+    """A loopback port whose listen queue is full: a connection to it is never established
+    (the kernel drops the SYN), as with an engine host that has stopped answering."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(4):  # fill the accept queue; the rest of the connects stay pending
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(server.getsockname())
+        fillers.append(s)
+    host, port = server.getsockname()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        for s in fillers:
+            s.close()
+        server.close()
+
+
+async def test_a_connect_timeout_offers_the_request_to_the_next_instance_and_charges_nothing(
+    engine: FakeEngine, make_gateway: MakeGateway, unresponsive: str
+) -> None:
+    engine.script = vllm_stream()
+    dep = deployments(engine.url)
+    dep["instances"] = [{"url": unresponsive}, {"url": engine.url}]
+    gw = await make_gateway({"queue": {"connect_timeout": "200ms"}, "deployments": [dep]})
+    async with gw.client() as c:
+        answers = [await c.post("/v1/chat/completions", json=CHAT) for _ in range(3)]
+    assert [r.status_code for r in answers] == [200, 200, 200]
+    assert len(engine.received) == 3
+    assert gw.gateway.settlement.ledgers["my-model/0"].charged == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/systemone"])
+@pytest.mark.parametrize("depth", [256, 600, 1023])
+async def test_json_nested_past_what_an_engine_reads_is_refused_in_validation(
+    gateway: Gw, engine: FakeEngine, path: str, depth: int
+) -> None:
+    model = "my-model" if path.endswith("completions") else "decider"
+    nested = "[" * depth + "]" * depth
+    field = "messages" if model == "my-model" else "questions"
+    raw = f'{{"model": "{model}", "{field}": [{{"role": "user", "content": {nested}}}]}}'
+    async with gateway.client() as c:
+        r = await c.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert (r.status_code, r.json()["code"]) == (400, "invalid_request")
+    assert r.headers["x-capyctl-request-id"]
+    assert engine.received == []
+    assert all(ledger.charged == 0 for ledger in gateway.gateway.settlement.ledgers.values())
+
+
+async def test_two_authorization_headers_are_refused(gateway: Gw, engine: FakeEngine) -> None:
+    good = f"Bearer {gateway.key}"
+    for pair in ([good, "Bearer wrong"], ["Bearer wrong", good], [good, good]):
+        headers = httpx.Headers([("Authorization", v) for v in pair])
+        async with httpx.AsyncClient(base_url=gateway.url) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
+        assert (r.status_code, r.json()["code"]) == (401, "unauthorized"), pair
+    assert engine.received == []
+
+
+@pytest.mark.parametrize(
+    "number", ["18446744073709551616", "-9223372036854775809", "123456789012345678901234567890"]
+)
+async def test_an_integer_the_engine_would_not_get_exactly_is_refused(
+    gateway: Gw, engine: FakeEngine, number: str
+) -> None:
+    raw = '{"model": "my-model", "messages": [], "seed": ' + number + "}"
+    async with gateway.client() as c:
+        r = await c.post("/v1/chat/completions", content=raw)
+    assert (r.status_code, r.json()["code"]) == (400, "invalid_request")
+    assert "cannot forward exactly" in r.json()["message"]
+    assert engine.received == []
+
+
+async def test_integers_within_range_reach_the_engine_exactly(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    engine.script = vllm_stream()
+    raw = (
+        '{"model": "my-model", "messages": [{"role": "user", "content": "12345678901234567890123"}],'
+        ' "seed": 18446744073709551615, "logit_bias": {"5": -9223372036854775808}}'
+    )
+    async with gateway.client() as c:
+        r = await c.post("/v1/chat/completions", content=raw)
+    assert r.status_code == 200, r.text
+    (received,) = engine.received
+    assert received.body["seed"] == 18446744073709551615
+    assert received.body["logit_bias"] == {"5": -9223372036854775808}
+
+
+@pytest.mark.parametrize("messages", [None, "hi", {"role": "user"}, 5])
+async def test_messages_missing_or_not_a_list_is_refused(
+    gateway: Gw, engine: FakeEngine, messages: Any
+) -> None:
+    body: dict[str, Any] = {"model": "my-model"}
+    if messages is not None:
+        body["messages"] = messages
+    async with gateway.client() as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert (r.status_code, r.json()["code"]) == (400, "invalid_request")
+    assert "messages" in r.json()["message"]
+    assert engine.received == []
