@@ -85,6 +85,18 @@ class Limits(BaseModel):
     """Chat request bodies above this are refused with 413."""
     max_decision_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """Decision request bodies above this are refused with 413."""
+    max_body_bytes_in_flight: int = Field(default=256 * 1024 * 1024, ge=1024)
+    """Request bodies being read and held, over all requests at once; a body that would pass
+    it is refused with 503 (retryable)."""
+    body_read_timeout: Seconds = 120.0
+    """A request body must have arrived whole within this (408 past it)."""
+    header_timeout: Seconds = 10.0
+    """A connection's request head must arrive within this; else it is closed."""
+    max_connections: int = Field(default=2048, ge=1, le=1_000_000)
+    """Client connections held at once; past it a connection gets a 503 and is closed."""
+    max_answer_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """An engine answer the gateway assembles or reads whole (non-streamed chat, decisions)
+    may be this large; past it, 502 engine_error."""
 
 
 class Instance(BaseModel):

@@ -22,6 +22,7 @@ from aiohttp import web
 from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions, adapter_for
 
 from ._config import GatewayConfig
+from ._deployments.queue import BodyBudget
 from ._deployments.routes import EngineInstance, Route, build_routes
 from ._deployments.settle import Settlement
 
@@ -56,6 +57,8 @@ class Gateway:
         self.routes: dict[str, Route] = build_routes(
             config, os.environ if env is None else env, self.settlement
         )
+        self.bodies = BodyBudget(config.limits.max_body_bytes_in_flight)
+        """Request-body bytes read and held, over all requests."""
         self.session: aiohttp.ClientSession | None = None
         self.drains: set[asyncio.Task[None]] = set()
         """Engine connections waiting for the end of a finished answer's body."""

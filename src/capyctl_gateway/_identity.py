@@ -29,7 +29,10 @@ def load_or_create_api_key(state_dir: Path) -> str:
     try:
         return read_api_key(state_dir)
     except FileNotFoundError:
-        return _create(path)
+        pass
+    if path.parent.is_dir():
+        _check_directory(path.parent)
+    return _create(path)
 
 
 def read_api_key(state_dir: Path) -> str:
@@ -45,9 +48,38 @@ def read_api_key(state_dir: Path) -> str:
         if line.startswith("api_key: "):
             key = line.removeprefix("api_key: ").strip()
             if len(key) >= 32:
+                _check_private(path)
                 return key
             raise CredentialsError(f"the api_key in {path} is too short to be a real key")
     raise CredentialsError(f"the credentials file {path} has no 'api_key: ' line")
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a key other users could read or replace, as ssh refuses such a private key: a key
+    that was readable may already be known, and fixing the mode is the owner's call."""
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        raise CredentialsError(
+            f"the credentials file {path} belongs to another user (uid {st.st_uid}); "
+            "the gateway uses only a key file of its own user"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise CredentialsError(
+            f"the credentials file {path} is open to other users (mode {mode:04o}), so its key "
+            f"may be known: make it private with `chmod 600 {path}`, or delete it to have a "
+            "new key written at the next start"
+        )
+    _check_directory(path.parent)
+
+
+def _check_directory(directory: Path) -> None:
+    mode = stat.S_IMODE(directory.stat().st_mode)
+    if mode & 0o022:
+        raise CredentialsError(
+            f"the identity directory {directory} can be written by other users "
+            f"(mode {mode:04o}), who could replace the key: `chmod 700 {directory}`"
+        )
 
 
 def _create(path: Path) -> str:

@@ -75,6 +75,27 @@ def _management(value: str | None) -> tuple[str, int]:
     return host, port
 
 
+def _enough_files(wanted: int) -> None:
+    """Raise the soft open-file limit towards ``wanted`` (each client connection may hold an
+    engine connection too), as far as the hard limit allows; say so when it falls short."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        typer.echo(
+            f"capyctl-gateway: the open-file limit is {target}, under the {wanted} that "
+            "limits.max_connections asks for: lower it, or raise the limit (ulimit -n)",
+            err=True,
+        )
+
+
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -112,6 +133,7 @@ def serve(
         cfg = load_config(config)
         key = load_or_create_api_key(state)
         application = create_app(cfg, key)
+        _enough_files(2 * cfg.limits.max_connections + 256)
         sock = _bind(host, port)
         msock = _bind(mhost, mport)
     except (ConfigError, CredentialsError) as exc:

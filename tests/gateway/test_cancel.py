@@ -297,6 +297,7 @@ async def test_status_deployment_through_the_cli(
     state = tmp_path / "state"
     (state / "identity").mkdir(parents=True)
     (state / "identity" / "credentials").write_text(f"api_key: {gateway.key}\n")
+    (state / "identity" / "credentials").chmod(0o600)
     args = [
         "status",
         "deployment",

@@ -320,6 +320,7 @@ def test_a_hand_written_key_is_used(tmp_path: Path) -> None:
     key = "H" * 40
     content = f"# written by hand\r\nother: value\r\napi_key: {key}  \r\n".encode()
     path.write_bytes(content)
+    path.chmod(0o600)
     assert load_or_create_api_key(tmp_path) == key
     assert path.read_bytes() == content
 
@@ -342,6 +343,7 @@ def test_an_unusable_credentials_file_stops_the_gateway(
     path = credentials_path(tmp_path)
     path.parent.mkdir(parents=True)
     path.write_bytes(content)
+    path.chmod(0o600)
     with pytest.raises(CredentialsError) as info:
         load_or_create_api_key(tmp_path)
     assert says in str(info.value)
@@ -357,6 +359,43 @@ def test_credentials_that_cannot_be_read_stop_the_gateway(tmp_path: Path) -> Non
         load_or_create_api_key(tmp_path)
     assert path.is_dir()
     assert list(path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o666])
+def test_a_key_file_open_to_others_stops_the_gateway(tmp_path: Path, mode: int) -> None:
+    key = load_or_create_api_key(tmp_path)
+    path = credentials_path(tmp_path)
+    path.chmod(mode)
+    with pytest.raises(CredentialsError) as info:
+        load_or_create_api_key(tmp_path)
+    message = str(info.value)
+    assert f"chmod 600 {path}" in message and f"{mode:04o}" in message
+    assert key not in message
+    assert path.read_text() == f"api_key: {key}\n"  # left as it was: the owner decides
+    path.chmod(0o600)
+    assert load_or_create_api_key(tmp_path) == key
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_an_identity_directory_others_can_write_stops_the_gateway(
+    tmp_path: Path, mode: int
+) -> None:
+    load_or_create_api_key(tmp_path)
+    directory = credentials_path(tmp_path).parent
+    directory.chmod(mode)
+    with pytest.raises(CredentialsError, match=f"chmod 700 {directory}"):
+        load_or_create_api_key(tmp_path)
+
+
+def test_a_first_start_into_an_identity_directory_others_can_write_is_refused(
+    tmp_path: Path,
+) -> None:
+    directory = credentials_path(tmp_path).parent
+    directory.mkdir(parents=True)
+    directory.chmod(0o777)
+    with pytest.raises(CredentialsError, match="can be written by other users"):
+        load_or_create_api_key(tmp_path)
+    assert list(directory.iterdir()) == []
 
 
 # -- capyctl-gateway serve ----------------------------------------------------------------------

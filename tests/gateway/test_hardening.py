@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -122,3 +123,30 @@ async def test_messages_missing_or_not_a_list_is_refused(
     assert (r.status_code, r.json()["code"]) == (400, "invalid_request")
     assert "messages" in r.json()["message"]
     assert engine.received == []
+
+
+async def test_cut_requests_still_counted_do_not_starve_their_instance(
+    engine: FakeEngine, make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Instance 0 carries requests cut before their first token (counted until the engine's
+    # next restart, by the settlement rule); the engine reports itself idle. Routing must
+    # still share the traffic: cut requests are not load.
+    engine.script = vllm_stream()
+    dep = deployments(engine.url)
+    dep["instances"] = [{"url": engine.url}, {"url": engine.url}]
+    gw = await make_gateway({"deployments": [dep]})
+    settlement = gw.gateway.settlement
+    for i in range(5):
+        settlement.cut(settlement.ledgers["my-model/0"], f"cut-{i}", answered=False, reason="x")
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        for _ in range(20):
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    chosen = [
+        getattr(r, "fields", {})["instance"]
+        for r in caplog.records
+        if getattr(r, "event", None) == "router_selection"
+    ]
+    assert len(chosen) == 20
+    assert chosen.count(0) >= 8 and chosen.count(1) >= 8
+    assert len(settlement.ledgers["my-model/0"].cut) == 5  # still counted, as the rule says

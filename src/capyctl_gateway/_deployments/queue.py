@@ -9,7 +9,7 @@ from collections import deque
 
 from .._errors import QueueFullError, UnavailableError
 
-__all__ = ["Admission", "DeploymentQueue"]
+__all__ = ["Admission", "BodyBudget", "DeploymentQueue"]
 
 
 class Admission:
@@ -78,3 +78,24 @@ class DeploymentQueue:
                 waiter.set_result(None)  # the slot passes on: running stays the same
                 return
         self.running -= 1
+
+
+class BodyBudget:
+    """The request-body bytes the whole gateway may hold at once."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            raise UnavailableError(
+                "the gateway holds as many request bodies as it takes "
+                "(limits.max_body_bytes_in_flight); retry shortly"
+            )
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n

@@ -40,4 +40,9 @@ async def answer(
         return web.Response(status=499)
     if err.in_band:
         return await stream_error(request, None, err, headers)
-    return error_response(err, headers)
+    resp = error_response(err, headers)
+    if not request.content.is_eof():
+        # The body was not read to its end (too large, too slow): the connection cannot carry
+        # another request, and waiting for the rest would hold it for nothing.
+        resp.force_close()
+    return resp

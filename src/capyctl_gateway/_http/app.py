@@ -9,7 +9,6 @@ setting is not the caller's to forget: `create_app` refuses to start under any r
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from aiohttp import web
 
@@ -18,27 +17,15 @@ from canopyx_provider import ProviderOptions
 from .._config import GatewayConfig
 from .._gateway import Gateway
 from .inference import Inference
+from .server import HANGUPS_SEEN, LIMITS, GatewayRunner, Limits
 
 __all__ = ["GATEWAY_KEY", "GatewayRunner", "create_app"]
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
-_HANGUPS_SEEN: web.AppKey[bool] = web.AppKey("hang_ups_seen")
-
-
-class GatewayRunner(web.AppRunner):
-    """An `aiohttp.web.AppRunner` with the settings the gateway's correctness depends on:
-    handlers are cancelled when their client goes away; no access log (the gateway logs each
-    request itself)."""
-
-    def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        kwargs.setdefault("access_log", None)
-        kwargs["handler_cancellation"] = True
-        app[_HANGUPS_SEEN] = True
-        super().__init__(app, **kwargs)
 
 
 async def _require_gateway_runner(app: web.Application) -> None:
-    if not app.get(_HANGUPS_SEEN):
+    if not app.get(HANGUPS_SEEN):
         raise RuntimeError(
             "serve capyctl-gateway's application with GatewayRunner: under another runner "
             "a client that hangs up would not stop its engine request"
@@ -58,6 +45,10 @@ def create_app(
     handlers = Inference(gateway)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
+    app[LIMITS] = Limits(
+        max_connections=config.limits.max_connections,
+        header_timeout=config.limits.header_timeout,
+    )
     app.on_startup.append(_require_gateway_runner)
     app.cleanup_ctx.append(gateway.engine_session)
     app.cleanup_ctx.append(gateway.engine_collector)

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from .._config import Api, Deployment
-from .._errors import EngineError, GatewayError, NotAcceptedError, TooLargeError, UnauthorizedError
+from .._errors import EngineError, GatewayError, NotAcceptedError, UnauthorizedError
 from .._gateway import Gateway
 from .._log import event
 from .._relay.chat import collect_chat, relay_chat
@@ -24,9 +24,10 @@ from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange, Outcome
 from .._ulid import new_ulid
 from .answers import answer, error_response
+from .body import Body
 from .validate import caller_request_id, engine_payload, parse_chat_request, parse_decision_request
 
-__all__ = ["MAX_OFFERS", "Inference", "read_body"]
+__all__ = ["MAX_OFFERS", "Inference", "identify"]
 
 logger = logging.getLogger("capyctl_gateway")
 MAX_OFFERS = 4
@@ -60,28 +61,35 @@ class Inference:
         rid = new_ulid()
         headers = {"X-CapyCTL-Request-Id": rid}
         config = self.gw.config
+        limits = config.limits
+        held = Body(self.gw.bodies)
         try:
-            caller = identify(self.gw, request, headers)
-            if api is Api.CHAT:
-                raw = await read_body(request, config.limits.max_body_bytes)
-                chat = parse_chat_request(raw, config)
-                dep, body, stream = chat.deployment, chat.body, chat.stream
-            else:
-                raw = await read_body(request, config.limits.max_decision_body_bytes)
-                decision = parse_decision_request(raw, config)
-                dep, body, stream = decision.deployment, decision.body, False
-            payload = engine_payload(body, dep, chat=api is Api.CHAT, stream=stream)
-            route = self.gw.routes[dep.name]
-            await route.queue.acquire(arrival + config.queue.request_deadline)
-        except GatewayError as err:
-            return await answer(request, err, headers, rid)
-        try:
-            call = _Call(request, api, dep, payload, stream, headers, rid, caller, arrival)
-            return await self._offer(call)
-        except GatewayError as err:
-            return await answer(request, err, headers, rid)
+            try:
+                caller = identify(self.gw, request, headers)
+                if api is Api.CHAT:
+                    raw = await held.read(request, limits.max_body_bytes, limits.body_read_timeout)
+                    chat = parse_chat_request(raw, config)
+                    dep, body, stream = chat.deployment, chat.body, chat.stream
+                else:
+                    limit = limits.max_decision_body_bytes
+                    raw = await held.read(request, limit, limits.body_read_timeout)
+                    decision = parse_decision_request(raw, config)
+                    dep, body, stream = decision.deployment, decision.body, False
+                payload = engine_payload(body, dep, chat=api is Api.CHAT, stream=stream)
+                del raw, body
+                route = self.gw.routes[dep.name]
+                await route.queue.acquire(arrival + config.queue.request_deadline)
+            except GatewayError as err:
+                return await answer(request, err, headers, rid)
+            try:
+                call = _Call(request, api, dep, payload, stream, headers, rid, caller, arrival)
+                return await self._offer(call)
+            except GatewayError as err:
+                return await answer(request, err, headers, rid)
+            finally:
+                route.queue.release()
         finally:
-            route.queue.release()
+            held.release()
 
     async def _offer(self, call: _Call) -> web.StreamResponse:
         route = self.gw.routes[call.dep.name]
@@ -119,12 +127,13 @@ class Inference:
         )
 
     async def _exchange(self, call: _Call, ex: Exchange) -> web.StreamResponse:
+        cap = self.gw.config.limits.max_answer_bytes
         if call.api is Api.DECISIONS:
             body = await relay_decision(
-                ex, call.payload, public=call.dep.name, arrival=call.arrival
+                ex, call.payload, public=call.dep.name, arrival=call.arrival, max_bytes=cap
             )
         elif not call.stream:
-            body = await collect_chat(ex, call.dep, call.payload)
+            body = await collect_chat(ex, call.dep, call.payload, max_bytes=cap)
         else:
             return await relay_chat(call.request, ex, call.dep, call.payload, headers=call.headers)
         return web.Response(body=body, headers=call.headers, content_type="application/json")
@@ -201,20 +210,6 @@ def identify(gateway: Gateway, request: web.Request, headers: dict[str, str]) ->
     if problem is not None:
         raise problem
     return caller
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, refused with 413 as soon as it is known to be over ``limit``."""
-    if request.content_length is not None and request.content_length > limit:
-        raise TooLargeError(f"the request body is over {limit} bytes")
-    parts: list[bytes] = []
-    size = 0
-    while block := await request.content.readany():
-        size += len(block)
-        if size > limit:
-            raise TooLargeError(f"the request body is over {limit} bytes")
-        parts.append(block)
-    return b"".join(parts)
 
 
 def _log_route(name: str, call: _Call, index: int, host: str, detail: str | None = None) -> None:

@@ -68,7 +68,9 @@ async def relay_chat(
                         ex.output(now)  # only relayed output keeps a stream alive, not pings
                     if out is None:
                         out = await start_stream(request, headers)
+                    ex.writing = True  # bounded by the idle deadline, like the engine's output
                     await out.write(b"".join(parts))
+                    ex.writing = False
             verifier.verify_end(done)
             ex.complete()
         if out is None:
@@ -80,6 +82,8 @@ async def relay_chat(
         )
         return out
     except (ClientGoneError, ConnectionResetError):
+        if ex.writing and request.transport is not None:
+            request.transport.abort()  # it stopped reading: what is buffered will never drain
         return out if out is not None else web.Response(status=499)
     except NotAcceptedError:
         raise
@@ -95,9 +99,9 @@ async def relay_chat(
         ex.outcome.answered = ex.outcome.answered or verifier.answered
 
 
-async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes) -> bytes:
+async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_bytes: int) -> bytes:
     """Collect the engine's stream into one chat answer for a client that asked for none;
-    returns the answer's JSON bytes."""
+    returns the answer's JSON bytes. An answer whose chunks pass ``max_bytes`` is refused."""
     loop = asyncio.get_running_loop()
     verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
     decoder = SSEDecoder()
@@ -107,8 +111,12 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes) -> bytes:
         async with ex:
             content = await ex.open_stream(payload)
             done = False
+            size = 0
             while not done and (block := await content.readany()):
                 now = loop.time()
+                size += len(block)
+                if size > max_bytes:
+                    raise EngineError(f"{ex.where}: the engine's answer is over {max_bytes} bytes")
                 events = decoder.feed(block)
                 for data in events:
                     if data == DONE:

@@ -41,18 +41,20 @@ def decision_figures(
     return dict(sorted(out.items()))
 
 
-async def relay_decision(ex: Exchange, payload: bytes, *, public: str, arrival: float) -> bytes:
+async def relay_decision(
+    ex: Exchange, payload: bytes, *, public: str, arrival: float, max_bytes: int = MAX_ANSWER_BYTES
+) -> bytes:
     """Forward ``payload`` (addressed to the engine); return the client's answer's bytes."""
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
     async with ex:
         resp = await ex.post(payload)
-        raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
+        raw = await resp.content.read(max_bytes + 1)
         ex.complete()
     if resp.status != 200:
         raise await refusal(resp, ex.where, raw)
-    if len(raw) > MAX_ANSWER_BYTES:
-        raise EngineError(f"{ex.where}: the engine's answer is over {MAX_ANSWER_BYTES} bytes")
+    if len(raw) > max_bytes:
+        raise EngineError(f"{ex.where}: the engine's answer is over {max_bytes} bytes")
     try:
         answer = orjson.loads(raw)
     except orjson.JSONDecodeError:

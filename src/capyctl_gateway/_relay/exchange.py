@@ -94,6 +94,7 @@ class Exchange:
         "outcome",
         "response",
         "where",
+        "writing",
     )
 
     def __init__(
@@ -122,6 +123,9 @@ class Exchange:
         self._clean = False
         self.outcome = Outcome()
         self.response: aiohttp.ClientResponse | None = None
+        self.writing = False
+        """The caller is writing to its client: a deadline that passes now means the client
+        stopped reading (a write that cannot drain), which ends the request as a hang-up."""
 
     # -- the exchange ------------------------------------------------------------------
     async def post(self, payload: bytes) -> aiohttp.ClientResponse:
@@ -170,6 +174,10 @@ class Exchange:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc is None:  # the common case, kept cheap
+            self._bound.__exit__(None, None, None)
+            self._end()
+            return
         error: BaseException | None = exc
         try:
             try:
@@ -192,6 +200,9 @@ class Exchange:
         if isinstance(exc, aiohttp.ClientError):
             out.error = str(exc) or type(exc).__name__
             return EngineError(f"{self.where}: the engine connection failed", detail=out.error)
+        if isinstance(exc, TimeoutError) and self._bound.expired and self.writing:
+            out.cut = "hang_up"
+            return ClientGoneError()
         if isinstance(exc, TimeoutError) and self._bound.expired:
             out.cut = "idle_timeout" if self._started else "deadline"
             what = (

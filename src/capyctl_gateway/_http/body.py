@@ -1,0 +1,66 @@
+"""Reading request bodies within bounds: each body's size, the time it may take, and the bytes
+all requests may hold at once (read and not yet released)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from .._deployments.queue import BodyBudget
+from .._errors import GatewayError, TooLargeError
+
+__all__ = ["Body"]
+
+
+class Body:
+    """One request's body as read, and the share of the budget it holds until `release`."""
+
+    __slots__ = ("_budget", "held")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self.held = 0
+
+    async def read(self, request: web.Request, limit: int, within_s: float) -> bytes:
+        """The whole body: 413 as soon as it is known to be over ``limit``, 408 past
+        ``within_s`` seconds, 503 when the gateway holds too many bodies already."""
+        length = request.content_length
+        if length is not None:
+            if length > limit:
+                raise TooLargeError(f"the request body is over {limit} bytes")
+            self._take(length)
+        content = request.content
+        if content.is_eof():  # the whole body came with the head: no wait, no timer
+            data = content.read_nowait(-1)
+            if len(data) > limit:
+                raise TooLargeError(f"the request body is over {limit} bytes")
+            if len(data) > self.held:
+                self._take(len(data) - self.held)
+            return data
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(within_s):
+                while block := await content.readany():
+                    size += len(block)
+                    if size > limit:
+                        raise TooLargeError(f"the request body is over {limit} bytes")
+                    if size > self.held:
+                        self._take(size - self.held)
+                    parts.append(block)
+        except TimeoutError:
+            raise GatewayError(
+                "the request body did not arrive within limits.body_read_timeout",
+                status=408,
+                code="request_timeout",
+            ) from None
+        return b"".join(parts)
+
+    def _take(self, n: int) -> None:
+        self._budget.take(n)
+        self.held += n
+
+    def release(self) -> None:
+        self._budget.give(self.held)
+        self.held = 0

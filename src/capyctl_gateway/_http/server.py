@@ -1,0 +1,193 @@
+"""The connection layer under the handlers: what aiohttp does before a request reaches them.
+
+`GatewayRunner` serves the application with the settings correctness depends on, and swaps in
+a protocol that:
+
+* answers a request that is not valid HTTP (a malformed or oversized header line, a bare CR,
+  a NUL) with the documented JSON error and a request ID, and logs one short line for it,
+  never the header's bytes (an ``Authorization`` line is one of them);
+* closes a connection whose request head has not arrived within ``limits.header_timeout``
+  (a client that trickles bytes must not hold a connection for ever);
+* answers connections past ``limits.max_connections`` with a 503 at once and closes them, with
+  a log line, instead of letting the process run out of file descriptors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from .._errors import GatewayError
+from .._ulid import new_ulid
+from .answers import error_response
+
+__all__ = ["HANGUPS_SEEN", "LIMITS", "GatewayRunner", "Limits", "SparseLog"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+
+class SparseLog:
+    """At most one line per ``every_s`` for a kind of event; the next line counts the rest."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self._last = -float("inf")
+        self._skipped = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._skipped += 1
+            return
+        if self._skipped:
+            message += f" ({self._skipped} more like it not logged)"
+            self._skipped = 0
+        self._last = now
+        logger.warning(message, *args)
+
+
+class Limits:
+    """The connection layer's bounds (from ``limits:`` in the configuration)."""
+
+    __slots__ = ("header_timeout", "max_connections", "protocol_log", "refusal_log")
+
+    def __init__(self, *, max_connections: int, header_timeout: float) -> None:
+        self.max_connections = max_connections
+        self.header_timeout = header_timeout
+        self.protocol_log = SparseLog()
+        self.refusal_log = SparseLog()
+
+
+LIMITS: web.AppKey[Limits] = web.AppKey("connection_limits")
+HANGUPS_SEEN: web.AppKey[bool] = web.AppKey("hang_ups_seen")
+
+
+def _busy_answer() -> bytes:
+    body = orjson.dumps(
+        {
+            "code": "unavailable",
+            "message": "the gateway has as many connections as it takes; retry shortly",
+            "retryable": True,
+        }
+    )
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nRetry-After: 1\r\nX-CapyCTL-Request-Id: "
+        + new_ulid().encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+class _Protocol(RequestHandler):
+    """aiohttp's request handler, with the gateway's answers to what never became a request."""
+
+    __slots__ = ("_head_timer", "_limits", "_heads_seen")
+
+    def __init__(self, manager: _Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._limits = manager.limits
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._heads_seen = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if not transport.is_closing():
+            self._head_timer = self._loop.call_later(self._limits.header_timeout, self._no_head)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._request_count != self._heads_seen:  # a whole request head arrived
+            self._heads_seen = self._request_count
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _no_head(self) -> None:
+        self._head_timer = None
+        if self._request_count == self._heads_seen and self.transport is not None:
+            self._limits.protocol_log.warning(
+                "connection closed: no complete request head within limits.header_timeout (%.0f s)",
+                self._limits.header_timeout,
+            )
+            self.transport.close()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        rid = new_ulid()
+        if status == 400:
+            # The exception's text quotes the offending bytes (an Authorization line among
+            # them): only its class is logged.
+            kind = type(exc).__name__ if exc is not None else "malformed request"
+            self._limits.protocol_log.warning(
+                "request %s: not valid HTTP (%s); answered 400", rid, kind
+            )
+            err = GatewayError(f"the request is not valid HTTP ({kind})", status=400)
+            err.code = "invalid_request"
+        else:
+            logger.error("request %s: the gateway failed (%d)", rid, status, exc_info=exc)
+            err = GatewayError("the gateway failed on this request; it is logged", status=status)
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was started already; the connection is closed")
+        resp = error_response(err, {"X-CapyCTL-Request-Id": rid})
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    limits: Limits
+
+    def __call__(self) -> RequestHandler:
+        return _Protocol(self, loop=self._loop, **self._kwargs)
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        limits = self.limits
+        if len(self._connections) > limits.max_connections:
+            limits.refusal_log.warning(
+                "connection refused: the gateway holds limits.max_connections (%d)",
+                limits.max_connections,
+            )
+            transport.write(_busy_answer())
+            transport.close()
+
+
+class GatewayRunner(web.AppRunner):
+    """An `aiohttp.web.AppRunner` with the settings the gateway's correctness depends on:
+    handlers are cancelled when their client goes away; no access log (the gateway logs each
+    request itself); the connection layer above."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        kwargs.setdefault("access_log", None)
+        kwargs["handler_cancellation"] = True
+        app[HANGUPS_SEEN] = True
+        super().__init__(app, **kwargs)
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # aiohttp builds its Server and has no hook for the protocol class: the instance is
+        # made a _Server, which changes only the protocol it makes and the connection count.
+        server.__class__ = _Server
+        assert isinstance(server, _Server)
+        server.limits = self._app[LIMITS]
+        return server
