@@ -1,0 +1,95 @@
+"""Two gateway source trees side by side: the same fake engine, loads alternated in pairs.
+
+On a machine whose speed drifts (a shared VM does, by 20-40% over minutes), two separate runs of
+``bench.perf.run`` cannot tell a 10% change from the drift. This runs a gateway from each tree at
+once in front of one engine and alternates short windows between them, swapping the order every
+round; the figure is the median over rounds of each pair's ratio.
+
+Run from the repository root, with a worktree of the commit to compare against::
+
+    git worktree add /tmp/base <commit>
+    .venv/bin/python -m bench.perf.ab --base /tmp/base/src --new src --rounds 6
+
+Each tree is put first on the gateway process's ``PYTHONPATH``; it prints one line per round and
+the ratios (new / base, CPU milliseconds per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from ._loads import Load, Measure, Target, run_sse, run_wrk, wrk_path
+from ._procs import Proc, ProcessSet
+from .run import start_engine, start_gateway
+
+__all__ = ["main"]
+
+
+def _gateway(procs: ProcessSet, work: Path, engine_url: str, src: str) -> Target:
+    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+    start = procs.start
+
+    def with_env(name: str, argv: list[str], **_: object) -> Proc:
+        return start(f"{name}-{work.name}", argv, env=env)
+
+    procs.start = with_env  # type: ignore[method-assign,assignment]
+    try:
+        work.mkdir()
+        return start_gateway(procs, work, engine_url)[1]
+    finally:
+        procs.start = start  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.perf.ab", description=__doc__)
+    p.add_argument("--base", required=True, help="the base tree's src/ directory")
+    p.add_argument("--new", required=True, help="the new tree's src/ directory")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--duration", type=float, default=2.0, help="seconds per window")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="capyctl-ab-"))
+    procs = ProcessSet(work)
+    loads = [
+        Load("ns", 16, 32, False, args.duration, 0.5, use_wrk=wrk_path() is not None),
+        Load("s16", 16, 32, True, args.duration, 0.5),
+        Load("s256", 256, 32, True, args.duration, 0.5),
+    ]
+    try:
+        engine, port = start_engine(procs)
+        url = f"http://127.0.0.1:{port}"
+        targets = {
+            "base": _gateway(procs, work / "base", url, args.base),
+            "new": _gateway(procs, work / "new", url, args.new),
+        }
+        cpu: dict[tuple[str, str], list[float]] = {
+            (t, ld.scenario): [] for t in targets for ld in loads
+        }
+        for i in range(args.rounds):
+            order = ("base", "new") if i % 2 == 0 else ("new", "base")
+            for ld in loads:
+                for tag in order:
+                    run = run_wrk if ld.use_wrk else run_sse
+                    m: Measure = run(targets[tag], ld, engine.pid)
+                    if m.cpu_ms_per_req is not None:
+                        cpu[(tag, ld.scenario)].append(m.cpu_ms_per_req)
+            last = {f"{t}/{s}": round(v[-1], 3) for (t, s), v in cpu.items() if v}
+            print(f"round {i + 1}: {last}", flush=True)
+        for ld in loads:
+            base, new = cpu[("base", ld.scenario)], cpu[("new", ld.scenario)]
+            ratios = [n / b for n, b in zip(new, base, strict=False)]
+            print(
+                f"{ld.scenario}: base {statistics.median(base):.3f} ms, new "
+                f"{statistics.median(new):.3f} ms CPU per request; new/base median of pairs "
+                f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+            )
+    finally:
+        procs.stop_all()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
