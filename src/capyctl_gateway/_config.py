@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import (
@@ -130,6 +130,9 @@ class Deployment(BaseModel):
     """As the engine reports it (llama.cpp: its build, e.g. b10798)."""
     served_model: str | None = None
     """The engine's own model id (default: name)."""
+    version_mismatch: Literal["warn", "refuse"] = "warn"
+    """An engine reporting another version than engine_version: logged (warn), or its
+    instance is not routed to (refuse)."""
     instances: list[Instance] = Field(min_length=1)
 
     @field_validator("engine")

@@ -22,6 +22,7 @@ from aiohttp import web
 from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions, adapter_for
 
 from ._config import GatewayConfig
+from ._deployments.checks import CheckWatch
 from ._deployments.queue import BodyBudget
 from ._deployments.routes import EngineInstance, Route, build_routes
 from ._deployments.settle import Settlement
@@ -59,6 +60,8 @@ class Gateway:
         )
         self.bodies = BodyBudget(config.limits.max_body_bytes_in_flight)
         """Request-body bytes read and held, over all requests."""
+        self.checks = CheckWatch(self.routes)
+        self.started_at = int(clock())
         self.session: aiohttp.ClientSession | None = None
         self.drains: set[asyncio.Task[None]] = set()
         """Engine connections waiting for the end of a finished answer's body."""
@@ -66,7 +69,13 @@ class Gateway:
             {
                 "object": "list",
                 "data": [
-                    {"id": d.name, "object": "model", "capyctl": {"api": d.api.value}}
+                    {
+                        "id": d.name,
+                        "object": "model",
+                        "created": self.started_at,
+                        "owned_by": "capyctl",
+                        "capyctl": {"api": d.api.value},
+                    }
                     for d in config.deployments
                 ],
             }
@@ -136,7 +145,7 @@ class Gateway:
                 options=self.collector_options,
                 fetcher=AiohttpFetcher(session, timeout_s=timeout_s, clock=self._clock),
                 clock=self._clock,
-                hooks=[self.settlement],
+                hooks=[self.checks, self.settlement],
             )
             async with collector:
                 for route in self.routes.values():

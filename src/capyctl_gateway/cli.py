@@ -37,6 +37,36 @@ app = typer.Typer(
 )
 status_app = typer.Typer(help="Report on the running gateway.", no_args_is_help=True)
 app.add_typer(status_app, name="status")
+SHUTDOWN_S = 60.0
+"""How long a stopping gateway waits for requests in flight before closing them."""
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"capyctl-gateway {_package_version()}")
+        raise typer.Exit()
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("canopyx")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """An OpenAI-compatible gateway in front of vLLM, SGLang, llama.cpp and TensorFold."""
+
 
 DEFAULT_LISTEN = "0.0.0.0:8443"
 DEFAULT_MANAGEMENT = "127.0.0.1:7443"
@@ -144,30 +174,48 @@ def serve(
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    typer.echo(
+    listening = (
         f"capyctl-gateway listening on http://{host}:{sock.getsockname()[1]}/v1 "
-        f"(key in {credentials_path(state)}; management on {mhost}:{msock.getsockname()[1]})",
-        err=True,
+        f"(key in {credentials_path(state)}; management on {mhost}:{msock.getsockname()[1]})"
     )
-    asyncio.run(_run(application, sock, msock))
+    asyncio.run(_run(application, sock, msock, listening))
 
 
-async def _run(application: web.Application, sock: socket.socket, msock: socket.socket) -> None:
-    runner = GatewayRunner(application)
+async def _run(
+    application: web.Application, sock: socket.socket, msock: socket.socket, listening: str
+) -> None:
+    runner = GatewayRunner(application, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     mrunner = web.AppRunner(create_management_app(application[GATEWAY_KEY]), access_log=None)
     await mrunner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await web.SockSite(runner, sock, backlog=4096).start()
         await web.SockSite(mrunner, msock).start()
+        typer.echo(listening, err=True)  # once it is true, and signals are handled
         await stop.wait()
+        gateway = application[GATEWAY_KEY]
+        running = sum(r.queue.running for r in gateway.routes.values())
+        waiting = sum(r.queue.waiting for r in gateway.routes.values())
+        typer.echo(
+            f"capyctl-gateway: stopping on {received[0].name}: no new connections; waiting up "
+            f"to {SHUTDOWN_S:.0f} s for {running} running and {waiting} waiting request(s), "
+            "then closing their engine connections",
+            err=True,
+        )
     finally:
         await mrunner.cleanup()
         await runner.cleanup()
+    typer.echo("capyctl-gateway: stopped", err=True)
 
 
 @status_app.command("deployment")
@@ -212,3 +260,7 @@ def _fail(message: str) -> typer.Exit:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -224,12 +224,16 @@ async def test_models_lists_every_deployment_with_its_api(gateway: Gw, engine: F
         r = await c.get("/v1/models")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("application/json")
-    assert r.json() == {
+    doc = r.json()
+    created = doc["data"][0]["created"]
+    assert isinstance(created, int) and abs(created - time.time()) < 3600
+    common = {"object": "model", "created": created, "owned_by": "capyctl"}
+    assert doc == {
         "object": "list",
         "data": [
-            {"id": "my-model", "object": "model", "capyctl": {"api": "chat"}},
-            {"id": "llama", "object": "model", "capyctl": {"api": "chat"}},
-            {"id": "decider", "object": "model", "capyctl": {"api": "decisions"}},
+            {"id": "my-model", **common, "capyctl": {"api": "chat"}},
+            {"id": "llama", **common, "capyctl": {"api": "chat"}},
+            {"id": "decider", **common, "capyctl": {"api": "decisions"}},
         ],
     }
     assert engine.received == []
@@ -264,9 +268,13 @@ async def test_models_answers_without_any_engine(
         async with gw.client() as c:
             first = await c.get("/v1/models")
             second = await c.get("/v1/models")
-    assert first.json() == {
-        "object": "list",
-        "data": [{"id": "only", "object": "model", "capyctl": {"api": "chat"}}],
+    (entry,) = first.json()["data"]
+    assert entry == {
+        "id": "only",
+        "object": "model",
+        "created": entry["created"],
+        "owned_by": "capyctl",
+        "capyctl": {"api": "chat"},
     }
     assert second.json() == first.json()
 

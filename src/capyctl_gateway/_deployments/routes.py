@@ -19,12 +19,14 @@ from urllib.parse import urlsplit
 
 from yarl import URL
 
+from canopyx_provider import CheckReport
+
 from .._config import ConfigError, Deployment, GatewayConfig, Instance
 from .._engines import facts
 from .queue import Admission, DeploymentQueue
 from .settle import InstanceLedger, Settlement
 
-__all__ = ["EngineInstance", "Route", "build_routes"]
+__all__ = ["EngineInstance", "Route", "build_routes", "same_version", "unusable_reason"]
 
 ENGINE_HEADERS = {
     "Content-Type": "application/json",
@@ -51,6 +53,9 @@ class EngineInstance:
     """How clients hear of it: never its address."""
     chat_url: URL = field(init=False)
     decision_url: URL = field(init=False)
+    unusable: str | None = None
+    """Why requests are not sent here (a startup check the engine failed: another model
+    served, another version refused); None while it may be routed to."""
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or ""
@@ -77,15 +82,47 @@ class Route:
         load: Callable[[EngineInstance], int],
         exclude: set[int] | frozenset[int] = frozenset(),
     ) -> EngineInstance | None:
-        """The least loaded instance among those not excluded; ties rotate."""
+        """The least loaded usable instance among those not excluded; ties rotate."""
         if len(self.instances) == 1:
             only = self.instances[0]
-            return None if only.index in exclude else only
+            return None if only.index in exclude or only.unusable else only
         start = next(self.turn) % len(self.instances)
         ordered = [
-            i for i in self.instances[start:] + self.instances[:start] if i.index not in exclude
+            i
+            for i in self.instances[start:] + self.instances[:start]
+            if i.index not in exclude and not i.unusable
         ]
         return min(ordered, key=load) if ordered else None
+
+
+def unusable_reason(deployment: Deployment, report: CheckReport) -> str | None:
+    """Why an instance whose startup checks ended with ``report`` must not be routed to.
+
+    An engine that is down or slow (health, discovery, metrics) is still offered requests: a
+    refused connection moves them to the next instance, and the metrics are the SDK's concern,
+    not the answers'. One that answers but does not serve the model would answer every request
+    wrongly.
+    """
+    failed = report.failed
+    if failed is not None and failed.name == "models":
+        return f"{failed.name} check failed: {failed.reason}"
+    reported = report.engine_version
+    if (
+        deployment.version_mismatch == "refuse"
+        and reported is not None
+        and not same_version(reported, deployment.engine_version)
+    ):
+        return (
+            f"the engine reports version {reported}, not engine_version "
+            f"{deployment.engine_version} (version_mismatch: refuse)"
+        )
+    return None
+
+
+def same_version(reported: str, configured: str) -> bool:
+    return reported.strip().lower().removeprefix("v") == configured.strip().lower().removeprefix(
+        "v"
+    )
 
 
 def _engine_key(instance: Instance, env: Mapping[str, str]) -> str | None:

@@ -16,7 +16,13 @@ from typing import Any
 from aiohttp import web
 
 from .._config import Api, Deployment
-from .._errors import EngineError, GatewayError, NotAcceptedError, UnauthorizedError
+from .._errors import (
+    EngineError,
+    GatewayError,
+    NotAcceptedError,
+    UnauthorizedError,
+    UnavailableError,
+)
 from .._gateway import Gateway
 from .._log import event
 from .._relay.chat import collect_chat, relay_chat
@@ -93,6 +99,12 @@ class Inference:
 
     async def _offer(self, call: _Call) -> web.StreamResponse:
         route = self.gw.routes[call.dep.name]
+        if all(i.unusable for i in route.instances):
+            raise UnavailableError(
+                f"deployment {call.dep.name}: its instances failed their startup checks "
+                "(see the gateway's log or `capyctl-gateway status deployment`)",
+                detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
+            )
         refused: set[int] = set()
         details: list[str] = []
         while len(refused) < MAX_OFFERS:

@@ -41,6 +41,8 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
         console.print(f"instance {i['index']}: {i['url']} (host {i['host']})", soft_wrap=True)
         if i.get("error"):
             console.print(f"  error: {i['error']}", soft_wrap=True)
+        if i.get("not_routed"):
+            console.print(f"  not routed: {i['not_routed']}", soft_wrap=True)
     for i in rows:
         cut = i["cancelled"]
         if not cut:

@@ -29,6 +29,7 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
             "waiting": None,
             "snapshot_age_s": None,
             "router_running": inst.ledger.running,
+            "routed": inst.unusable is None,
             "cancelled": [
                 {
                     "capyctl_request_id": c.request_id,
@@ -49,6 +50,8 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
                 row["snapshot_age_s"] = round(snap.age_s(now), 3)
             if status.error:
                 row["error"] = status.error
+        if inst.unusable is not None:
+            row["not_routed"] = inst.unusable
         instances.append(row)
     ready = any(i["state"] == "ready" for i in instances)
     return {
