@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -28,8 +29,11 @@ from contract.engines._proc import free_port
 from contract.engines.llamacpp import LlamaServer, ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
 
-BIN = Path(sys.executable).parent
-STATE = Path(os.environ.get("CAPYCTL_STATE_DIR") or "~/.local/state/capyctl").expanduser()
+# Absolute, so that every command the demo prints works from any directory (not resolved:
+# the venv's python is a symlink out of the venv).
+BIN = Path(sys.executable).absolute().parent
+DEFAULT_STATE = Path("~/.local/state/capyctl").expanduser()
+STATE = Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE).expanduser().absolute()
 
 
 def _generate(base_url: str, *, after: float, seconds: float, stop: threading.Event) -> None:
@@ -61,8 +65,15 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def command_line(argv: list[str | Path]) -> str:
+    """A command line to print: the program's absolute path, arguments quoted for a shell."""
+    return shlex.join(str(a) for a in argv)
+
+
 def provider_demo(url: str, common: list[str]) -> None:
-    print(f"\n$ canopyx-provider simulate {' '.join(common)} --quotes 16 --rate 4")
+    argv: list[str | Path] = [BIN / "canopyx-provider", "simulate", *common]
+    argv += ["--quotes", "16", "--rate", "4"]
+    print(f"\n$ {command_line(argv)}")
     print("(meanwhile one generation runs from 1 s to 3.5 s, a second from 2 s to 3.5 s)")
     stop = threading.Event()
     for after, seconds in ((1.0, 2.5), (2.0, 1.5)):
@@ -73,10 +84,7 @@ def provider_demo(url: str, common: list[str]) -> None:
             daemon=True,
         ).start()
     try:
-        subprocess.run(
-            [str(BIN / "canopyx-provider"), "simulate", *common, "--quotes", "16", "--rate", "4"],
-            check=True,
-        )
+        subprocess.run([str(a) for a in argv], check=True)
     finally:
         stop.set()
 
@@ -124,12 +132,14 @@ def gateway_demo(url: str, workdir: Path, *, once: bool) -> None:
         print("  ", repr(reply["choices"][0]["message"]["content"]))
         print("   capyctl.metrics:", reply["capyctl"]["metrics"])
         print(f"\ncapyctl-gateway serves the OpenAI chat API at {endpoint}")
-        status = [os.path.relpath(BIN / "capyctl-gateway"), "status", "deployment", "my-model"]
+        status: list[str | Path] = [BIN / "capyctl-gateway", "status", "deployment", "my-model"]
         if mport != 7443:
             status += ["--management", f"127.0.0.1:{mport}"]
-        print(f"its state: {' '.join(status)}")
+        if STATE != DEFAULT_STATE:
+            status += ["--state-dir", STATE]
+        print(f"its state: {command_line(status)}")
         print(f"the API key is in {creds} (line 'api_key: ...')\n")
-        print(f"KEY=$(sed -n 's/^api_key: //p' {creds})")
+        print(f"KEY=$(sed -n 's/^api_key: //p' {shlex.quote(str(creds))})")
         print(f'curl -s {endpoint}/chat/completions -H "Authorization: Bearer $KEY" \\')
         print("  -H 'Content-Type: application/json' \\")
         print(
@@ -156,17 +166,18 @@ def main() -> int:
     parser.add_argument("mode", nargs="?", choices=("gateway", "provider"), default="gateway")
     parser.add_argument("--once", action="store_true", help="exit after the first answer")
     args = parser.parse_args()
-    print("building or reusing llama-server (the first build takes several minutes)...")
-    binary = ensure_llama_server()
+    binary = ensure_llama_server()  # shows the build's progress when it has to build
     workdir = Path(tempfile.mkdtemp(prefix="canopyx-demo-"))
     try:
         model = write_tiny_gguf(workdir / "tiny.gguf", seed=0, context_length=65536)
         with LlamaServer(binary, model, parallel=2, ctx=65536) as server:
             url = server.base_url
-            print(f"llama-server b10798 serving 'tiny' at {url} (pid {server.pid})\n")
+            print(f"llama-server b10798 serving 'tiny' at {url} (pid {server.pid})")
+            print(f"its log: {server.log_path}\n")
             common = ["--engine", "llamacpp", "--base-url", url, "--model", "tiny"]
-            print(f"$ canopyx-provider check {' '.join(common)}")
-            subprocess.run([str(BIN / "canopyx-provider"), "check", *common], check=True)
+            check: list[str | Path] = [BIN / "canopyx-provider", "check", *common]
+            print(f"$ {command_line(check)}")
+            subprocess.run([str(a) for a in check], check=True)
             if args.mode == "provider":
                 provider_demo(url, common)
             else:

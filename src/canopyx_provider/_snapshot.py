@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -158,11 +159,21 @@ class CheckReport(BaseModel):
     def failed(self) -> CheckResult | None:
         return next((c for c in self.checks if not c.ok), None)
 
-    def to_json(self) -> dict[str, Any]:
-        """The documented ``check --json`` object."""
+    def to_dict(self) -> dict[str, Any]:
+        """The documented ``check --json`` object, as a dict of JSON types (lists, not tuples)."""
+        capacity = None
+        if self.capacity is not None:
+            capacity = {
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in self.capacity.figures().items()
+            }
         return {
             "checks": [c.model_dump(exclude={"code"}) for c in self.checks],
             "metrics": self.metrics.figures() if self.metrics is not None else None,
-            "capacity": self.capacity.figures() if self.capacity is not None else None,
+            "capacity": capacity,
             "engine_version": self.engine_version,
         }
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """The documented ``check --json`` object, as JSON text (what the CLI prints)."""
+        return json.dumps(self.to_dict(), indent=indent)

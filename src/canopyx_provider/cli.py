@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from decimal import Decimal, InvalidOperation
+from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
 
 import anyio
@@ -32,6 +32,37 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+#: The distribution that ships ``canopyx_provider`` (and the gateway).
+DISTRIBUTION = "canopyx"
+
+
+def _version() -> str:
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"canopyx-provider {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Check, watch and price a local inference engine the way the Canopy connector does."""
+
 
 EngineOpt = Annotated[EngineKind, typer.Option("--engine", help="The engine's kind.")]
 BaseUrlOpt = Annotated[str, typer.Option("--base-url", help="The engine's origin.")]
@@ -46,8 +77,13 @@ KeyEnvOpt = Annotated[
 ]
 RouterOpt = Annotated[bool, typer.Option("--router", help="llama.cpp router mode.")]
 SlotsOpt = Annotated[int | None, typer.Option("--slots", help="llama.cpp slots if /props is off.")]
-IntervalOpt = Annotated[int, typer.Option("--poll-interval-ms", min=50)]
-TimeoutOpt = Annotated[int, typer.Option("--request-timeout-ms", min=50)]
+IntervalOpt = Annotated[
+    int, typer.Option("--poll-interval-ms", min=50, help="Pause between polls, in ms.")
+]
+TimeoutOpt = Annotated[
+    int,
+    typer.Option("--request-timeout-ms", min=50, help="Bound on one collection cycle, in ms."),
+]
 
 
 def _adapter(
@@ -122,7 +158,7 @@ def check(
 
     report = anyio.run(run)
     if as_json:
-        typer.echo(json.dumps(report.to_json()))
+        typer.echo(report.to_json())
     else:
         _print_report(Console(highlight=False), adapter, model, report)
     raise typer.Exit(0 if report.ok else 1)
@@ -138,7 +174,7 @@ def _print_report(console: Console, adapter: EngineAdapter, model: str, r: Check
         console.print(f"engine version: {r.engine_version}")
     if r.capacity is not None:
         for k, v in r.capacity.figures().items():
-            console.print(f"capacity {k}: {v}")
+            console.print(f"capacity {k}: {'; '.join(v) if isinstance(v, tuple) else v}")
     if r.metrics is not None:
         figures = r.metrics.figures()
         if not r.metrics.has_engine_load:
@@ -236,7 +272,10 @@ def simulate(
     price_out: Annotated[
         str, typer.Option("--price-out", help="List price, output $/Mtok.")
     ] = "0.60",
-    admission_target: Annotated[float, typer.Option("--admission-target")] = 0.8,
+    admission_target: Annotated[
+        float,
+        typer.Option("--admission-target", help="Admit up to this fraction (0..1] of capacity."),
+    ] = 0.8,
     poll_interval_ms: IntervalOpt = 500,
 ) -> None:
     """Drive the load-and-admission strategy with synthetic quote traffic against a live engine."""

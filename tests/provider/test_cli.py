@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import pytest
 from pytest_httpserver import HTTPServer
@@ -64,6 +65,7 @@ def test_check_human_output_for_llamacpp(engine: HTTPServer) -> None:
     assert code == 0, out
     assert "engine version: b10798" in out
     assert "capacity total_slots: 2" in out
+    assert "capacity notes: kv_cache_tokens is n_ctx per slot x total_slots\n" in out
     assert "metrics slot_usage_ratio: 1.0" in out
 
 
@@ -99,6 +101,12 @@ def test_bad_options_exit_2_with_a_message(extra: list[str], message: str) -> No
     )
     assert code == 2
     assert message in out
+
+
+def test_version_prints_the_installed_version() -> None:
+    code, out = invoke("--version")
+    assert code == 0
+    assert out == f"canopyx-provider {version('canopyx')}\n"
 
 
 def test_watch_prints_the_snapshot_and_its_age(engine: HTTPServer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 
@@ -69,7 +70,8 @@ async def test_vllm_startup_checks_pass_and_give_a_snapshot(engine: HTTPServer) 
         assert snap is not None and snap.engine_version == "0.31.0"
         assert snap.metrics.running_requests == 0
         assert snap.requested_at <= snap.collected_at
-    assert report.to_json()["checks"][0] == {"name": "health", "ok": True, "reason": None}
+    assert report.to_dict()["checks"][0] == {"name": "health", "ok": True, "reason": None}
+    assert json.loads(report.to_json()) == report.to_dict()
 
 
 async def test_api_key_is_sent_on_every_collection_request(engine: HTTPServer) -> None:
