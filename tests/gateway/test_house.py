@@ -214,3 +214,32 @@ async def test_an_engines_own_error_words_reach_the_log_not_the_client(
     assert "nvidia0" not in r.text
     assert "the engine sent an error event" in r.text
     assert any("engine OOM on /dev/nvidia0" in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.parametrize("writing", [True, False])
+def test_a_reset_while_writing_to_the_client_is_a_hang_up_not_an_engine_failure(
+    writing: bool,
+) -> None:
+    # aiohttp's ClientConnectionResetError ("Cannot write to closing transport") is both a
+    # ClientError and a ConnectionResetError: only while we write to the client is it theirs.
+    import aiohttp
+    from yarl import URL
+
+    from capyctl_gateway._errors import ClientGoneError, EngineError
+    from capyctl_gateway._relay.exchange import Exchange
+
+    ex = Exchange(
+        None,  # type: ignore[arg-type]  # the mapping never touches the session
+        URL("http://127.0.0.1:1"),
+        {},
+        where="deployment m, instance 0",
+        deadline=0.0,
+        idle_timeout=1.0,
+        drains=set(),
+    )
+    ex.writing = writing
+    mapped = ex._failure(aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
+    if writing:
+        assert isinstance(mapped, ClientGoneError) and ex.outcome.cut == "hang_up"
+    else:
+        assert isinstance(mapped, EngineError) and ex.outcome.cut is None

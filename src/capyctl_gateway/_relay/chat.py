@@ -66,9 +66,9 @@ async def relay_chat(
                 if parts:
                     if verifier.first_output_at is not None:
                         ex.output(now)  # only relayed output keeps a stream alive, not pings
+                    ex.writing = True  # bounded by the idle deadline, like the engine's output
                     if out is None:
                         out = await start_stream(request, headers)
-                    ex.writing = True  # bounded by the idle deadline, like the engine's output
                     await out.write(b"".join(parts))
                     ex.writing = False
             verifier.verify_end(done)

@@ -123,9 +123,9 @@ class Exchange:
         self._clean = False
         self.outcome = Outcome()
         self.response: aiohttp.ClientResponse | None = None
+        # Set while the caller writes to its client: a deadline that passes then means the
+        # client stopped reading (a write that cannot drain), which is a hang-up.
         self.writing = False
-        """The caller is writing to its client: a deadline that passes now means the client
-        stopped reading (a write that cannot drain), which ends the request as a hang-up."""
 
     # -- the exchange ------------------------------------------------------------------
     async def post(self, payload: bytes) -> aiohttp.ClientResponse:
@@ -176,7 +176,7 @@ class Exchange:
     ) -> None:
         if exc is None:  # the common case, kept cheap
             self._bound.__exit__(None, None, None)
-            self._end()
+            _finish(self.response, self._clean, self._drains)
             return
         error: BaseException | None = exc
         try:
@@ -187,13 +187,20 @@ class Exchange:
             if error is not None:
                 error = self._failure(error)
         finally:
-            self._end()
+            _finish(self.response, self._clean, self._drains)
         if error is not None and error is not exc:
             raise error from exc
 
     def _failure(self, exc: BaseException) -> BaseException:
         """The one mapping of a failed exchange to what the caller sees; notes the outcome."""
         out = self.outcome
+        # A write to the client that failed (aiohttp's ClientConnectionResetError is a
+        # ClientError too, though the engine's connection is not the one that broke).
+        if isinstance(exc, ConnectionResetError) and (
+            self.writing or not isinstance(exc, aiohttp.ClientError)
+        ):
+            out.cut = "hang_up"
+            return ClientGoneError()
         if isinstance(exc, _NEVER_CONNECTED) and self.response is None:
             out.sent = False
             return NotAcceptedError(f"{self.where} could not be reached", detail=str(exc))
@@ -214,9 +221,6 @@ class Exchange:
         if isinstance(exc, asyncio.CancelledError):
             out.cut = "hang_up"  # aiohttp cancels the handler when the client goes away
             return exc
-        if isinstance(exc, ConnectionResetError):
-            out.cut = "hang_up"  # noticed by a write before the cancellation
-            return ClientGoneError()
         if isinstance(exc, EngineRejectedError):
             out.answered = out.completed = True
         elif isinstance(exc, UnverifiedError):
@@ -225,18 +229,22 @@ class Exchange:
             out.error = repr(exc)
         return exc
 
-    def _end(self) -> None:
-        resp = self.response
-        if resp is None:
-            return
-        if not self._clean:
-            resp.close()  # never back to the pool: the engine sees the close and stops
-        elif resp.content.is_eof():
-            resp.release()
-        else:  # the answer is complete; wait for the body's end without holding it up
-            task = asyncio.get_running_loop().create_task(_release_when_ended(resp))
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
+
+def _finish(
+    resp: aiohttp.ClientResponse | None, clean: bool, drains: set[asyncio.Task[None]]
+) -> None:
+    """The engine connection's fate: pooled after a whole answer, else closed (the close is
+    what tells the engine to stop)."""
+    if resp is None:
+        return
+    if not clean:
+        resp.close()  # never back to the pool: the engine sees the close and stops
+    elif resp.content.is_eof():
+        resp.release()
+    else:  # the answer is complete; wait for the body's end without holding it up
+        task = asyncio.get_running_loop().create_task(_release_when_ended(resp))
+        drains.add(task)
+        task.add_done_callback(drains.discard)
 
 
 async def _release_when_ended(resp: aiohttp.ClientResponse) -> None:
