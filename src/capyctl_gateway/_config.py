@@ -21,7 +21,7 @@ from pydantic import (
 from canopyx_provider import CanopyxError, EngineKind
 from canopyx_provider.adapters import origin
 
-from ._engines import FACTS
+from ._engines import FACTS, launch_problem
 
 __all__ = [
     "Api",
@@ -55,6 +55,25 @@ def _seconds(value: Any) -> Any:
 
 
 Seconds = Annotated[float, BeforeValidator(_seconds), Field(gt=0, allow_inf_nan=False)]
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
+_SIZE_UNITS = {
+    None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+}  # fmt: skip
+
+
+def _bytes(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a size such as 2GiB or 0, not true or false")
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m is None:
+            raise ValueError(f"{value!r} is not a size such as 40GiB, 512MiB or 0")
+        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    return value
+
+
+Bytes = Annotated[int, BeforeValidator(_bytes), Field(ge=0)]
 _STRICT = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -99,16 +118,60 @@ class Limits(BaseModel):
     may be this large; past it, 502 engine_error."""
 
 
+class Resources(BaseModel):
+    model_config = _STRICT
+
+    memory_budget: Bytes | None = None
+    """What launched deployments may hold at once (ready and parked); absent: no limit."""
+
+
+class Memory(BaseModel):
+    model_config = _STRICT
+
+    ready: Bytes
+    parked: Bytes = 0
+
+
+class Lifecycle(BaseModel):
+    model_config = _STRICT
+
+    activation: Literal["on_request", "explicit"] = "on_request"
+    park: Literal["auto", "sleep", "stop"] = "auto"
+    ready_idle_timeout: Seconds | None = None
+    parked_idle_timeout: Seconds | None = None
+    drain_timeout: Seconds = 30.0
+
+
+class Launch(BaseModel):
+    model_config = _STRICT
+
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    """Added to the gateway's environment."""
+    startup_timeout: Seconds = 600.0
+
+
 class Instance(BaseModel):
     model_config = _STRICT
 
-    url: str
+    url: str | None = None
+    """An engine someone else runs (never launched, parked or stopped by the gateway)."""
+    launch: Launch | None = None
+    """An engine the gateway runs."""
     api_key_env: str | None = None
     """The engine's key is read from this environment variable."""
 
+    @model_validator(mode="after")
+    def _one_kind(self) -> Self:
+        if (self.url is None) == (self.launch is None):
+            raise ValueError("an instance has either url (an engine someone runs) or launch")
+        return self
+
     @field_validator("url")
     @classmethod
-    def _origin(cls, v: str) -> str:
+    def _origin(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         try:
             found = origin(v, what="url")
         except CanopyxError as exc:
@@ -134,6 +197,26 @@ class Deployment(BaseModel):
     """An engine reporting another version than engine_version: logged (warn), or its
     instance is not routed to (refuse)."""
     instances: list[Instance] = Field(min_length=1)
+    memory: Memory | None = None
+    """What one launched instance holds in each state (against resources.memory_budget)."""
+    lifecycle: Lifecycle = Lifecycle()
+
+    @model_validator(mode="after")
+    def _launchable(self) -> Self:
+        for i, inst in enumerate(self.instances):
+            if inst.launch is not None:
+                problem = launch_problem(self.engine, inst.launch.command, inst.launch.env)
+                if problem is not None:
+                    raise ValueError(f"instances.{i}.launch.command: {problem}")
+        if self.lifecycle.park == "sleep" and not FACTS[self.engine].can_sleep:
+            raise ValueError(
+                f"lifecycle.park: {self.engine.value} cannot park here; use auto or stop"
+            )
+        return self
+
+    @property
+    def launched(self) -> bool:
+        return any(i.launch is not None for i in self.instances)
 
     @field_validator("engine")
     @classmethod
@@ -153,6 +236,7 @@ class GatewayConfig(BaseModel):
 
     queue: QueueConfig = QueueConfig()
     limits: Limits = Limits()
+    resources: Resources = Resources()
     deployments: list[Deployment] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -162,6 +246,11 @@ class GatewayConfig(BaseModel):
             if d.name in seen:
                 raise ValueError(f"two deployments are named {d.name!r}")
             seen.add(d.name)
+            if self.resources.memory_budget is not None and d.launched and d.memory is None:
+                raise ValueError(
+                    f"deployment {d.name!r}: memory is required when resources.memory_budget "
+                    "is set (what one instance holds ready and parked)"
+                )
         return self
 
     def deployment(self, name: str) -> Deployment | None:

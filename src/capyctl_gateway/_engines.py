@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from canopyx_provider import EngineKind
 
-__all__ = ["FACTS", "EngineFacts", "EngineKind", "facts", "served_kinds"]
+__all__ = ["FACTS", "EngineFacts", "EngineKind", "facts", "launch_problem", "served_kinds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,10 @@ class EngineFacts:
     closes_after_stream: bool = False
     """The engine closes its connection after every streamed answer without saying so; the
     gateway asks it to close (``Connection: close``) so the connection is never reused."""
+    forced_flags: tuple[str, ...] = ()
+    """Flags a launched engine always gets: what the gateway's figures and the SDK need."""
+    can_sleep: bool = False
+    """The gateway can park this engine with its process up (it can only stop it otherwise)."""
 
 
 FACTS: dict[EngineKind, EngineFacts] = {
@@ -37,11 +41,13 @@ FACTS: dict[EngineKind, EngineFacts] = {
         delta_keys=frozenset({"role", "content", "reasoning", "tool_calls"}),
         reasoning_key="reasoning",
         honours_cache_salt=True,
+        forced_flags=("--enable-per-request-metrics",),
     ),
     EngineKind.SGLANG: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
         reasoning_key="reasoning_content",
         honours_cache_salt=True,
+        forced_flags=("--enable-cache-report",),
     ),
     EngineKind.LLAMACPP: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
@@ -50,6 +56,7 @@ FACTS: dict[EngineKind, EngineFacts] = {
         # Measured on llama-server b10798: the request after a stream on a reused connection
         # met a closed socket, 10 times in 10.
         closes_after_stream=True,
+        forced_flags=("--metrics",),
     ),
     EngineKind.TENSORFOLD: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
@@ -57,6 +64,26 @@ FACTS: dict[EngineKind, EngineFacts] = {
         honours_cache_salt=False,
     ),
 }
+
+
+_PLACEMENT = ("--host", "--port")
+_PLACEMENT_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "VLLM_HOST_IP", "SGLANG_HOST_IP")
+
+
+def launch_problem(kind: EngineKind, command: list[str], env: dict[str, str]) -> str | None:
+    """Why the gateway will not launch ``command`` for ``kind``: it places the engine itself
+    (host and port) and keeps the flags it forces on."""
+    for arg in command[1:]:
+        name = arg.split("=", 1)[0]
+        if name in _PLACEMENT:
+            return f"sets {name}; the gateway chooses the engine's host and port itself"
+        for flag in FACTS[kind].forced_flags:
+            if name in ("--no-" + flag.removeprefix("--"), "--disable-" + flag.removeprefix("--")):
+                return f"turns off {flag}, which the gateway always sets"
+    for key in env:
+        if key in _PLACEMENT_ENV:
+            return f"env sets {key}; the gateway chooses the engine's host and port itself"
+    return None
 
 
 def facts(kind: EngineKind) -> EngineFacts:

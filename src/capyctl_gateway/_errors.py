@@ -9,6 +9,8 @@
     ├── BusyError                 the gateway cannot take it now (retryable)
     │   ├── QueueFullError        429 queue_full (with Retry-After)
     │   └── UnavailableError      503 unavailable: a deadline passed, no slot or instance
+    ├── ActivationFailedError     500 activation_failed: a launched engine did not start
+    ├── DeploymentStoppedError    409 deployment_stopped / deployment_inactive
     ├── ClientGoneError           the client hung up: there is nobody left to answer
     └── EngineError               502 engine_error: the engine failed this request
         ├── NotAcceptedError      the engine provably never got it: another instance may
@@ -36,8 +38,10 @@ from typing import Any
 import orjson
 
 __all__ = [
+    "ActivationFailedError",
     "BusyError",
     "ClientGoneError",
+    "DeploymentStoppedError",
     "EngineError",
     "EngineRejectedError",
     "GatewayError",
@@ -146,6 +150,22 @@ class QueueFullError(BusyError):
 class UnavailableError(BusyError):
     status = 503
     code = "unavailable"
+
+
+class ActivationFailedError(GatewayError):
+    """A launched engine could not be started or woken for the request; the next request
+    tries a fresh start."""
+
+    status = 500
+    code = "activation_failed"
+
+
+class DeploymentStoppedError(GatewayError):
+    """An operator stopped the deployment (``deployment_stopped``), or it starts only when
+    told to (``deployment_inactive``): a request does not start it."""
+
+    status = 409
+    code = "deployment_stopped"
 
 
 class ClientGoneError(GatewayError):

@@ -10,10 +10,13 @@ Two lifetimes are tied to the application's (as aiohttp cleanup contexts): the e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import os
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -26,6 +29,7 @@ from ._deployments.checks import CheckWatch
 from ._deployments.queue import BodyBudget
 from ._deployments.routes import EngineInstance, Route, build_routes
 from ._deployments.settle import Settlement
+from ._lifecycle.controller import Lifecycle
 
 __all__ = ["IDLE_CONNECTION_S", "Gateway"]
 
@@ -47,8 +51,11 @@ class Gateway:
         env: Mapping[str, str] | None = None,
         collector_options: ProviderOptions | None = None,
         clock: Callable[[], float] = time.time,
+        engine_logs: Path | None = None,
     ) -> None:
-        """Raises ConfigError when an instance's engine key is not in ``env``."""
+        """Raises ConfigError when an instance's engine key is not in ``env``.
+        ``engine_logs``: where launched engines write their output (default: a new
+        temporary directory)."""
         self.config = config
         self._key = api_key.encode()
         self.collector_options = collector_options or ProviderOptions()
@@ -61,6 +68,16 @@ class Gateway:
         self.bodies = BodyBudget(config.limits.max_body_bytes_in_flight)
         """Request-body bytes read and held, over all requests."""
         self.checks = CheckWatch(self.routes)
+        logs = engine_logs or Path(tempfile.mkdtemp(prefix="capyctl-engines-"))
+        self.lifecycle = Lifecycle(
+            config,
+            self.routes,
+            self.settlement,
+            session=lambda: self.session,
+            on_ready=self._engine_ready,
+            on_stopped=self._engine_stopped,
+            log_dir=logs,
+        )
         self.started_at = int(clock())
         self.session: aiohttp.ClientSession | None = None
         self.drains: set[asyncio.Task[None]] = set()
@@ -103,11 +120,35 @@ class Gateway:
                 return max(running, int(m.running_requests + m.waiting_requests))
         return running
 
-    def _set_poll_interval(self, key: str, interval_ms: int | None) -> None:
+    def _engine_ready(self, inst: EngineInstance) -> None:
+        """A launched engine answers: the collector watches it from now on."""
+        if self.collector is not None and inst.url is not None:
+            d = self.routes[inst.deployment].deployment
+            adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key)
+            self.collector.add(inst.key, adapter, model_id=d.engine_model)
+
+    def _engine_stopped(self, inst: EngineInstance) -> None:
         if self.collector is not None:
-            self.collector.set_poll_interval(key, interval_ms)
+            with contextlib.suppress(KeyError):  # never added: it did not answer
+                self.collector.remove(inst.key)
+        inst.unusable = None  # its next process is checked afresh
+
+    def _set_poll_interval(self, key: str, interval_ms: int | None) -> None:
+        if self.collector is not None and key in self.collector.keys():  # noqa: SIM118
+            self.collector.set_poll_interval(key, interval_ms)  # (a stopped engine is not)
 
     # -- lifetimes (aiohttp cleanup contexts) ---------------------------------------------
+    async def engine_lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        """Launched engines: the idle watch runs while the app serves; at the end every
+        engine the gateway started is stopped (before the collector and the session)."""
+        watch = asyncio.get_running_loop().create_task(self.lifecycle.run())
+        try:
+            yield
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            await self.lifecycle.shutdown()
+
     async def engine_session(self, app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=IDLE_CONNECTION_S
@@ -151,8 +192,9 @@ class Gateway:
                 for route in self.routes.values():
                     d = route.deployment
                     for inst in route.instances:
-                        adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key)
-                        collector.add(inst.key, adapter, model_id=d.engine_model)
+                        if inst.url is not None:  # a launched one is added once it answers
+                            adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key)
+                            collector.add(inst.key, adapter, model_id=d.engine_model)
                 self.collector = collector
                 try:
                     yield

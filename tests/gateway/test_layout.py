@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[2] / "src" / "capyctl_gateway"
 FORBIDDEN = {
     "_errors": {"_http", "_relay", "_deployments", "_management", "_gateway", "_config", "cli"},
     "_engines": {"_http", "_relay", "_deployments", "_management", "_gateway", "_config", "cli"},
-    "_relay": {"_http", "_deployments", "_management", "_gateway", "cli"},
-    "_deployments": {"_http", "_relay", "_management", "_gateway", "cli"},
+    "_relay": {"_http", "_deployments", "_management", "_gateway", "_lifecycle", "cli"},
+    "_deployments": {"_http", "_relay", "_management", "_gateway", "_lifecycle", "cli"},
+    "_lifecycle": {"_http", "_relay", "_management", "_gateway", "cli"},
     "_gateway": {"_http", "_relay", "_management", "cli"},
     "_http": {"_management", "cli"},
     "_management": {"cli"},
@@ -65,6 +66,6 @@ def test_modules_and_classes_stay_readable(path: Path) -> None:
 
 
 def test_every_room_says_what_it_owns() -> None:
-    for package in ("_http", "_relay", "_deployments", "_management"):
+    for package in ("_http", "_relay", "_deployments", "_lifecycle", "_management"):
         doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
         assert doc and "never" in doc, package

@@ -29,6 +29,7 @@ class DeploymentQueue:
         self.max_waiting = max_waiting
         self.running = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._drained: asyncio.Event | None = None
 
     @property
     def waiting(self) -> int:
@@ -78,6 +79,22 @@ class DeploymentQueue:
                 waiter.set_result(None)  # the slot passes on: running stays the same
                 return
         self.running -= 1
+        if self.running == 0 and self._drained is not None:
+            self._drained.set()
+
+    async def drained(self, within_s: float) -> bool:
+        """Wait until no request runs (at most ``within_s``); whether none does."""
+        if self.running == 0:
+            return True
+        self._drained = event = asyncio.Event()
+        try:
+            async with asyncio.timeout(within_s):
+                await event.wait()
+        except TimeoutError:
+            return self.running == 0
+        finally:
+            self._drained = None
+        return True
 
 
 class BodyBudget:

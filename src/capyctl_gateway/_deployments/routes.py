@@ -21,7 +21,7 @@ from yarl import URL
 
 from canopyx_provider import CheckReport
 
-from .._config import ConfigError, Deployment, GatewayConfig, Instance
+from .._config import ConfigError, Deployment, GatewayConfig, Instance, Launch
 from .._engines import facts
 from .queue import Admission, DeploymentQueue
 from .settle import InstanceLedger, Settlement
@@ -44,25 +44,37 @@ class EngineInstance:
 
     deployment: str
     index: int
-    url: str
+    url: str | None
+    """None while a launched engine has no process (its address comes with its port)."""
     headers: dict[str, str]
     engine_key: str | None
     ledger: InstanceLedger
-    host: str = field(init=False)
-    where: str = field(init=False)
+    launch: Launch | None = None
+    """How the gateway runs it; None for an engine someone else runs."""
+    host: str = field(init=False, default="")
+    where: str = field(init=False, default="")
     """How clients hear of it: never its address."""
-    chat_url: URL = field(init=False)
-    decision_url: URL = field(init=False)
+    chat_url: URL = field(init=False, default=URL())
+    decision_url: URL = field(init=False, default=URL())
     unusable: str | None = None
     """Why requests are not sent here (a startup check the engine failed: another model
     served, another version refused); None while it may be routed to."""
+    available: bool = field(init=False, default=True)
+    """Whether the engine can take requests now (a launched one: only while ready)."""
 
     def __post_init__(self) -> None:
-        self.host = urlsplit(self.url).hostname or ""
         self.where = f"deployment {self.deployment}, instance {self.index}"
+        self.available = self.launch is None
+        if self.url is not None:
+            self.bind(self.url)
+
+    def bind(self, url: str) -> None:
+        """Address the instance at ``url`` (a launched engine, once it has its port)."""
+        self.url = url
+        self.host = urlsplit(url).hostname or ""
         # Parsed once: aiohttp would parse a string URL on every request.
-        self.chat_url = URL(self.url + "/v1/chat/completions")
-        self.decision_url = URL(self.url + "/v1/systemone")
+        self.chat_url = URL(url + "/v1/chat/completions")
+        self.decision_url = URL(url + "/v1/systemone")
 
     @property
     def key(self) -> str:
@@ -85,12 +97,12 @@ class Route:
         """The least loaded usable instance among those not excluded; ties rotate."""
         if len(self.instances) == 1:
             only = self.instances[0]
-            return None if only.index in exclude or only.unusable else only
+            return None if only.index in exclude or only.unusable or not only.available else only
         start = next(self.turn) % len(self.instances)
         ordered = [
             i
             for i in self.instances[start:] + self.instances[:start]
-            if i.index not in exclude and not i.unusable
+            if i.index not in exclude and not i.unusable and i.available
         ]
         return min(ordered, key=load) if ordered else None
 
@@ -130,7 +142,8 @@ def _engine_key(instance: Instance, env: Mapping[str, str]) -> str | None:
         return None
     key = env.get(instance.api_key_env)
     if not key:
-        raise ConfigError(f"instance {instance.url}: api_key_env {instance.api_key_env} is not set")
+        where = instance.url or "launched"
+        raise ConfigError(f"instance {where}: api_key_env {instance.api_key_env} is not set")
     return key
 
 
@@ -150,7 +163,9 @@ def build_routes(
             if facts(d.engine).closes_after_stream:
                 headers["Connection"] = "close"  # so the connection is never reused
             ledger = settlement.ledger(f"{d.name}/{i}")
-            instances.append(EngineInstance(d.name, i, inst.url, headers, key, ledger))
+            instances.append(
+                EngineInstance(d.name, i, inst.url, headers, key, ledger, launch=inst.launch)
+            )
         queue = DeploymentQueue(
             admission,
             max_running=config.queue.max_running_per_deployment,

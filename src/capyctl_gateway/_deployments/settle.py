@@ -114,6 +114,10 @@ class Settlement:
         )
         return item
 
+    def settle_all(self, ledger: InstanceLedger, why: str) -> None:
+        """The engine was stopped by the gateway: nothing it counted can still run."""
+        self._settle(ledger, lambda c: True, why)
+
     def __call__(self, event: Event, /) -> None:
         ledger = self.ledgers.get(event.key)
         if ledger is not None:

@@ -9,6 +9,7 @@ setting is not the caller's to forget: `create_app` refuses to start under any r
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from aiohttp import web
 
@@ -38,10 +39,13 @@ def create_app(
     *,
     env: Mapping[str, str] | None = None,
     collector_options: ProviderOptions | None = None,
+    engine_logs: Path | None = None,
 ) -> web.Application:
     """The inference application for ``config``; serve it with `GatewayRunner`. Its cleanup
     closes everything it opened."""
-    gateway = Gateway(config, api_key, env=env, collector_options=collector_options)
+    gateway = Gateway(
+        config, api_key, env=env, collector_options=collector_options, engine_logs=engine_logs
+    )
     handlers = Inference(gateway)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
@@ -52,6 +56,7 @@ def create_app(
     app.on_startup.append(_require_gateway_runner)
     app.cleanup_ctx.append(gateway.engine_session)
     app.cleanup_ctx.append(gateway.engine_collector)
+    app.cleanup_ctx.append(gateway.engine_lifecycle)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_post("/v1/chat/completions", handlers.chat)
     app.router.add_route("*", "/v1/chat/completions", handlers.wrong_method)

@@ -85,6 +85,14 @@ class Inference:
                 del raw, body
                 route = self.gw.routes[dep.name]
                 await route.queue.acquire(arrival + config.queue.request_deadline)
+                if dep.launched:
+                    try:
+                        await self.gw.lifecycle.ensure_ready(
+                            dep.name, arrival + config.queue.request_deadline
+                        )
+                    except BaseException:
+                        route.queue.release()
+                        raise
             except GatewayError as err:
                 return await answer(request, err, headers, rid)
             try:

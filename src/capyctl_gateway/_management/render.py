@@ -24,6 +24,13 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
         f"gateway running {d['running']}, waiting {d['waiting']}",
         soft_wrap=True,
     )
+    if "lifecycle" in d:
+        held = d.get("memory_held")
+        console.print(
+            f"launched by the gateway: {d['lifecycle']}; a park is a {d['park']}"
+            + ("" if held is None else f"; memory held {held} bytes"),
+            soft_wrap=True,
+        )
     rows = doc["instances"]
     table = Table("instance", "state", "running", "waiting", "snapshot age")
     for i in rows:
@@ -38,11 +45,20 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
     console.print(table)
     # Addresses and reasons on lines of their own: a table column would cut them short.
     for i in rows:
-        console.print(f"instance {i['index']}: {i['url']} (host {i['host']})", soft_wrap=True)
+        where = i["url"] if i["url"] is not None else "not running"
+        console.print(f"instance {i['index']}: {where} (host {i['host']})", soft_wrap=True)
         if i.get("error"):
             console.print(f"  error: {i['error']}", soft_wrap=True)
         if i.get("not_routed"):
             console.print(f"  not routed: {i['not_routed']}", soft_wrap=True)
+        if "lifecycle" in i:
+            console.print(f"  {i['lifecycle']}", soft_wrap=True)
+        if "process" in i:
+            proc = i["process"]
+            console.print(
+                f"  pid {proc['pid']}, port {proc['port']}: {' '.join(proc['command'])}",
+                soft_wrap=True,
+            )
     for i in rows:
         cut = i["cancelled"]
         if not cut:

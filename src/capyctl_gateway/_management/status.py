@@ -18,6 +18,8 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
     d = route.deployment
     now = gateway.now()
     collector = gateway.collector
+    life = gateway.lifecycle.lives.get(name)
+    launched = {lc.inst.index: lc for lc in life.launched} if life is not None else {}
     instances = []
     for inst in route.instances:
         row: dict[str, Any] = {
@@ -52,9 +54,17 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
                 row["error"] = status.error
         if inst.unusable is not None:
             row["not_routed"] = inst.unusable
+        lc = launched.get(inst.index)
+        if lc is not None:
+            row["lifecycle"] = lc.state.value
+            if lc.failure is not None:
+                row["failure"] = lc.failure
+            proc = lc.process
+            if proc is not None and proc.pid is not None:
+                row["process"] = {"pid": proc.pid, "port": proc.port, "command": proc.argv}
         instances.append(row)
     ready = any(i["state"] == "ready" for i in instances)
-    return {
+    doc: dict[str, Any] = {
         "deployment": {
             "name": d.name,
             "api": d.api.value,
@@ -67,3 +77,11 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
         },
         "instances": instances,
     }
+    if life is not None:
+        memory = d.memory.ready if d.memory is not None else None
+        holding = sum(1 for lc in life.launched if lc.state.value in ("starting", "ready"))
+        doc["deployment"]["lifecycle"] = life.state
+        doc["deployment"]["park"] = "stop"  # what a park does here (see docs: lifecycle)
+        if memory is not None:
+            doc["deployment"]["memory_held"] = memory * holding
+    return doc

@@ -1,0 +1,158 @@
+"""capyctl-gateway running llama-server itself: started by the first request with the flags it
+forces, stopped when idle (single-model llama.cpp cannot park), started again by the next
+request; a wave of requests causes one start; a budget that fits one of two deployments
+switches between them, each answer from the right model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import select
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from aiohttp import web
+
+from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
+from capyctl_gateway._management.status import deployment_status
+from contract.conftest import RunningGateway
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def launched(name: str, binary: Path, model: Path, alias: str, **over: Any) -> dict[str, Any]:
+    command = [str(binary), "-m", str(model), "-a", alias, "-c", "2048", "-t", "1"]
+    dep: dict[str, Any] = {
+        "name": name,
+        "engine": "llamacpp",
+        "engine_version": "b10798",
+        "served_model": alias,
+        "instances": [{"launch": {"command": command, "startup_timeout": "120s"}}],
+    }
+    dep.update(over)
+    return dep
+
+
+@pytest.fixture
+async def make_live_gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    runners: list[GatewayRunner] = []
+
+    async def make(config: dict[str, Any]) -> RunningGateway:
+        app = create_app(
+            GatewayConfig.model_validate(config), "k" * 43, env={}, engine_logs=tmp_path / "logs"
+        )
+        runner = GatewayRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return RunningGateway(f"http://{host}:{port}", "k" * 43, app[GATEWAY_KEY])
+
+    try:
+        yield make
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def transitions(caplog: pytest.LogCaptureFixture, to: str) -> list[dict[str, Any]]:
+    found = [
+        getattr(r, "fields", {}) for r in caplog.records if getattr(r, "event", "") == "lifecycle"
+    ]
+    return [f for f in found if f["to"] == to]
+
+
+async def ask(gw: RunningGateway, model: str) -> dict[str, Any]:
+
+    async with httpx.AsyncClient(timeout=120) as c:
+        r = await c.post(
+            gw.url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {gw.key}"},
+            json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
+    assert r.status_code == 200, r.text
+    doc: dict[str, Any] = r.json()
+    return doc
+
+
+def gone(pid: int, within: float = 30) -> bool:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], within)[0])
+    finally:
+        os.close(fd)
+
+
+async def test_llama_server_started_by_a_request_stopped_when_idle_and_started_again(
+    make_live_gateway: Callable[..., Any],
+    llama_server_binary: Path,
+    llama_models: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    dep = launched(
+        "tiny", llama_server_binary, llama_models / "tiny.gguf", "tiny",
+        lifecycle={"ready_idle_timeout": "1s"},
+    )  # fmt: skip
+    gw = await make_live_gateway({"deployments": [dep]})
+    stopped = anyio.Event()
+    gw.gateway.lifecycle.engines.observers.append(
+        lambda lc: stopped.set() if lc.state.value == "stopped" else None
+    )
+    answers = await asyncio.gather(*(ask(gw, "tiny") for _ in range(4)))  # a wave: one start
+    assert all(a["model"] == "tiny" and a["choices"][0]["message"]["content"] for a in answers)
+    assert len(transitions(caplog, "starting")) == 1
+    doc = deployment_status(gw.gateway, "tiny")
+    assert doc is not None
+    proc = doc["instances"][0]["process"]
+    cmdline = (await anyio.Path(f"/proc/{proc['pid']}/cmdline").read_bytes()).split(b"\0")
+    assert b"--metrics" in cmdline and cmdline[cmdline.index(b"--host") + 1] == b"127.0.0.1"
+    with anyio.fail_after(30):
+        await stopped.wait()
+    assert await anyio.to_thread.run_sync(gone, proc["pid"])
+    again = await ask(gw, "tiny")
+    assert again["choices"][0]["message"]["content"]
+    assert len(transitions(caplog, "starting")) == 2
+
+
+async def test_a_budget_for_one_switches_between_two_llama_servers(
+    make_live_gateway: Callable[..., Any],
+    llama_server_binary: Path,
+    llama_models: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    memory = {"ready": "1GiB"}
+    gw = await make_live_gateway(
+        {
+            "resources": {"memory_budget": "1GiB"},
+            "deployments": [
+                launched("a", llama_server_binary, llama_models / "tiny.gguf", "a", memory=memory),
+                launched("b", llama_server_binary, llama_models / "tiny.gguf", "b", memory=memory),
+            ],
+        }
+    )
+    for name in ("a", "b", "a", "b"):
+        answer = await ask(gw, name)
+        assert answer["model"] == name
+        lives = gw.gateway.lifecycle.lives
+        assert lives[name].state == "ready"
+        assert lives["b" if name == "a" else "a"].state == "stopped"
+    switched = [
+        t["deployment"] for t in transitions(caplog, "stopping") if "switched" in t["reason"]
+    ]
+    assert switched == ["a", "b", "a"]

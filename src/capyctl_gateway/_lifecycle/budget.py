@@ -1,0 +1,63 @@
+"""The memory budget of launched deployments: what they hold, and making room for a start by
+switching idle deployments out (longest unused first; never one with waiting requests, nor one
+that is starting)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from .._config import GatewayConfig
+from .._errors import UnavailableError
+from .states import HOLDING, DeploymentLife
+
+__all__ = ["MemoryBudget"]
+
+
+class MemoryBudget:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        lives: dict[str, DeploymentLife],
+        switch_out: Callable[[DeploymentLife], asyncio.Task[None]],
+    ) -> None:
+        self._config = config
+        self.lives = lives
+        self._switch_out = switch_out
+
+    def held(self) -> int:
+        """Memory the launched instances hold now (ready, or on their way in or out)."""
+        return sum(
+            life.deployment.memory.ready
+            for life in self.lives.values()
+            if life.deployment.memory is not None
+            for lc in life.launched
+            if lc.state in HOLDING
+        )
+
+    async def make_room(self, life: DeploymentLife, starting: int) -> None:
+        budget = self._config.resources.memory_budget
+        memory = life.deployment.memory
+        if budget is None or memory is None or starting == 0:
+            return
+        need = memory.ready * starting
+        while self.held() + need > budget:
+            victim = self._victim(life)
+            if victim is None:
+                raise UnavailableError(
+                    f"deployment {life.deployment.name} needs {need} bytes of the memory "
+                    f"budget ({budget}); {self.held()} are held and no idle deployment can "
+                    "give them back now"
+                )
+            await asyncio.shield(self._switch_out(victim))
+
+    def _victim(self, target: DeploymentLife) -> DeploymentLife | None:
+        candidates = [
+            life
+            for life in self.lives.values()
+            if life is not target
+            and any(lc.state in HOLDING for lc in life.launched)
+            and life.route.queue.waiting == 0
+            and (life.activation is None or life.activation.done())
+        ]
+        return min(candidates, key=lambda life: life.last_used, default=None)

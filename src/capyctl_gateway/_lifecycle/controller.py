@@ -1,0 +1,212 @@
+"""The state of every launched deployment, and the transitions between states.
+
+A request for a launched deployment calls `Lifecycle.ensure_ready` once it has a queue slot:
+when no instance is ready, it joins the deployment's activation (one per wave of waiting
+requests, run as a task of its own so that a waiter who leaves does not cancel it) and waits
+for it within the request's deadline. An activation that would pass the memory budget first
+switches out idle deployments (longest unused first; never one with waiting requests), letting
+their running requests finish within ``drain_timeout``. A deployment ready and unused for
+``ready_idle_timeout`` is stopped (a park is a stop for the engines this gateway can run on
+this platform). Stopping an engine settles every cut request still counted against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from .._config import GatewayConfig
+from .._deployments.routes import EngineInstance, Route
+from .._deployments.settle import Settlement
+from .._errors import (
+    ActivationFailedError,
+    DeploymentStoppedError,
+    GatewayError,
+    UnavailableError,
+)
+from .budget import MemoryBudget
+from .process import StartFailedError
+from .states import DeploymentLife, InstanceState, Launched
+from .transitions import Transitions
+
+__all__ = ["InstanceState", "Launched", "Lifecycle"]
+
+logger = logging.getLogger("capyctl_gateway")
+TICK_S = 1.0
+"""How often idle deployments and exited engines are looked for."""
+
+
+class Lifecycle:
+    """Every launched deployment of one gateway."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        routes: dict[str, Route],
+        settlement: Settlement,
+        *,
+        session: Callable[[], aiohttp.ClientSession | None],
+        on_ready: Callable[[EngineInstance], None],
+        on_stopped: Callable[[EngineInstance], None],
+        log_dir: Path,
+    ) -> None:
+        self._config = config
+        self.lives: dict[str, DeploymentLife] = {
+            name: DeploymentLife(r, [Launched(i) for i in r.instances if i.launch is not None])
+            for name, r in routes.items()
+            if r.deployment.launched
+        }
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.budget = MemoryBudget(config, self.lives, self._switch_out)
+        self.engines = Transitions(
+            self.lives,
+            settlement,
+            session=session,
+            on_ready=on_ready,
+            on_stopped=on_stopped,
+            log_dir=log_dir,
+        )
+
+    # -- requests ------------------------------------------------------------------------
+    async def ensure_ready(self, name: str, deadline: float) -> None:
+        """Return once deployment ``name`` has a ready instance, starting it if it must.
+
+        Raises:
+            DeploymentStoppedError: it starts only when told to (``activation: explicit``).
+            ActivationFailedError: the start failed (the next request tries again).
+            UnavailableError: not ready by ``deadline`` (loop time), or no room in the budget.
+        """
+        life = self.lives.get(name)
+        if life is None:
+            return
+        life.last_used = time.monotonic()
+        if life.ready and life.closing is None:
+            return
+        dep = life.deployment
+        if dep.lifecycle.activation == "explicit":
+            raise DeploymentStoppedError(
+                f"deployment {name} starts only when an operator starts it "
+                "(lifecycle.activation: explicit)",
+                code="deployment_inactive",
+            )
+        loop = asyncio.get_running_loop()
+        if life.closing is not None:  # being switched out: it comes back after
+            await _within(asyncio.shield(life.closing), deadline, name)
+        if life.activation is None or life.activation.done():
+            life.activation = self._spawn(self._activate(life))
+        try:
+            await _within(asyncio.shield(life.activation), deadline, name)
+        except (ActivationFailedError, UnavailableError) as exc:
+            raise _fresh(exc) from None  # each waiter its own error, never the task's one
+        life.last_used = time.monotonic()
+        if loop.time() > deadline:
+            raise UnavailableError(f"deployment {name} was not ready within queue.request_deadline")
+
+    async def _activate(self, life: DeploymentLife) -> None:
+        name = life.deployment.name
+        todo = [
+            lc for lc in life.launched if lc.state in (InstanceState.STOPPED, InstanceState.FAILED)
+        ]
+        await self.budget.make_room(life, len(todo))
+        results = await asyncio.gather(
+            *(self.engines.start(lc) for lc in todo), return_exceptions=True
+        )
+        if not life.ready:
+            failed = next((r for r in results if isinstance(r, StartFailedError)), None)
+            detail = failed.message if failed is not None else "no instance became ready"
+            raise ActivationFailedError(
+                f"deployment {name} could not be started; the gateway's log has the engine's "
+                "last words",
+                detail=detail,
+            )
+
+    # -- time -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Look for idle deployments and engines that exited, every `TICK_S`."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            for life in self.lives.values():
+                for lc in life.launched:
+                    proc = lc.process
+                    if lc.state is InstanceState.READY and proc is not None and proc.exited():
+                        code = proc.proc.returncode if proc.proc is not None else None
+                        lc.failure = f"the engine exited with status {code}"
+                        await self.engines.stop_one(lc, lc.failure)
+                        self.engines.move(lc, InstanceState.FAILED, lc.failure)
+                idle = life.deployment.lifecycle.ready_idle_timeout
+                if (
+                    idle is not None
+                    and life.ready
+                    and life.closing is None
+                    and (life.activation is None or life.activation.done())
+                    and life.route.queue.running == 0
+                    and life.route.queue.waiting == 0
+                    and now - life.last_used >= idle
+                ):
+                    life.closing = self._spawn(self._idle_stop(life))
+
+    def _switch_out(self, life: DeploymentLife) -> asyncio.Task[None]:
+        """Start switching ``life`` out (once); the task that does it."""
+        if life.closing is None:
+            life.closing = self._spawn(self._drain_and_stop(life))
+        return life.closing
+
+    async def _drain_and_stop(self, life: DeploymentLife) -> None:
+        try:
+            for lc in life.launched:
+                lc.inst.available = False  # requests that arrive wait for it to come back
+            # Running requests finish on their own, within the drain timeout.
+            await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
+            await self.engines.stop(life, "switched out for another deployment")
+        finally:
+            life.closing = None
+
+    async def _idle_stop(self, life: DeploymentLife) -> None:
+        try:
+            await self.engines.stop(
+                life, "idle for lifecycle.ready_idle_timeout (a park is a stop here)"
+            )
+        finally:
+            life.closing = None
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(
+            *(self.engines.stop(life, "the gateway is stopping") for life in self.lives.values())
+        )
+
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_retrieve)  # its waiters may all have left
+        return task
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _fresh(exc: GatewayError) -> GatewayError:
+    if isinstance(exc, ActivationFailedError):
+        return ActivationFailedError(exc.message, detail=exc.detail)
+    return UnavailableError(exc.message, detail=exc.detail)
+
+
+async def _within(waiting: asyncio.Future[None], deadline: float, name: str) -> None:
+    timeout = deadline - asyncio.get_running_loop().time()
+    try:
+        await asyncio.wait_for(waiting, timeout=max(timeout, 0))
+    except TimeoutError:
+        raise UnavailableError(
+            f"deployment {name} was not ready within queue.request_deadline; it goes on starting"
+        ) from None

@@ -1,0 +1,153 @@
+"""One engine process the gateway runs: started with the flags the gateway forces, watched until
+it answers, stopped with its whole process group.
+
+The command is the operator's, plus ``--host 127.0.0.1 --port <free port>`` and the engine's
+forced flags (`EngineFacts.forced_flags`). The process gets a session of its own (so a stop
+reaches the children an engine forks) and, on Linux, dies with the gateway even when the gateway
+is killed (``PR_SET_PDEATHSIG``). Its output goes to a log file; the last lines of it go to the
+gateway's log when a start fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from .._config import Launch
+from .._engines import EngineKind, facts
+
+__all__ = ["EngineProcess", "StartFailedError", "free_port", "launch_argv"]
+
+STOP_GRACE_S = 10.0
+"""A stopping engine gets SIGTERM, and SIGKILL after this long."""
+PROBE_EVERY_S = 0.1
+
+
+class StartFailedError(Exception):
+    """The engine did not become ready: it exited, or did not answer within its timeout."""
+
+    def __init__(self, message: str, *, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.log_tail = log_tail
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_argv(kind: EngineKind, launch: Launch, port: int) -> list[str]:
+    """The command line: the operator's, placed on loopback, with the forced flags."""
+    argv = [*launch.command, "--host", "127.0.0.1", "--port", str(port)]
+    argv += [flag for flag in facts(kind).forced_flags if flag not in launch.command]
+    return argv
+
+
+def _die_with_parent() -> None:  # runs in the child, between fork and exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+class EngineProcess:
+    """A running engine process and its log."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, port: int) -> None:
+        self.argv = argv
+        self.env = env
+        self.log_path = log_path
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.started_at = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    async def start(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        """Start the process; return once its ``/health`` answers 200.
+
+        Raises:
+            StartFailedError: it exited, could not be run, or did not answer in time.
+        """
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env}
+        with self.log_path.open("ab") as log:
+            try:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *self.argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as exc:
+                raise StartFailedError(f"the command could not be run: {exc.strerror}") from None
+        self.started_at = time.monotonic()
+        deadline = self.started_at + timeout_s
+        health = f"{self.url}/health"
+        while True:
+            if self.proc.returncode is not None:
+                raise StartFailedError(
+                    f"the engine exited with status {self.proc.returncode} while starting",
+                    log_tail=self.log_tail(),
+                )
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(health, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise StartFailedError(
+                    f"the engine did not answer /health within {timeout_s:.0f} s "
+                    "(launch.startup_timeout)",
+                    log_tail=self.log_tail(),
+                )
+            await asyncio.sleep(PROBE_EVERY_S)  # polling a process we cannot be told about
+
+    async def stop(self) -> int | None:
+        """SIGTERM to the process group, SIGKILL after `STOP_GRACE_S`; the exit status."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+            except TimeoutError:
+                _signal_group(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        _signal_group(proc.pid, signal.SIGKILL)  # children that outlived their leader
+        return proc.returncode
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.returncode is not None
+
+    def log_tail(self, max_bytes: int = 2000) -> str:
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_bytes))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

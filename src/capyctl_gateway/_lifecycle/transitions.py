@@ -1,0 +1,108 @@
+"""Starting and stopping launched instances, each transition logged as a ``lifecycle`` event
+with the deployment, instance, from, to, reason and how long the state before lasted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from .._deployments.routes import EngineInstance
+from .._deployments.settle import Settlement
+from .._log import event
+from .process import EngineProcess, StartFailedError, free_port, launch_argv
+from .states import HOLDING, DeploymentLife, InstanceState, Launched
+
+__all__ = ["Transitions"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+
+class Transitions:
+    def __init__(
+        self,
+        lives: dict[str, DeploymentLife],
+        settlement: Settlement,
+        *,
+        session: Callable[[], aiohttp.ClientSession | None],
+        on_ready: Callable[[EngineInstance], None],
+        on_stopped: Callable[[EngineInstance], None],
+        log_dir: Path,
+    ) -> None:
+        self.lives = lives
+        self._settlement = settlement
+        self._session = session
+        self._on_ready = on_ready
+        self._on_stopped = on_stopped
+        self.log_dir = log_dir
+        self.observers: list[Callable[[Launched], None]] = []
+        """Called after each transition (tests; what status shows is read, not pushed)."""
+
+    async def start(self, lc: Launched) -> None:
+        inst = lc.inst
+        assert inst.launch is not None
+        life = self.lives[inst.deployment]
+        dep = life.deployment
+        session = self._session()
+        if session is None:
+            raise StartFailedError("the gateway is stopping")
+        self.move(lc, InstanceState.STARTING, "a request is waiting")
+        port = free_port()
+        log = self.log_dir / f"{dep.name}-{inst.index}.log"
+        proc = EngineProcess(launch_argv(dep.engine, inst.launch, port), inst.launch.env, log, port)
+        lc.process = proc
+        try:
+            await proc.start(session, inst.launch.startup_timeout)
+        except StartFailedError as exc:
+            lc.failure = exc.message
+            logger.error(
+                "%s did not start: %s; its log %s ends:\n%s", inst.where, exc.message, log,
+                exc.log_tail.rstrip(),
+            )  # fmt: skip
+            self.move(lc, InstanceState.FAILED, exc.message)
+            lc.process = None
+            raise
+        except BaseException:
+            await proc.stop()
+            lc.process = None
+            self.move(lc, InstanceState.STOPPED, "start abandoned")
+            raise
+        lc.failure = None
+        inst.bind(proc.url)
+        self._on_ready(inst)
+        inst.available = True
+        self.move(lc, InstanceState.READY, f"answered on port {port}")
+
+    async def stop(self, life: DeploymentLife, reason: str) -> None:
+        await asyncio.gather(*(self.stop_one(lc, reason) for lc in life.launched))
+
+    async def stop_one(self, lc: Launched, reason: str) -> None:
+        if lc.state not in HOLDING and lc.process is None:
+            return
+        inst = lc.inst
+        inst.available = False
+        self.move(lc, InstanceState.STOPPING, reason)
+        self._on_stopped(inst)
+        if lc.process is not None:
+            await lc.process.stop()
+            lc.process = None
+        # A stopped engine runs nothing: every cut request it still counted is settled.
+        self._settlement.settle_all(inst.ledger, "engine stopped by the gateway")
+        self.move(lc, InstanceState.STOPPED, reason)
+
+    def move(self, lc: Launched, to: InstanceState, reason: str) -> None:
+        now = time.monotonic()
+        before, took = lc.state, now - lc.since
+        lc.state, lc.since = to, now
+        for observe in self.observers:
+            observe(lc)
+        inst = lc.inst
+        event(
+            "lifecycle", "%s: %s -> %s (%s; %.1f s)", inst.where, before.value, to.value, reason,
+            took, deployment=inst.deployment, instance=inst.index, **{"from": before.value},
+            to=to.value, reason=reason, duration_s=round(took, 3),
+        )  # fmt: skip

@@ -1,0 +1,50 @@
+"""The fake engine as a process the gateway can launch: ``python -m
+tests.gateway.launchable_engine --served NAME [engine flags] --host H --port P``.
+
+It answers every request with the same short vLLM-shaped stream (its text names the served
+model, so a test can tell which deployment answered). Flags it does not know, such as the ones
+the gateway forces, are accepted and ignored; ``--exit-at-once N`` exits with status N before
+listening, and ``--slow-start S`` waits S seconds first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from aiohttp import web
+
+from tests.gateway.fake_engine import DONE, FakeEngine, chunk, event
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--served", default="tiny")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--exit-at-once", type=int, default=None)
+    p.add_argument("--slow-start", type=float, default=0.0)
+    args, _unknown = p.parse_known_args(argv)
+    if args.exit_at_once is not None:
+        sys.stdout.write(f"fake engine: exiting with {args.exit_at_once} as asked\n")
+        sys.exit(args.exit_at_once)
+    if args.slow_start:
+        time.sleep(args.slow_start)  # an engine loading its weights
+    served = args.served
+    script = [
+        event(chunk(delta={"role": "assistant", "content": ""}, model=served)),
+        event(chunk(delta={"content": f"from {served}"}, model=served)),
+        event(chunk(delta={}, finish="stop", model=served)),
+        DONE,
+    ]
+    engine = FakeEngine(served=served, script=script)
+    app = web.Application()
+    engine.routes(app)
+    sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
+    sys.stdout.flush()
+    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Engines the gateway launches itself: the configuration's contract, starting on the first
+request (one start per wave), stopping when idle, failed starts, the memory budget's switch,
+and no engine outliving the gateway. The engine is a real process (the fake engine, launched
+with the gateway's flags); the live tier does the same with llama-server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import yaml
+
+from capyctl_gateway import ConfigError, GatewayConfig, load_config
+from capyctl_gateway._management.status import deployment_status
+from tests.gateway.conftest import Gw
+
+pytestmark = pytest.mark.anyio
+MakeGateway = Callable[..., Awaitable[Gw]]
+ENGINE = [sys.executable, "-m", "tests.gateway.launchable_engine"]
+
+
+def launched(name: str = "my-model", *, served: str = "tiny", extra: list[str] | None = None,
+             **over: Any) -> dict[str, Any]:  # fmt: skip
+    dep: dict[str, Any] = {
+        "name": name,
+        "engine": "vllm",
+        "engine_version": "0.31.0",
+        "served_model": served,
+        "instances": [
+            {"launch": {"command": [*ENGINE, "--served", served, *(extra or [])],
+                        "startup_timeout": "60s"}}
+        ],
+    }  # fmt: skip
+    dep.update(over)
+    return dep
+
+
+def chat(model: str = "my-model") -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def transitions(caplog: pytest.LogCaptureFixture, to: str | None = None) -> list[dict[str, Any]]:
+    found = [
+        getattr(r, "fields", {}) for r in caplog.records if getattr(r, "event", "") == "lifecycle"
+    ]
+    return [f for f in found if to is None or f["to"] == to]
+
+
+def pid_of(gw: Gw, name: str = "my-model") -> int:
+    doc = deployment_status(gw.gateway, name)
+    assert doc is not None
+    return int(doc["instances"][0]["process"]["pid"])
+
+
+def wait_gone(pid: int, within: float = 15) -> None:
+    """Block until process ``pid`` is gone (a pidfd turns readable when it exits)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], within)
+        assert ready, f"process {pid} still runs"
+    finally:
+        os.close(fd)
+
+
+# -- the configuration's contract -----------------------------------------------------------
+def refused(tmp_path: Path, doc: dict[str, Any]) -> str:
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"extra": ["--port", "9000"]}, "sets --port; the gateway chooses"),
+        ({"extra": ["--host=0.0.0.0"]}, "sets --host"),
+        ({"extra": ["--no-enable-per-request-metrics"]}, "turns off --enable-per-request-metrics"),
+        ({"lifecycle": {"park": "sleep"}}, "cannot park here"),
+        ({"lifecycle": {"activation": "sometimes"}}, "lifecycle.activation"),
+        ({"lifecycle": {"ready_idel_timeout": "1m"}}, "unknown key"),
+        ({"memory": {"ready": "lots"}}, "is not a size"),
+    ],
+)
+def test_launch_configuration_is_checked_at_load(
+    tmp_path: Path, change: dict[str, Any], says: str
+) -> None:
+    extra = change.pop("extra", None)
+    doc = {"deployments": [launched(extra=extra, **change)]}
+    assert says in refused(tmp_path, doc)
+
+
+def test_an_instance_is_either_url_or_launch(tmp_path: Path) -> None:
+    both = launched()
+    both["instances"][0]["url"] = "http://127.0.0.1:8000"
+    assert "either url" in refused(tmp_path, {"deployments": [both]})
+    neither = launched()
+    neither["instances"] = [{}]
+    assert "either url" in refused(tmp_path, {"deployments": [neither]})
+
+
+def test_env_may_not_place_the_engine(tmp_path: Path) -> None:
+    dep = launched(engine="llamacpp", engine_version="b10798")
+    dep["instances"][0]["launch"]["env"] = {"LLAMA_ARG_PORT": "9000"}
+    assert "env sets LLAMA_ARG_PORT" in refused(tmp_path, {"deployments": [dep]})
+
+
+def test_a_budget_needs_each_launched_deployments_memory(tmp_path: Path) -> None:
+    doc = {"resources": {"memory_budget": "40GiB"}, "deployments": [launched()]}
+    assert "memory is required" in refused(tmp_path, doc)
+    ok = GatewayConfig.model_validate({**doc, "deployments": [launched(memory={"ready": "2GiB"})]})
+    assert ok.resources.memory_budget == 40 * 2**30
+    assert ok.deployments[0].memory is not None and ok.deployments[0].memory.ready == 2 * 2**30
+    assert ok.deployments[0].memory.parked == 0
+
+
+# -- starting, idling, stopping --------------------------------------------------------------
+async def test_the_first_request_starts_the_engine_with_the_forced_flags(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway({"deployments": [launched()]})
+    async with gw.client() as c:
+        models = await c.get("/v1/models")  # never starts anything
+        assert models.status_code == 200 and transitions(caplog) == []
+        r = await c.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "from tiny"
+    assert [(t["from"], t["to"]) for t in transitions(caplog)] == [
+        ("stopped", "starting"),
+        ("starting", "ready"),
+    ]
+    pid = pid_of(gw)
+    cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
+    assert b"--enable-per-request-metrics" in cmdline
+    assert cmdline[cmdline.index(b"--host") + 1] == b"127.0.0.1"
+    doc = deployment_status(gw.gateway, "my-model")
+    assert doc is not None and doc["deployment"]["lifecycle"] == "ready"
+
+
+async def test_a_wave_of_requests_causes_one_start(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway({"deployments": [launched(extra=["--slow-start", "0.5"])]})
+    async with gw.client() as c:
+        answers = await asyncio.gather(
+            *(c.post("/v1/chat/completions", json=chat()) for _ in range(6))
+        )
+    assert [a.status_code for a in answers] == [200] * 6
+    assert len(transitions(caplog, "starting")) == 1
+
+
+async def test_an_idle_engine_is_stopped_and_the_next_request_starts_it_again(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    dep = launched(lifecycle={"ready_idle_timeout": "200ms"})
+    gw = await make_gateway({"deployments": [dep]})
+    stopped = anyio.Event()
+    gw.gateway.lifecycle.engines.observers.append(
+        lambda lc: stopped.set() if lc.state.value == "stopped" else None
+    )
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        first = pid_of(gw)
+        with anyio.fail_after(10):
+            await stopped.wait()  # the idle watch looks once a second
+        await anyio.to_thread.run_sync(wait_gone, first)
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        assert pid_of(gw) != first
+    stops = transitions(caplog, "stopped")
+    assert stops and "ready_idle_timeout" in stops[0]["reason"]
+    assert len(transitions(caplog, "starting")) == 2
+
+
+async def test_a_failed_start_answers_activation_failed_and_the_next_request_retries(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway({"deployments": [launched(extra=["--exit-at-once", "3"])]})
+    async with gw.client() as c:
+        first = await c.post("/v1/chat/completions", json=chat())
+        second = await c.post("/v1/chat/completions", json=chat())
+    for r in (first, second):
+        assert (r.status_code, r.json()["code"]) == (500, "activation_failed")
+        assert "my-model" in r.json()["message"] and "127.0.0.1" not in r.text
+        assert r.headers["x-capyctl-request-id"]
+    assert len(transitions(caplog, "starting")) == 2
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "exited with status 3" in logged and "fake engine: exiting with 3 as asked" in logged
+
+
+async def test_explicit_activation_is_not_started_by_requests(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway({"deployments": [launched(lifecycle={"activation": "explicit"})]})
+    async with gw.client() as c:
+        r = await c.post("/v1/chat/completions", json=chat())
+    assert (r.status_code, r.json()["code"]) == (409, "deployment_inactive")
+    assert gw.gateway.lifecycle.lives["my-model"].state == "stopped"
+
+
+async def test_a_budget_that_fits_one_switches_between_two_deployments(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    memory = {"ready": "1GiB"}
+    config = {
+        "resources": {"memory_budget": "1GiB"},
+        "deployments": [
+            launched("a", served="model-a", memory=memory),
+            launched("b", served="model-b", memory=memory),
+        ],
+    }
+    gw = await make_gateway(config)
+    lives = gw.gateway.lifecycle.lives
+    async with gw.client() as c:
+        for name in ("a", "b", "a"):
+            r = await c.post("/v1/chat/completions", json=chat(name))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == f"from model-{name}"
+            assert r.json()["model"] == name
+            assert gw.gateway.lifecycle.budget.held() <= 2**30
+            other = "b" if name == "a" else "a"
+            assert lives[name].state == "ready" and lives[other].state == "stopped"
+    switched = [t for t in transitions(caplog, "stopping") if "switched out" in t["reason"]]
+    assert [t["deployment"] for t in switched] == ["a", "b"]
+
+
+async def test_stopping_the_gateway_stops_every_engine_it_launched(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway({"deployments": [launched()]})
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    pid = pid_of(gw)
+    await gw.gateway.lifecycle.shutdown()
+    await anyio.to_thread.run_sync(wait_gone, pid)
+    assert gw.gateway.lifecycle.lives["my-model"].state == "stopped"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_an_engine_dies_with_a_gateway_killed_outright(tmp_path: Path) -> None:
+    config = tmp_path / "g.yaml"
+    config.write_text(yaml.safe_dump({"deployments": [launched()]}))
+    state = tmp_path / "state"
+    ports = [_free_port(), _free_port()]
+    argv = [
+        str(Path(sys.executable).with_name("capyctl-gateway")), "serve", "--config", str(config),
+        "--listen", f"127.0.0.1:{ports[0]}", "--management", f"127.0.0.1:{ports[1]}",
+        "--state-dir", str(state), "--log-format", "json",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, env=env) as gateway:
+        try:
+            assert gateway.stderr is not None
+            for line in gateway.stderr:
+                if b"listening on" in line:
+                    break
+            key = (state / "identity" / "credentials").read_text().split()[1]
+            auth = {"Authorization": f"Bearer {key}"}
+            with httpx.Client(timeout=60, headers=auth) as c:
+                r = c.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions", json=chat())
+                assert "from tiny" in r.text
+                doc = c.get(f"http://127.0.0.1:{ports[1]}/management/v1/deployments/my-model")
+            pid = doc.json()["instances"][0]["process"]["pid"]
+            gateway.send_signal(signal.SIGKILL)
+            gateway.wait(timeout=30)
+            wait_gone(pid)
+        finally:
+            if gateway.poll() is None:
+                gateway.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
