@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import typer
@@ -27,7 +27,7 @@ from ._identity import (
 )
 from ._log import configure_logging
 from ._management.api import create_management_app
-from ._management.render import print_status
+from ._management.render import print_list, print_status
 
 app = typer.Typer(
     name="capyctl-gateway",
@@ -218,14 +218,8 @@ async def _run(
     typer.echo("capyctl-gateway: stopped", err=True)
 
 
-@status_app.command("deployment")
-def status_deployment(
-    name: Annotated[str, typer.Argument(help="The deployment's name.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document.")] = False,
-    state_dir: StateOpt = None,
-    management: ManagementOpt = None,
-) -> None:
-    """A deployment, its instances, and the cancelled requests each still counts."""
+def _call(method: str, path: str, state_dir: Path | None, management: str | None) -> Any:
+    """One call to the running gateway's management API; its JSON answer."""
     try:
         host, port = _management(management)
         key = read_api_key(_state(state_dir))
@@ -235,9 +229,10 @@ def status_deployment(
         ) from None
     except (ConfigError, CredentialsError) as exc:
         raise _fail(str(exc)) from None
-    url = f"http://{host}:{port}/management/v1/deployments/{name}"
+    url = f"http://{host}:{port}/management/v1/{path}"
     try:
-        resp = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        # A start waits for the engine: as long as its startup_timeout allows.
+        resp = httpx.request(method, url, headers={"Authorization": f"Bearer {key}"}, timeout=3600)
     except httpx.TransportError as exc:
         raise _fail(f"no gateway answers on {host}:{port}: {exc}") from None
     if resp.status_code != 200:
@@ -246,11 +241,71 @@ def status_deployment(
         except ValueError:
             message = resp.text
         raise _fail(f"{resp.status_code}: {message}")
-    doc = resp.json()
+    return resp.json()
+
+
+@status_app.command("deployment")
+def status_deployment(
+    name: Annotated[str, typer.Argument(help="The deployment's name.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document.")] = False,
+    state_dir: StateOpt = None,
+    management: ManagementOpt = None,
+) -> None:
+    """A deployment, its instances, and the cancelled requests each still counts."""
+    doc = _call("GET", f"deployments/{name}", state_dir, management)
     if as_json:
         typer.echo(json.dumps(doc))
     else:
         print_status(Console(highlight=False), doc)
+
+
+@app.command("list")
+def list_deployments(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document.")] = False,
+    state_dir: StateOpt = None,
+    management: ManagementOpt = None,
+) -> None:
+    """Every deployment with its state, instances and memory."""
+    doc = _call("GET", "deployments", state_dir, management)
+    if as_json:
+        typer.echo(json.dumps(doc))
+    else:
+        print_list(Console(highlight=False), doc)
+
+
+def _act(action: str, name: str, state_dir: Path | None, management: str | None) -> None:
+    doc = _call("POST", f"deployments/{name}/{action}", state_dir, management)
+    typer.echo(f"{name}: {doc['deployment'].get('lifecycle', doc['deployment']['state'])}")
+
+
+@app.command("start")
+def start(
+    name: Annotated[str, typer.Argument(help="The deployment's name.")],
+    state_dir: StateOpt = None,
+    management: ManagementOpt = None,
+) -> None:
+    """Start a launched deployment (after an operator stop, or for activation: explicit)."""
+    _act("start", name, state_dir, management)
+
+
+@app.command("stop")
+def stop(
+    name: Annotated[str, typer.Argument(help="The deployment's name.")],
+    state_dir: StateOpt = None,
+    management: ManagementOpt = None,
+) -> None:
+    """Stop a launched deployment and keep it stopped: requests get 409 until a start."""
+    _act("stop", name, state_dir, management)
+
+
+@app.command("park")
+def park(
+    name: Annotated[str, typer.Argument(help="The deployment's name.")],
+    state_dir: StateOpt = None,
+    management: ManagementOpt = None,
+) -> None:
+    """Park a launched deployment (a stop on these engines); the next request starts it."""
+    _act("park", name, state_dir, management)
 
 
 def _fail(message: str) -> typer.Exit:

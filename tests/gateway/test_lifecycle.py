@@ -293,3 +293,86 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# -- operator commands ------------------------------------------------------------------------
+async def management(gw: Gw) -> Any:
+    """The management API over a real socket, for the duration of a test."""
+    from aiohttp import web
+
+    from capyctl_gateway import create_management_app
+
+    runner = web.AppRunner(create_management_app(gw.gateway))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}/management/v1"
+
+
+async def test_operator_stop_start_and_park(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway({"deployments": [launched()]})
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    try:
+        async with gw.client() as c, httpx.AsyncClient(headers=auth, timeout=60) as m:
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+            pid = pid_of(gw)
+            stopped = await m.post(f"{base}/deployments/my-model/stop")
+            assert stopped.status_code == 200
+            assert stopped.json()["deployment"]["lifecycle"] == "stopped"
+            await anyio.to_thread.run_sync(wait_gone, pid)
+            refused = await c.post("/v1/chat/completions", json=chat())
+            assert (refused.status_code, refused.json()["code"]) == (409, "deployment_stopped")
+            listing = (await m.get(f"{base}/deployments")).json()
+            row = next(d for d in listing["deployments"] if d["name"] == "my-model")
+            assert row["state"] == "stopped by an operator" and row["ready"] == 0
+            started = await m.post(f"{base}/deployments/my-model/start")
+            assert started.json()["deployment"]["lifecycle"] == "ready"
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+            parked = await m.post(f"{base}/deployments/my-model/park")
+            assert parked.json()["deployment"]["lifecycle"] == "stopped"
+            # A park is not an operator stop: the next request starts it again.
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+            unknown = await m.post(f"{base}/deployments/nope/start")
+            assert (unknown.status_code, unknown.json()["code"]) == (404, "unknown_model")
+    finally:
+        await runner.cleanup()
+    assert len(transitions(caplog, "starting")) == 3
+
+
+async def test_explicit_activation_serves_once_an_operator_starts_it(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway({"deployments": [launched(lifecycle={"activation": "explicit"})]})
+    runner, base = await management(gw)
+    try:
+        async with gw.client() as c, httpx.AsyncClient(timeout=60) as m:
+            auth = {"Authorization": f"Bearer {gw.key}"}
+            assert (await m.post(f"{base}/deployments/my-model/start")).status_code == 401
+            r = await m.post(f"{base}/deployments/my-model/start", headers=auth)
+            assert r.status_code == 200
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_engine_someone_else_runs_is_not_the_operators_to_stop(
+    make_gateway: MakeGateway, engine: Any
+) -> None:
+    from tests.gateway.conftest import deployments
+
+    gw = await make_gateway({"deployments": [deployments(engine.url)]})
+    runner, base = await management(gw)
+    try:
+        async with httpx.AsyncClient(timeout=60) as m:
+            r = await m.post(
+                f"{base}/deployments/my-model/stop",
+                headers={"Authorization": f"Bearer {gw.key}"},
+            )
+        assert (r.status_code, r.json()["code"]) == (409, "deployment_not_launched")
+    finally:
+        await runner.cleanup()

@@ -34,7 +34,7 @@ from .process import StartFailedError
 from .states import DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
 
-__all__ = ["InstanceState", "Launched", "Lifecycle"]
+__all__ = ["InstanceState", "Launched", "Lifecycle", "fresh"]
 
 logger = logging.getLogger("capyctl_gateway")
 TICK_S = 1.0
@@ -88,7 +88,12 @@ class Lifecycle:
         if life.ready and life.closing is None:
             return
         dep = life.deployment
-        if dep.lifecycle.activation == "explicit":
+        if life.operator_stopped:
+            raise DeploymentStoppedError(
+                f"deployment {name} was stopped by an operator; "
+                f"`capyctl-gateway start {name}` starts it again"
+            )
+        if dep.lifecycle.activation == "explicit" and not life.operator_started:
             raise DeploymentStoppedError(
                 f"deployment {name} starts only when an operator starts it "
                 "(lifecycle.activation: explicit)",
@@ -97,12 +102,10 @@ class Lifecycle:
         loop = asyncio.get_running_loop()
         if life.closing is not None:  # being switched out: it comes back after
             await _within(asyncio.shield(life.closing), deadline, name)
-        if life.activation is None or life.activation.done():
-            life.activation = self._spawn(self._activate(life))
         try:
-            await _within(asyncio.shield(life.activation), deadline, name)
+            await _within(asyncio.shield(self.activate(life)), deadline, name)
         except (ActivationFailedError, UnavailableError) as exc:
-            raise _fresh(exc) from None  # each waiter its own error, never the task's one
+            raise fresh(exc) from None  # each waiter its own error, never the task's one
         life.last_used = time.monotonic()
         if loop.time() > deadline:
             raise UnavailableError(f"deployment {name} was not ready within queue.request_deadline")
@@ -151,6 +154,12 @@ class Lifecycle:
                 ):
                     life.closing = self._spawn(self._idle_stop(life))
 
+    def activate(self, life: DeploymentLife) -> asyncio.Task[None]:
+        """The deployment's activation (the one running, or a new one)."""
+        if life.activation is None or life.activation.done():
+            life.activation = self._spawn(self._activate(life))
+        return life.activation
+
     def _switch_out(self, life: DeploymentLife) -> asyncio.Task[None]:
         """Start switching ``life`` out (once); the task that does it."""
         if life.closing is None:
@@ -168,6 +177,7 @@ class Lifecycle:
             life.closing = None
 
     async def _idle_stop(self, life: DeploymentLife) -> None:
+        life.operator_started = False  # an explicit deployment waits to be started again
         try:
             await self.engines.stop(
                 life, "idle for lifecycle.ready_idle_timeout (a park is a stop here)"
@@ -196,7 +206,7 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
-def _fresh(exc: GatewayError) -> GatewayError:
+def fresh(exc: GatewayError) -> GatewayError:
     if isinstance(exc, ActivationFailedError):
         return ActivationFailedError(exc.message, detail=exc.detail)
     return UnavailableError(exc.message, detail=exc.detail)

@@ -48,6 +48,10 @@ class DeploymentLife:
     last_used: float = field(default_factory=time.monotonic)
     activation: asyncio.Task[None] | None = None
     closing: asyncio.Task[None] | None = None
+    operator_stopped: bool = False
+    """An operator stopped it: requests get 409 deployment_stopped until an operator starts it."""
+    operator_started: bool = False
+    """An operator started it (what ``activation: explicit`` waits for)."""
 
     @property
     def deployment(self) -> Deployment:

@@ -8,6 +8,12 @@ from aiohttp import web
 from .._errors import GatewayError, UnauthorizedError, UnknownModelError
 from .._gateway import Gateway
 from .._http.answers import error_response
+from .._lifecycle.operator import (
+    deployments_list,
+    operator_park,
+    operator_start,
+    operator_stop,
+)
 from .._ulid import new_ulid
 from .status import deployment_status
 
@@ -35,6 +41,33 @@ def create_management_app(gateway: Gateway) -> web.Application:
             content_type="application/json",
         )
 
+    def _json(doc: object, rid: str) -> web.Response:
+        return web.Response(
+            body=orjson.dumps(doc),
+            headers={"X-CapyCTL-Request-Id": rid},
+            content_type="application/json",
+        )
+
+    async def listing(request: web.Request) -> web.Response:
+        rid = new_ulid()
+        if not gateway.authorized(request.headers.get("Authorization", "")):
+            return _error(UnauthorizedError(), rid)
+        budget = gateway.config.resources.memory_budget
+        return _json(deployments_list(gateway.lifecycle, gateway.routes, budget), rid)
+
+    async def act(request: web.Request) -> web.Response:
+        rid = new_ulid()
+        if not gateway.authorized(request.headers.get("Authorization", "")):
+            return _error(UnauthorizedError(), rid)
+        name, action = request.match_info["name"], request.match_info["action"]
+        known = name in gateway.routes
+        command = {"start": operator_start, "stop": operator_stop, "park": operator_park}
+        try:
+            await command[action](gateway.lifecycle, name, known=known)
+        except GatewayError as err:
+            return _error(err, rid)
+        return _json(deployment_status(gateway, name), rid)
+
     async def not_found(request: web.Request) -> web.Response:
         err = GatewayError(
             f"no route {request.method} {request.path}", status=404, code="not_found"
@@ -42,6 +75,8 @@ def create_management_app(gateway: Gateway) -> web.Application:
         return _error(err, new_ulid())
 
     app = web.Application()
+    app.router.add_get("/management/v1/deployments", listing)
     app.router.add_get("/management/v1/deployments/{name}", deployment)
+    app.router.add_post("/management/v1/deployments/{name}/{action:start|stop|park}", act)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["print_status"]
+__all__ = ["print_list", "print_status"]
 
 
 def _cell(value: Any) -> str:
@@ -72,3 +72,25 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
                 f"  {c['capyctl_request_id']} ({c['reason']}): settles {c['settles']}",
                 soft_wrap=True,
             )
+
+
+def print_list(console: Console, doc: dict[str, Any]) -> None:
+    """``capyctl-gateway list``: a table of every deployment, then the memory budget."""
+    table = Table("deployment", "api", "engine", "run by", "state", "ready", "memory held")
+    for d in doc["deployments"]:
+        table.add_row(
+            d["name"],
+            d["api"],
+            d["engine"],
+            d["run_by"],
+            d["state"],
+            f"{d['ready']}/{d['instances']}",
+            _cell(d.get("memory_held")),
+        )
+    console.print(table)
+    budget = doc["memory_budget"]
+    console.print(
+        f"memory held by launched deployments: {doc['memory_held']} bytes"
+        + ("" if budget is None else f" of a budget of {budget}"),
+        soft_wrap=True,
+    )

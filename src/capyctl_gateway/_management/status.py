@@ -20,6 +20,7 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
     collector = gateway.collector
     life = gateway.lifecycle.lives.get(name)
     launched = {lc.inst.index: lc for lc in life.launched} if life is not None else {}
+    collected = set(collector.keys()) if collector is not None else set()
     instances = []
     for inst in route.instances:
         row: dict[str, Any] = {
@@ -42,7 +43,7 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
                 for c in inst.ledger.cut
             ],
         }
-        if collector is not None:
+        if collector is not None and inst.key in collected:  # a stopped engine is not
             status = collector.status(inst.key)
             row["state"] = status.state.value
             snap = status.latest
@@ -57,6 +58,8 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
         lc = launched.get(inst.index)
         if lc is not None:
             row["lifecycle"] = lc.state.value
+            if inst.key not in collected:
+                row["state"] = lc.state.value
             if lc.failure is not None:
                 row["failure"] = lc.failure
             proc = lc.process
