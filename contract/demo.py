@@ -1,16 +1,19 @@
 """``scripts/demo``: the project's main job on an embedded default.
 
-Builds (once) and starts llama.cpp's server with a tiny model generated on the spot, checks it
-with ``canopyx-provider check``, starts ``capyctl-gateway`` in front of it, proves the endpoint
-with one real request, prints how to use it, and serves until Ctrl-C.
+Builds llama.cpp's server (once) and generates a tiny model on the spot, then starts
+``capyctl-gateway`` with a deployment it runs itself: the first request starts llama-server,
+and is answered; the demo prints how to use the endpoint and manage the deployment (``list``,
+``stop``, ``start``), and serves until Ctrl-C, when the gateway stops the engine it started.
 
-``scripts/demo provider`` instead runs ``canopyx-provider simulate`` against the engine while two
+``scripts/demo provider`` instead starts llama-server directly, checks it with
+``canopyx-provider check`` and runs ``canopyx-provider simulate`` against it while two
 generations fill its slots, showing quotes rise and turn into declines.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -89,16 +92,20 @@ def provider_demo(url: str, common: list[str]) -> None:
         stop.set()
 
 
-def gateway_demo(url: str, workdir: Path, *, once: bool) -> None:
+def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> None:
+    """The product's shape: the gateway runs llama-server itself, starting it for the first
+    request and stopping it after 10 idle minutes."""
     config = workdir / "gateway.yaml"
+    command = [str(binary), "-m", str(model), "-a", "tiny", "-c", "65536", "--parallel", "2"]
     config.write_text(
         "deployments:\n"
         "  - name: my-model\n"
         "    engine: llamacpp\n"
         "    engine_version: b10798\n"
         "    served_model: tiny\n"
+        "    lifecycle: {ready_idle_timeout: 10m}\n"
         "    instances:\n"
-        f"      - url: {url}\n"
+        f"      - launch: {{command: {json.dumps(command)}, startup_timeout: 2m}}\n"
     )
     port = 8443 if _port_free(8443) else free_port()
     mport = 7443 if _port_free(7443) else free_port()
@@ -126,9 +133,12 @@ def gateway_demo(url: str, workdir: Path, *, once: bool) -> None:
                 "messages": [{"role": "user", "content": "Hello"}],
                 "max_tokens": 16,
             },
-            timeout=30,
+            timeout=180,  # the first request waits for llama-server to start
         ).json()
-        print("\nA first answer through the gateway (a tiny random model: gibberish is right):")
+        print(
+            "\nThe first request started llama-server (the gateway runs it: see the lifecycle "
+            "lines above).\nIts answer (a tiny random model: gibberish is right):"
+        )
         print("  ", repr(reply["choices"][0]["message"]["content"]))
         print("   capyctl.metrics:", reply["capyctl"]["metrics"])
         print(f"\ncapyctl-gateway serves the OpenAI chat API at {endpoint}")
@@ -138,6 +148,13 @@ def gateway_demo(url: str, workdir: Path, *, once: bool) -> None:
         if STATE != DEFAULT_STATE:
             status += ["--state-dir", STATE]
         print(f"its state: {command_line(status)}")
+        manage: list[str | Path] = []
+        if mport != 7443:
+            manage += ["--management", f"127.0.0.1:{mport}"]
+        if STATE != DEFAULT_STATE:
+            manage += ["--state-dir", STATE]
+        for verb in (["list"], ["stop", "my-model"], ["start", "my-model"]):
+            print(f"           {command_line([BIN / 'capyctl-gateway', *verb, *manage])}")
         print(f"the API key is in {creds} (line 'api_key: ...')\n")
         print(f"KEY=$(sed -n 's/^api_key: //p' {shlex.quote(str(creds))})")
         print(f'curl -s {endpoint}/chat/completions -H "Authorization: Bearer $KEY" \\')
@@ -170,6 +187,9 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="canopyx-demo-"))
     try:
         model = write_tiny_gguf(workdir / "tiny.gguf", seed=0, context_length=65536)
+        if args.mode == "gateway":
+            gateway_demo(binary, model, workdir, once=args.once)
+            return 0
         with LlamaServer(binary, model, parallel=2, ctx=65536) as server:
             url = server.base_url
             print(f"llama-server b10798 serving 'tiny' at {url} (pid {server.pid})")
@@ -178,13 +198,10 @@ def main() -> int:
             check: list[str | Path] = [BIN / "canopyx-provider", "check", *common]
             print(f"$ {command_line(check)}")
             subprocess.run([str(a) for a in check], check=True)
-            if args.mode == "provider":
-                provider_demo(url, common)
-            else:
-                gateway_demo(url, workdir, once=args.once)
+            provider_demo(url, common)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print("stopped.")
+        print("stopped.")
     return 0
 
 
