@@ -34,6 +34,10 @@ class EngineFacts:
     """Flags a launched engine always gets: what the gateway's figures and the SDK need."""
     can_sleep: bool = False
     """The gateway can park this engine with its process up (it can only stop it otherwise)."""
+    sleep_flags: tuple[str, ...] = ()
+    """Flags a launched engine needs to be parked (only with ``park: sleep``)."""
+    sleep_env: tuple[tuple[str, str], ...] = ()
+    """Environment a launched engine needs to be parked (only with ``park: sleep``)."""
 
 
 FACTS: dict[EngineKind, EngineFacts] = {
@@ -42,6 +46,11 @@ FACTS: dict[EngineKind, EngineFacts] = {
         reasoning_key="reasoning",
         honours_cache_salt=True,
         forced_flags=("--enable-per-request-metrics",),
+        # Sleep mode: its routes exist only in development mode, and the CPU build refuses the
+        # flag at startup (so park: auto never asks for it).
+        can_sleep=True,
+        sleep_flags=("--enable-sleep-mode",),
+        sleep_env=(("VLLM_SERVER_DEV_MODE", "1"),),
     ),
     EngineKind.SGLANG: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),

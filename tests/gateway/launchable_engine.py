@@ -5,13 +5,19 @@ It answers every request with the same short vLLM-shaped stream (its text names 
 model, so a test can tell which deployment answered). Flags it does not know, such as the ones
 the gateway forces, are accepted and ignored; ``--exit-at-once N`` exits with status N before
 listening, and ``--slow-start S`` waits S seconds first.
+
+Launched with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``, it speaks vLLM's sleep
+mode routes as vLLM 0.31.0 does (``POST /sleep?level=1``, ``POST /wake_up``, ``GET
+/is_sleeping``); asleep, it answers chat requests 503, so a test shows the gateway woke it first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -40,6 +46,36 @@ def main(argv: list[str] | None = None) -> None:
     ]
     engine = FakeEngine(served=served, script=script)
     app = web.Application()
+    asleep = False
+    sleeps = "--enable-sleep-mode" in _unknown and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+
+    async def sleep(request: web.Request) -> web.Response:
+        nonlocal asleep
+        if request.query.get("level") != "1":
+            return web.Response(status=400)
+        asleep = True
+        return web.Response()
+
+    async def wake_up(request: web.Request) -> web.Response:
+        nonlocal asleep
+        asleep = False
+        return web.Response()
+
+    async def is_sleeping(request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": asleep})
+
+    @web.middleware
+    async def refuse_asleep(request: web.Request, handler: Any) -> web.StreamResponse:
+        if asleep and request.path == "/v1/chat/completions":
+            return web.Response(status=503, text="asleep")
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    app.middlewares.append(refuse_asleep)
+    if sleeps:
+        app.router.add_post("/sleep", sleep)
+        app.router.add_post("/wake_up", wake_up)
+        app.router.add_get("/is_sleeping", is_sleeping)
     engine.routes(app)
     sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
     sys.stdout.flush()

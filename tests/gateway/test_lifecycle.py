@@ -91,7 +91,10 @@ def refused(tmp_path: Path, doc: dict[str, Any]) -> str:
         ({"extra": ["--port", "9000"]}, "sets --port; the gateway chooses"),
         ({"extra": ["--host=0.0.0.0"]}, "sets --host"),
         ({"extra": ["--no-enable-per-request-metrics"]}, "turns off --enable-per-request-metrics"),
-        ({"lifecycle": {"park": "sleep"}}, "cannot park here"),
+        (
+            {"engine": "llamacpp", "engine_version": "b10798", "lifecycle": {"park": "sleep"}},
+            "cannot park here",
+        ),
         ({"lifecycle": {"activation": "sometimes"}}, "lifecycle.activation"),
         ({"lifecycle": {"ready_idel_timeout": "1m"}}, "unknown key"),
         ({"memory": {"ready": "lots"}}, "is not a size"),
@@ -376,3 +379,95 @@ async def test_an_engine_someone_else_runs_is_not_the_operators_to_stop(
         assert (r.status_code, r.json()["code"]) == (409, "deployment_not_launched")
     finally:
         await runner.cleanup()
+
+
+# -- parking with the process up (vLLM sleep mode, spoken by the fake) -------------------------
+def observe(gw: Gw, state: str) -> anyio.Event:
+    seen = anyio.Event()
+    gw.gateway.lifecycle.engines.observers.append(
+        lambda lc: seen.set() if lc.state.value == state else None
+    )
+    return seen
+
+
+async def test_an_idle_vllm_with_park_sleep_parks_and_the_next_request_wakes_it(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    dep = launched(lifecycle={"park": "sleep", "ready_idle_timeout": "200ms"})
+    gw = await make_gateway({"deployments": [dep]})
+    parked = observe(gw, "parked")
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        pid = pid_of(gw)
+        cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
+        assert b"--enable-sleep-mode" in cmdline
+        with anyio.fail_after(10):
+            await parked.wait()
+        doc = deployment_status(gw.gateway, "my-model")
+        assert doc is not None and doc["deployment"]["lifecycle"] == "parked"
+        assert doc["deployment"]["park"] == "sleep"
+        r = await c.post("/v1/chat/completions", json=chat())  # asleep, the fake answers 503
+        assert r.status_code == 200, r.text
+        assert pid_of(gw) == pid  # woken, not restarted
+    moves = [(t["from"], t["to"]) for t in transitions(caplog)]
+    assert moves[2:] == [("ready", "parking"), ("parking", "parked"), ("parked", "waking"),
+                         ("waking", "ready")]  # fmt: skip
+
+
+async def test_parked_for_parked_idle_timeout_stops(make_gateway: MakeGateway) -> None:
+    cycle = {"park": "sleep", "ready_idle_timeout": "200ms", "parked_idle_timeout": "200ms"}
+    gw = await make_gateway({"deployments": [launched(lifecycle=cycle)]})
+    parked, stopped = observe(gw, "parked"), observe(gw, "stopped")
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    pid = pid_of(gw)
+    with anyio.fail_after(15):
+        await parked.wait()
+        await stopped.wait()
+    await anyio.to_thread.run_sync(wait_gone, pid)
+
+
+async def test_a_model_with_cut_requests_waiting_for_a_restart_stops_instead_of_parking(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    dep = launched(lifecycle={"park": "sleep", "ready_idle_timeout": "200ms"})
+    gw = await make_gateway({"deployments": [dep]})
+    stopped = observe(gw, "stopped")
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    settlement = gw.gateway.settlement
+    ledger = settlement.ledgers["my-model/0"]
+    settlement.cut(ledger, "cut-early", answered=False, reason="hang_up")
+    with anyio.fail_after(10):
+        await stopped.wait()
+    assert ledger.cut == []  # the stop settled it
+    assert not transitions(caplog, "parked")
+    assert any("not a park" in t["reason"] for t in transitions(caplog, "stopping"))
+
+
+async def test_switching_parks_the_other_deployment_when_its_parked_memory_fits(
+    make_gateway: MakeGateway,
+) -> None:
+    memory = {"ready": "1GiB", "parked": 0}
+    cycle = {"park": "sleep"}
+    config = {
+        "resources": {"memory_budget": "1GiB"},
+        "deployments": [
+            launched("a", served="model-a", memory=memory, lifecycle=cycle),
+            launched("b", served="model-b", memory=memory, lifecycle=cycle),
+        ],
+    }
+    gw = await make_gateway(config)
+    lives = gw.gateway.lifecycle.lives
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
+        a_pid = pid_of(gw, "a")
+        r = await c.post("/v1/chat/completions", json=chat("b"))
+        assert r.json()["choices"][0]["message"]["content"] == "from model-b"
+        assert lives["a"].state == "parked" and lives["b"].state == "ready"
+        r = await c.post("/v1/chat/completions", json=chat("a"))
+        assert r.json()["choices"][0]["message"]["content"] == "from model-a"
+        assert pid_of(gw, "a") == a_pid  # woken, not restarted
+        assert lives["b"].state == "parked"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from .._config import GatewayConfig
 from .._errors import UnavailableError
-from .states import HOLDING, DeploymentLife
+from .states import HOLDING, DeploymentLife, InstanceState
 
 __all__ = ["MemoryBudget"]
 
@@ -27,20 +27,24 @@ class MemoryBudget:
 
     def held(self) -> int:
         """Memory the launched instances hold now (ready, or on their way in or out)."""
-        return sum(
-            life.deployment.memory.ready
-            for life in self.lives.values()
-            if life.deployment.memory is not None
-            for lc in life.launched
-            if lc.state in HOLDING
-        )
+        total = 0
+        for life in self.lives.values():
+            memory = life.deployment.memory
+            if memory is None:
+                continue
+            for lc in life.launched:
+                if lc.state in HOLDING:
+                    total += memory.ready
+                elif lc.state is InstanceState.PARKED:
+                    total += memory.parked
+        return total
 
-    async def make_room(self, life: DeploymentLife, starting: int) -> None:
+    async def make_room(self, life: DeploymentLife, starting: int, waking: int = 0) -> None:
         budget = self._config.resources.memory_budget
         memory = life.deployment.memory
-        if budget is None or memory is None or starting == 0:
+        if budget is None or memory is None or starting + waking == 0:
             return
-        need = memory.ready * starting
+        need = memory.ready * starting + (memory.ready - memory.parked) * waking
         while self.held() + need > budget:
             victim = self._victim(life)
             if victim is None:
@@ -56,8 +60,17 @@ class MemoryBudget:
             life
             for life in self.lives.values()
             if life is not target
-            and any(lc.state in HOLDING for lc in life.launched)
+            and any(
+                lc.state in HOLDING or (lc.state is InstanceState.PARKED and memory_of(life) > 0)
+                for lc in life.launched
+            )
             and life.route.queue.waiting == 0
             and (life.activation is None or life.activation.done())
         ]
         return min(candidates, key=lambda life: life.last_used, default=None)
+
+
+def memory_of(life: DeploymentLife) -> int:
+    """What one parked instance of ``life`` holds."""
+    memory = life.deployment.memory
+    return memory.parked if memory is not None else 0

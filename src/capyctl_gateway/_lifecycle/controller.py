@@ -31,8 +31,10 @@ from .._errors import (
 )
 from .budget import MemoryBudget
 from .process import StartFailedError
-from .states import DeploymentLife, InstanceState, Launched
+from .rest import put_to_rest
+from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
+from .watch import look
 
 __all__ = ["InstanceState", "Launched", "Lifecycle", "fresh"]
 
@@ -112,13 +114,11 @@ class Lifecycle:
 
     async def _activate(self, life: DeploymentLife) -> None:
         name = life.deployment.name
-        todo = [
-            lc for lc in life.launched if lc.state in (InstanceState.STOPPED, InstanceState.FAILED)
-        ]
-        await self.budget.make_room(life, len(todo))
-        results = await asyncio.gather(
-            *(self.engines.start(lc) for lc in todo), return_exceptions=True
-        )
+        todo = [lc for lc in life.launched if lc.state in STARTABLE]
+        parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
+        await self.budget.make_room(life, len(todo), len(parked))
+        jobs = [*(self.engines.start(lc) for lc in todo), *(self.engines.wake(lc) for lc in parked)]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
         if not life.ready:
             failed = next((r for r in results if isinstance(r, StartFailedError)), None)
             detail = failed.message if failed is not None else "no instance became ready"
@@ -133,26 +133,7 @@ class Lifecycle:
         """Look for idle deployments and engines that exited, every `TICK_S`."""
         while True:
             await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            for life in self.lives.values():
-                for lc in life.launched:
-                    proc = lc.process
-                    if lc.state is InstanceState.READY and proc is not None and proc.exited():
-                        code = proc.proc.returncode if proc.proc is not None else None
-                        lc.failure = f"the engine exited with status {code}"
-                        await self.engines.stop_one(lc, lc.failure)
-                        self.engines.move(lc, InstanceState.FAILED, lc.failure)
-                idle = life.deployment.lifecycle.ready_idle_timeout
-                if (
-                    idle is not None
-                    and life.ready
-                    and life.closing is None
-                    and (life.activation is None or life.activation.done())
-                    and life.route.queue.running == 0
-                    and life.route.queue.waiting == 0
-                    and now - life.last_used >= idle
-                ):
-                    life.closing = self._spawn(self._idle_stop(life))
+            await look(self, time.monotonic())
 
     def activate(self, life: DeploymentLife) -> asyncio.Task[None]:
         """The deployment's activation (the one running, or a new one)."""
@@ -172,16 +153,22 @@ class Lifecycle:
                 lc.inst.available = False  # requests that arrive wait for it to come back
             # Running requests finish on their own, within the drain timeout.
             await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
-            await self.engines.stop(life, "switched out for another deployment")
+            # A second turn for a deployment already parked: parking did not free enough.
+            at_rest = all(lc.state is not InstanceState.READY for lc in life.launched)
+            why = "switched out for another deployment"
+            await put_to_rest(self.engines, life, why, may_park=not at_rest)
         finally:
             life.closing = None
 
-    async def _idle_stop(self, life: DeploymentLife) -> None:
+    def rest(self, life: DeploymentLife, reason: str, *, may_park: bool = True) -> None:
+        """Put ``life`` to rest in the background (the idle watch's doing)."""
+        if life.closing is None:
+            life.closing = self._spawn(self._rest(life, reason, may_park))
+
+    async def _rest(self, life: DeploymentLife, reason: str, may_park: bool) -> None:
         life.operator_started = False  # an explicit deployment waits to be started again
         try:
-            await self.engines.stop(
-                life, "idle for lifecycle.ready_idle_timeout (a park is a stop here)"
-            )
+            await put_to_rest(self.engines, life, reason, may_park=may_park)
         finally:
             life.closing = None
 

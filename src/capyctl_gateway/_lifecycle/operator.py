@@ -13,7 +13,8 @@ from .._errors import (
     UnknownModelError,
 )
 from .controller import Lifecycle, fresh
-from .states import HOLDING, DeploymentLife
+from .rest import put_to_rest
+from .states import HOLDING, DeploymentLife, InstanceState
 
 __all__ = ["deployments_list", "operator_park", "operator_start", "operator_stop"]
 
@@ -52,22 +53,24 @@ async def operator_stop(lifecycle: Lifecycle, name: str, *, known: bool) -> None
     life = _life(lifecycle, name, known)
     life.operator_stopped = True
     life.operator_started = False
-    await _drain_and_stop(lifecycle, life, "stopped by an operator")
+    await _drain_and_rest(lifecycle, life, "stopped by an operator", may_park=False)
 
 
 async def operator_park(lifecycle: Lifecycle, name: str, *, known: bool) -> None:
-    """Park it: here a park is a stop, and the next request starts it again."""
+    """Park it (a stop where it cannot park); the next request wakes or starts it again."""
     life = _life(lifecycle, name, known)
-    await _drain_and_stop(lifecycle, life, "parked by an operator (a park is a stop here)")
+    await _drain_and_rest(lifecycle, life, "parked by an operator", may_park=True)
 
 
-async def _drain_and_stop(lifecycle: Lifecycle, life: DeploymentLife, reason: str) -> None:
+async def _drain_and_rest(
+    lifecycle: Lifecycle, life: DeploymentLife, reason: str, *, may_park: bool
+) -> None:
     for lc in life.launched:
         lc.inst.available = False
     if life.activation is not None and not life.activation.done():
         await asyncio.gather(asyncio.shield(life.activation), return_exceptions=True)
     await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
-    await lifecycle.engines.stop(life, reason)
+    await put_to_rest(lifecycle.engines, life, reason, may_park=may_park)
 
 
 def deployments_list(
@@ -92,8 +95,11 @@ def deployments_list(
             row["run_by"] = "the gateway (launch)"
             row["state"] = "stopped by an operator" if life.operator_stopped else life.state
             if d.memory is not None:
-                holding = sum(1 for lc in life.launched if lc.state in HOLDING)
-                row["memory_held"] = d.memory.ready * holding
+                row["memory_held"] = sum(
+                    d.memory.ready if lc.state in HOLDING else d.memory.parked
+                    for lc in life.launched
+                    if lc.state in HOLDING or lc.state is InstanceState.PARKED
+                )
         rows.append(row)
     return {
         "deployments": rows,

@@ -24,7 +24,7 @@ import aiohttp
 from .._config import Launch
 from .._engines import EngineKind, facts
 
-__all__ = ["EngineProcess", "StartFailedError", "free_port", "launch_argv"]
+__all__ = ["EngineProcess", "StartFailedError", "free_port", "launch_argv", "launch_env"]
 
 STOP_GRACE_S = 10.0
 """A stopping engine gets SIGTERM, and SIGKILL after this long."""
@@ -46,11 +46,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_argv(kind: EngineKind, launch: Launch, port: int) -> list[str]:
-    """The command line: the operator's, placed on loopback, with the forced flags."""
+def launch_argv(kind: EngineKind, launch: Launch, port: int, *, sleep: bool = False) -> list[str]:
+    """The command line: the operator's, placed on loopback, with the forced flags (and what
+    parking needs, with ``sleep``)."""
+    f = facts(kind)
     argv = [*launch.command, "--host", "127.0.0.1", "--port", str(port)]
-    argv += [flag for flag in facts(kind).forced_flags if flag not in launch.command]
+    wanted = [*f.forced_flags, *(f.sleep_flags if sleep else ())]
+    argv += [flag for flag in wanted if flag not in launch.command]
     return argv
+
+
+def launch_env(kind: EngineKind, launch: Launch, *, sleep: bool = False) -> dict[str, str]:
+    """What is added to the gateway's environment for the engine."""
+    return {**launch.env, **(dict(facts(kind).sleep_env) if sleep else {})}
 
 
 def _die_with_parent() -> None:  # runs in the child, between fork and exec

@@ -26,7 +26,15 @@ class InstanceState(StrEnum):
 
 
 STARTABLE = frozenset({InstanceState.STOPPED, InstanceState.FAILED})
-HOLDING = frozenset({InstanceState.STARTING, InstanceState.READY, InstanceState.STOPPING})
+HOLDING = frozenset(
+    {
+        InstanceState.STARTING,
+        InstanceState.READY,
+        InstanceState.STOPPING,
+        InstanceState.PARKING,
+        InstanceState.WAKING,
+    }
+)
 """States in which an instance holds its ready memory."""
 
 
@@ -54,6 +62,11 @@ class DeploymentLife:
     """An operator started it (what ``activation: explicit`` waits for)."""
 
     @property
+    def parks(self) -> bool:
+        """A park keeps the process up (``park: sleep``); otherwise a park is a stop."""
+        return self.route.deployment.lifecycle.park == "sleep"
+
+    @property
     def deployment(self) -> Deployment:
         return self.route.deployment
 
@@ -64,7 +77,14 @@ class DeploymentLife:
     @property
     def state(self) -> str:
         states = {lc.state for lc in self.launched}
-        for s in (InstanceState.READY, InstanceState.STARTING, InstanceState.STOPPING):
+        for s in (
+            InstanceState.READY,
+            InstanceState.WAKING,
+            InstanceState.STARTING,
+            InstanceState.PARKING,
+            InstanceState.STOPPING,
+            InstanceState.PARKED,
+        ):
             if s in states:
                 return s.value
         return "failed" if states == {InstanceState.FAILED} else "stopped"

@@ -14,7 +14,8 @@ import aiohttp
 from .._deployments.routes import EngineInstance
 from .._deployments.settle import Settlement
 from .._log import event
-from .process import EngineProcess, StartFailedError, free_port, launch_argv
+from .parking import ParkFailedError, put_to_sleep, wake_up
+from .process import EngineProcess, StartFailedError, free_port, launch_argv, launch_env
 from .states import HOLDING, DeploymentLife, InstanceState, Launched
 
 __all__ = ["Transitions"]
@@ -53,7 +54,9 @@ class Transitions:
         self.move(lc, InstanceState.STARTING, "a request is waiting")
         port = free_port()
         log = self.log_dir / f"{dep.name}-{inst.index}.log"
-        proc = EngineProcess(launch_argv(dep.engine, inst.launch, port), inst.launch.env, log, port)
+        argv = launch_argv(dep.engine, inst.launch, port, sleep=life.parks)
+        env = launch_env(dep.engine, inst.launch, sleep=life.parks)
+        proc = EngineProcess(argv, env, log, port)
         lc.process = proc
         try:
             await proc.start(session, inst.launch.startup_timeout)
@@ -77,11 +80,45 @@ class Transitions:
         inst.available = True
         self.move(lc, InstanceState.READY, f"answered on port {port}")
 
+    async def park(self, lc: Launched, reason: str) -> None:
+        """Park with the process up (the engine gives its memory back); a stop if it fails."""
+        inst = lc.inst
+        session = self._session()
+        if session is None or inst.url is None or lc.state is not InstanceState.READY:
+            return
+        inst.available = False
+        self.move(lc, InstanceState.PARKING, reason)
+        kind = self.lives[inst.deployment].deployment.engine
+        try:
+            await put_to_sleep(session, kind, inst.url, _auth(inst))
+        except ParkFailedError as exc:
+            logger.warning("%s did not park (%s); stopping it instead", inst.where, exc)
+            await self.stop_one(lc, f"could not park: {exc}")
+            return
+        self.move(lc, InstanceState.PARKED, reason)
+
+    async def wake(self, lc: Launched) -> None:
+        """Wake a parked instance; a wake that fails stops it (StartFailedError)."""
+        inst = lc.inst
+        session = self._session()
+        if session is None or inst.url is None:
+            raise StartFailedError("the gateway is stopping")
+        self.move(lc, InstanceState.WAKING, "a request is waiting")
+        kind = self.lives[inst.deployment].deployment.engine
+        try:
+            await wake_up(session, kind, inst.url, _auth(inst))
+        except ParkFailedError as exc:
+            await self.stop_one(lc, f"could not wake: {exc}")
+            self.move(lc, InstanceState.FAILED, f"could not wake: {exc}")
+            raise StartFailedError(f"the engine did not wake: {exc}") from None
+        inst.available = True
+        self.move(lc, InstanceState.READY, "woke")
+
     async def stop(self, life: DeploymentLife, reason: str) -> None:
         await asyncio.gather(*(self.stop_one(lc, reason) for lc in life.launched))
 
     async def stop_one(self, lc: Launched, reason: str) -> None:
-        if lc.state not in HOLDING and lc.process is None:
+        if lc.state not in HOLDING and lc.state is not InstanceState.PARKED and lc.process is None:
             return
         inst = lc.inst
         inst.available = False
@@ -106,3 +143,8 @@ class Transitions:
             took, deployment=inst.deployment, instance=inst.index, **{"from": before.value},
             to=to.value, reason=reason, duration_s=round(took, 3),
         )  # fmt: skip
+
+
+def _auth(inst: EngineInstance) -> dict[str, str]:
+    key = inst.engine_key
+    return {"Authorization": f"Bearer {key}"} if key is not None else {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._gateway import Gateway
+from .._lifecycle.states import HOLDING, InstanceState
 
 __all__ = ["deployment_status"]
 
@@ -82,9 +83,15 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
     }
     if life is not None:
         memory = d.memory.ready if d.memory is not None else None
-        holding = sum(1 for lc in life.launched if lc.state.value in ("starting", "ready"))
         doc["deployment"]["lifecycle"] = life.state
-        doc["deployment"]["park"] = "stop"  # what a park does here (see docs: lifecycle)
-        if memory is not None:
-            doc["deployment"]["memory_held"] = memory * holding
+        # What a park does here (docs/gateway/lifecycle.md): sleep keeps the process up.
+        doc["deployment"]["park"] = "sleep" if life.parks else "stop"
+        if memory is not None and d.memory is not None:
+            held = 0
+            for lc in life.launched:
+                if lc.state in HOLDING:
+                    held += memory
+                elif lc.state is InstanceState.PARKED:
+                    held += d.memory.parked
+            doc["deployment"]["memory_held"] = held
     return doc
