@@ -1,0 +1,108 @@
+"""capyctl-gateway launching vLLM 0.31.0's CPU build itself: the flag the spec forces is on the
+engine's command line without the operator writing it, answers carry the engine's own
+figures, and with ``park: auto`` a park is a stop (the CPU build cannot sleep)."""
+
+from __future__ import annotations
+
+import os
+import select
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
+from capyctl_gateway._lifecycle.operator import operator_park
+from capyctl_gateway._management.status import deployment_status
+from contract.conftest import RunningGateway
+from contract.engines.vllm import VllmServer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def launched_vllm(vllm_server: VllmServer, tmp_path: Path) -> AsyncIterator[RunningGateway]:
+    """A gateway whose deployment runs its own vLLM (the session's server lends its python,
+    model and environment; it is not the one that answers)."""
+    env = vllm_server.env(tmp_path / "run")
+    extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    command = [
+        str(vllm_server.python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(vllm_server.model_dir), "--served-model-name", "tiny",
+        "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager",
+        "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    deployment = {
+        "name": "my-model",
+        "engine": "vllm",
+        "engine_version": "0.31.0",
+        "served_model": "tiny",
+        "instances": [{"launch": {"command": command, "env": extra, "startup_timeout": "300s"}}],
+    }
+    config = GatewayConfig.model_validate({"deployments": [deployment]})
+    app = create_app(config, "k" * 43, env={}, engine_logs=tmp_path / "logs")
+    runner = GatewayRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield RunningGateway(f"http://{host}:{port}", "k" * 43, app[GATEWAY_KEY])
+    finally:
+        await runner.cleanup()
+
+
+def gone(pid: int, within: float = 60) -> bool:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], within)[0])
+    finally:
+        os.close(fd)
+
+
+async def test_vllm_launched_by_the_gateway_with_the_forced_flag(
+    launched_vllm: RunningGateway,
+) -> None:
+    body: dict[str, Any] = {
+        "model": "my-model",
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with httpx.AsyncClient(timeout=300) as c:
+        r = await c.post(
+            launched_vllm.url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {launched_vllm.key}"},
+            json=body,
+        )
+    assert r.status_code == 200, r.text
+    comment = next(line for line in r.text.splitlines() if line.startswith(": x-capyctl-metrics"))
+    figures = orjson.loads(comment.split(" ", 2)[2])
+    # vLLM's own per-request figures: only there because the gateway added the flag.
+    assert figures["queue_ms"]["source"] == "engine"
+    assert figures["prefill_ms"]["source"] == "engine"
+    doc = deployment_status(launched_vllm.gateway, "my-model")
+    assert doc is not None
+    assert doc["deployment"]["park"] == "stop"  # the CPU build cannot sleep
+    pid = doc["instances"][0]["process"]["pid"]
+    cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
+    assert b"--enable-per-request-metrics" in cmdline
+    assert b"--enable-sleep-mode" not in cmdline
+    assert cmdline[cmdline.index(b"--host") + 1] == b"127.0.0.1"
+    await operator_park(launched_vllm.gateway.lifecycle, "my-model", known=True)
+    assert launched_vllm.gateway.lifecycle.lives["my-model"].state == "stopped"
+    assert await anyio.to_thread.run_sync(gone, pid)
