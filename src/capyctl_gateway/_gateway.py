@@ -20,7 +20,6 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions, adapter_for
 
@@ -30,8 +29,15 @@ from ._deployments.queue import BodyBudget
 from ._deployments.routes import EngineInstance, Route, build_routes
 from ._deployments.settle import Settlement
 from ._lifecycle.controller import Lifecycle
+from ._store import Store, restore
 
-__all__ = ["IDLE_CONNECTION_S", "Gateway"]
+__all__ = [
+    "IDLE_CONNECTION_S",
+    "Gateway",
+    "engine_collector",
+    "engine_lifecycle",
+    "engine_session",
+]
 
 IDLE_CONNECTION_S = 4.0
 """How long an idle engine connection stays pooled: under the 5 s after which llama-server and
@@ -52,23 +58,38 @@ class Gateway:
         collector_options: ProviderOptions | None = None,
         clock: Callable[[], float] = time.time,
         engine_logs: Path | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         """Raises ConfigError when an instance's engine key is not in ``env``.
-        ``engine_logs``: where launched engines write their output (default: a new
-        temporary directory)."""
+        ``engine_logs``: where launched engines write their output (default: ``<state_dir>/logs``,
+        or a new temporary directory). ``state_dir``: where operator intent and cut requests
+        outlive the process (``gateway.sqlite3``); None keeps them in memory only."""
         self.config = config
         self._key = api_key.encode()
         self.collector_options = collector_options or ProviderOptions()
-        self._clock = clock
+        self.clock = clock
         self.collector: Collector | None = None
-        self.settlement = Settlement(clock, poll=self._set_poll_interval)
+        self.store = Store(state_dir / "gateway.sqlite3") if state_dir is not None else None
+        store = self.store
+        self.settlement = Settlement(
+            clock,
+            poll=self._set_poll_interval,
+            on_cut=store.add_cut if store is not None else None,
+            on_settled=store.settled if store is not None else None,
+        )
         self.routes: dict[str, Route] = build_routes(
             config, os.environ if env is None else env, self.settlement
         )
         self.bodies = BodyBudget(config.limits.max_body_bytes_in_flight)
         """Request-body bytes read and held, over all requests."""
         self.checks = CheckWatch(self.routes)
-        logs = engine_logs or Path(tempfile.mkdtemp(prefix="capyctl-engines-"))
+        if engine_logs is None:
+            engine_logs = (
+                state_dir / "logs"
+                if state_dir is not None
+                else Path(tempfile.mkdtemp(prefix="capyctl-engines-"))
+            )
+        logs = engine_logs
         self.lifecycle = Lifecycle(
             config,
             self.routes,
@@ -77,7 +98,18 @@ class Gateway:
             on_ready=self._engine_ready,
             on_stopped=self._engine_stopped,
             log_dir=logs,
+            remember=(
+                (
+                    lambda name, stopped, started: store.set_intent(
+                        name, stopped=stopped, started=started
+                    )
+                )
+                if store is not None
+                else None
+            ),
         )
+        if store is not None:
+            restore(store, self.routes, self.settlement, self.lifecycle)
         self.started_at = int(clock())
         self.session: aiohttp.ClientSession | None = None
         self.drains: set[asyncio.Task[None]] = set()
@@ -99,7 +131,7 @@ class Gateway:
         )
 
     def now(self) -> float:
-        return self._clock()
+        return self.clock()
 
     def authorized(self, header: str) -> bool:
         """Whether an ``Authorization`` header value carries the gateway's key."""
@@ -137,66 +169,69 @@ class Gateway:
         if self.collector is not None and key in self.collector.keys():  # noqa: SIM118
             self.collector.set_poll_interval(key, interval_ms)  # (a stopped engine is not)
 
-    # -- lifetimes (aiohttp cleanup contexts) ---------------------------------------------
-    async def engine_lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        """Launched engines: the idle watch runs while the app serves; at the end every
-        engine the gateway started is stopped (before the collector and the session)."""
-        watch = asyncio.get_running_loop().create_task(self.lifecycle.run())
+
+# -- lifetimes (aiohttp cleanup contexts, in this order; they end in the reverse one) ------
+async def engine_lifecycle(gw: Gateway) -> AsyncIterator[None]:
+    """Launched engines: the idle watch runs while the app serves; at the end every
+    engine the gateway started is stopped (before the collector and the session)."""
+    watch = asyncio.get_running_loop().create_task(gw.lifecycle.run())
+    try:
+        yield
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await gw.lifecycle.shutdown()
+
+
+async def engine_session(gw: Gateway) -> AsyncIterator[None]:
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=IDLE_CONNECTION_S
+    )
+    async with aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=gw.config.queue.connect_timeout),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar
+    ) as session:
+        gw.session = session
         try:
             yield
         finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
-            await self.lifecycle.shutdown()
+            gw.session = None
+            for task in list(gw.drains):
+                task.cancel()  # each closes its connection
+            await asyncio.gather(*gw.drains, return_exceptions=True)
+            if gw.store is not None:
+                gw.store.close()  # after the engines' stops have settled what they could
 
-    async def engine_session(self, app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=IDLE_CONNECTION_S
+
+async def engine_collector(gw: Gateway) -> AsyncIterator[None]:
+    """Polls each instance, and settles cut requests. It fetches through its own aiohttp
+    session (cheaper per GET than the SDK's default httpx client): at most 4 kept-alive
+    connections per engine, each GET bounded by the collector's request timeout."""
+    timeout_s = gw.collector_options.request_timeout_s
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            limit=0, limit_per_host=4, keepalive_timeout=IDLE_CONNECTION_S
+        ),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    ) as session:
+        collector = Collector(
+            options=gw.collector_options,
+            fetcher=AiohttpFetcher(session, timeout_s=timeout_s, clock=gw.clock),
+            clock=gw.clock,
+            hooks=[gw.checks, gw.settlement],
         )
-        async with aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.config.queue.connect_timeout
-            ),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar
-        ) as session:
-            self.session = session
+        async with collector:
+            for route in gw.routes.values():
+                d = route.deployment
+                for inst in route.instances:
+                    if inst.url is not None:  # a launched one is added once it answers
+                        adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key)
+                        collector.add(inst.key, adapter, model_id=d.engine_model)
+            gw.collector = collector
             try:
                 yield
             finally:
-                self.session = None
-                for task in list(self.drains):
-                    task.cancel()  # each closes its connection
-                await asyncio.gather(*self.drains, return_exceptions=True)
-
-    async def engine_collector(self, app: web.Application) -> AsyncIterator[None]:
-        """Polls each instance, and settles cut requests. It fetches through its own aiohttp
-        session (cheaper per GET than the SDK's default httpx client): at most 4 kept-alive
-        connections per engine, each GET bounded by the collector's request timeout."""
-        timeout_s = self.collector_options.request_timeout_s
-        async with aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=0, limit_per_host=4, keepalive_timeout=IDLE_CONNECTION_S
-            ),
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        ) as session:
-            collector = Collector(
-                options=self.collector_options,
-                fetcher=AiohttpFetcher(session, timeout_s=timeout_s, clock=self._clock),
-                clock=self._clock,
-                hooks=[self.checks, self.settlement],
-            )
-            async with collector:
-                for route in self.routes.values():
-                    d = route.deployment
-                    for inst in route.instances:
-                        if inst.url is not None:  # a launched one is added once it answers
-                            adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key)
-                            collector.add(inst.key, adapter, model_id=d.engine_model)
-                self.collector = collector
-                try:
-                    yield
-                finally:
-                    self.collector = None
+                gw.collector = None

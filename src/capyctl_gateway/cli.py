@@ -162,7 +162,7 @@ def serve(
         mhost, mport = _management(management)
         cfg = load_config(config)
         key = load_or_create_api_key(state)
-        application = create_app(cfg, key, engine_logs=state / "logs")
+        application = create_app(cfg, key, state_dir=state)
         _enough_files(2 * cfg.limits.max_connections + 256)
         sock = _bind(host, port)
         msock = _bind(mhost, mport)

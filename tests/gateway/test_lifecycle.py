@@ -471,3 +471,95 @@ async def test_switching_parks_the_other_deployment_when_its_parked_memory_fits(
         assert r.json()["choices"][0]["message"]["content"] == "from model-a"
         assert pid_of(gw, "a") == a_pid  # woken, not restarted
         assert lives["b"].state == "parked"
+
+
+# -- what outlives the gateway ------------------------------------------------------------------
+async def test_an_operators_stop_and_cut_requests_outlive_a_restart(
+    tmp_path: Path, engine: Any
+) -> None:
+    """Two gateways one after the other on one state directory (the restart)."""
+    import sqlite3
+
+    from capyctl_gateway import GATEWAY_KEY, GatewayRunner, create_app
+    from capyctl_gateway._lifecycle.operator import operator_stop
+    from tests.gateway.conftest import COLLECTOR, KEY, deployments
+
+    config = GatewayConfig.model_validate(
+        {"deployments": [launched(), deployments(engine.url, name="elsewhere")]}
+    )
+    state = tmp_path / "state"
+
+    async def run(check: Callable[[Any], Awaitable[None]]) -> None:
+        app = create_app(config, KEY, env={}, collector_options=COLLECTOR, state_dir=state)
+        runner = GatewayRunner(app)
+        await runner.setup()
+        try:
+            await check(app[GATEWAY_KEY])
+        finally:
+            await runner.cleanup()
+
+    async def first(gateway: Any) -> None:
+        await operator_stop(gateway.lifecycle, "my-model", known=True)
+        s = gateway.settlement
+        s.cut(s.ledgers["elsewhere/0"], "01REQUESTCUTBEFORE", answered=False, reason="hang_up")
+        s.cut(s.ledgers["my-model/0"], "01REQUESTOFLAUNCHED", answered=False, reason="hang_up")
+
+    async def second(gateway: Any) -> None:
+        assert gateway.lifecycle.lives["my-model"].operator_stopped
+        with pytest.raises(Exception, match="stopped by an operator") as info:
+            await gateway.lifecycle.ensure_ready("my-model", asyncio.get_running_loop().time() + 5)
+        assert type(info.value).__name__ == "DeploymentStoppedError"
+        # An engine someone else runs may still run the request: still counted, same rule.
+        (kept,) = gateway.settlement.ledgers["elsewhere/0"].cut
+        assert kept.request_id == "01REQUESTCUTBEFORE" and kept.rule.value.startswith("at the")
+        # The gateway's own engine starts afresh: settled.
+        assert gateway.settlement.ledgers["my-model/0"].cut == []
+
+    await run(first)
+    await run(second)
+    db = sqlite3.connect(state / "gateway.sqlite3")
+    try:
+        rows = db.execute("SELECT instance, request_id FROM cut").fetchall()
+    finally:
+        db.close()
+    assert rows == [("elsewhere/0", "01REQUESTCUTBEFORE")]
+
+
+async def test_a_callers_request_id_is_never_stored(tmp_path: Path, engine: Any) -> None:
+    from capyctl_gateway import GATEWAY_KEY, GatewayRunner, create_app
+    from tests.gateway.conftest import COLLECTOR, KEY, deployments
+    from tests.gateway.fake_engine import Hold, chunk, event
+
+    engine.script = [event(chunk(delta={"role": "assistant", "content": ""})), Hold()]
+    config = GatewayConfig.model_validate({"deployments": [deployments(engine.url)]})
+    state = tmp_path / "state"
+    app = create_app(config, KEY, env={}, collector_options=COLLECTOR, state_dir=state)
+    runner = GatewayRunner(app)
+    await runner.setup()
+    from aiohttp import web
+
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with httpx.AsyncClient(timeout=10) as c, anyio.create_task_group() as tg:
+
+            async def send() -> None:
+                await c.post(
+                    f"http://{host}:{port}/v1/chat/completions",
+                    json={**chat(), "stream": True},
+                    headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "caller-secret-7"},
+                )
+
+            tg.start_soon(send)
+            with anyio.fail_after(5):
+                await engine.arrived.wait()
+            tg.cancel_scope.cancel()
+        with anyio.fail_after(5):
+            await engine.hung_up.wait()
+        assert app[GATEWAY_KEY].settlement.ledgers["my-model/0"].cut  # a cut was recorded
+    finally:
+        await runner.cleanup()
+    data = b"".join(p.read_bytes() for p in state.glob("gateway.sqlite3*"))
+    assert b"caller-secret-7" not in data
+    assert b"my-model/0" in data

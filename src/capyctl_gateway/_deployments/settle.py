@@ -81,12 +81,17 @@ class Settlement:
         *,
         poll: Callable[[str, int | None], None],
         fast_poll_ms: int = FAST_POLL_MS,
+        on_cut: Callable[[str, CutRequest], None] | None = None,
+        on_settled: Callable[[str, list[CutRequest]], None] | None = None,
     ) -> None:
         """``poll(key, interval_ms)`` sets an instance's polling interval (None: the
         collector's default); it is how settlement asks for faster samples while a cut
         request waits to be settled."""
         self._clock = clock
         self._poll = poll
+        self._on_cut = on_cut
+        self._on_settled = on_settled
+        """Where cut and settled requests are recorded to outlive the process (the store)."""
         self.fast_poll_ms = fast_poll_ms
         self.ledgers: dict[str, InstanceLedger] = {}
         self.settled = 0
@@ -104,6 +109,8 @@ class Settlement:
         rule = SettleRule.WHEN_IDLE if answered else SettleRule.AT_RESTART
         item = CutRequest(request_id, self._clock(), rule, reason)
         ledger.cut.append(item)
+        if self._on_cut is not None:
+            self._on_cut(ledger.key, item)
         self._poll(ledger.key, self.fast_poll_ms)
         logger.info(
             "request %s cut (%s); charged to %s until settled %s",
@@ -113,6 +120,12 @@ class Settlement:
             rule.value,
         )
         return item
+
+    def restore(self, ledger: InstanceLedger, cuts: list[CutRequest]) -> None:
+        """Count again the cut requests a previous run of the gateway left unsettled."""
+        ledger.cut.extend(cuts)
+        if cuts:
+            self._poll(ledger.key, self.fast_poll_ms)
 
     def settle_all(self, ledger: InstanceLedger, why: str) -> None:
         """The engine was stopped by the gateway: nothing it counted can still run."""
@@ -167,6 +180,8 @@ class Settlement:
         self.recent.extend(
             Settled(c, why, now, sample_requested_at) for c in ledger.cut if c not in keep
         )
+        if self._on_settled is not None:
+            self._on_settled(ledger.key, [c for c in ledger.cut if c not in keep])
         ledger.cut = keep
         self.settled += gone
         logger.info("%s: %d cut request(s) settled (%s)", ledger.key, gone, why)

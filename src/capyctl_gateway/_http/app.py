@@ -16,7 +16,7 @@ from aiohttp import web
 from canopyx_provider import ProviderOptions
 
 from .._config import GatewayConfig
-from .._gateway import Gateway
+from .._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
 from .inference import Inference
 from .server import HANGUPS_SEEN, LIMITS, GatewayRunner, Limits
 
@@ -40,11 +40,17 @@ def create_app(
     env: Mapping[str, str] | None = None,
     collector_options: ProviderOptions | None = None,
     engine_logs: Path | None = None,
+    state_dir: Path | None = None,
 ) -> web.Application:
     """The inference application for ``config``; serve it with `GatewayRunner`. Its cleanup
     closes everything it opened."""
     gateway = Gateway(
-        config, api_key, env=env, collector_options=collector_options, engine_logs=engine_logs
+        config,
+        api_key,
+        env=env,
+        collector_options=collector_options,
+        engine_logs=engine_logs,
+        state_dir=state_dir,
     )
     handlers = Inference(gateway)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
@@ -54,9 +60,9 @@ def create_app(
         header_timeout=config.limits.header_timeout,
     )
     app.on_startup.append(_require_gateway_runner)
-    app.cleanup_ctx.append(gateway.engine_session)
-    app.cleanup_ctx.append(gateway.engine_collector)
-    app.cleanup_ctx.append(gateway.engine_lifecycle)
+    app.cleanup_ctx.append(lambda _: engine_session(gateway))
+    app.cleanup_ctx.append(lambda _: engine_collector(gateway))
+    app.cleanup_ctx.append(lambda _: engine_lifecycle(gateway))
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_post("/v1/chat/completions", handlers.chat)
     app.router.add_route("*", "/v1/chat/completions", handlers.wrong_method)

@@ -56,8 +56,10 @@ class Lifecycle:
         on_ready: Callable[[EngineInstance], None],
         on_stopped: Callable[[EngineInstance], None],
         log_dir: Path,
+        remember: Callable[[str, bool, bool], None] | None = None,
     ) -> None:
         self._config = config
+        self._remember = remember
         self.lives: dict[str, DeploymentLife] = {
             name: DeploymentLife(r, [Launched(i) for i in r.instances if i.launch is not None])
             for name, r in routes.items()
@@ -135,6 +137,11 @@ class Lifecycle:
             await asyncio.sleep(TICK_S)
             await look(self, time.monotonic())
 
+    def remember(self, life: DeploymentLife) -> None:
+        """Keep an operator's intent for ``life`` across the gateway's restarts."""
+        if self._remember is not None:
+            self._remember(life.deployment.name, life.operator_stopped, life.operator_started)
+
     def activate(self, life: DeploymentLife) -> asyncio.Task[None]:
         """The deployment's activation (the one running, or a new one)."""
         if life.activation is None or life.activation.done():
@@ -166,7 +173,9 @@ class Lifecycle:
             life.closing = self._spawn(self._rest(life, reason, may_park))
 
     async def _rest(self, life: DeploymentLife, reason: str, may_park: bool) -> None:
-        life.operator_started = False  # an explicit deployment waits to be started again
+        if life.operator_started:
+            life.operator_started = False  # an explicit deployment waits to be started again
+            self.remember(life)
         try:
             await put_to_rest(self.engines, life, reason, may_park=may_park)
         finally:

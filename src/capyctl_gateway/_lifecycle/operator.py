@@ -38,6 +38,7 @@ async def operator_start(lifecycle: Lifecycle, name: str, *, known: bool) -> Non
     life = _life(lifecycle, name, known)
     life.operator_stopped = False
     life.operator_started = True
+    lifecycle.remember(life)
     if life.closing is not None:
         await asyncio.shield(life.closing)
     if not life.ready:
@@ -53,6 +54,7 @@ async def operator_stop(lifecycle: Lifecycle, name: str, *, known: bool) -> None
     life = _life(lifecycle, name, known)
     life.operator_stopped = True
     life.operator_started = False
+    lifecycle.remember(life)
     await _drain_and_rest(lifecycle, life, "stopped by an operator", may_park=False)
 
 
