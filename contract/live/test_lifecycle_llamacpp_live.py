@@ -156,3 +156,49 @@ async def test_a_budget_for_one_switches_between_two_llama_servers(
         t["deployment"] for t in transitions(caplog, "stopping") if "switched" in t["reason"]
     ]
     assert switched == ["a", "b", "a"]
+
+
+async def test_a_llama_router_parks_by_unloading_and_wakes_by_loading(
+    make_live_gateway: Callable[..., Any],
+    llama_server_binary: Path,
+    llama_models: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Router mode: a park ends the model's child process (its memory goes) while the router
+    stays up; the next request loads it again, in the same router."""
+    from capyctl_gateway._lifecycle.operator import operator_park
+
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    command = [str(llama_server_binary), "--models-dir", str(llama_models / "router"), "-c", "2048"]
+    dep = {
+        "name": "routed",
+        "engine": "llamacpp",
+        "engine_version": "b10798",
+        "served_model": "tiny-a",
+        "instances": [{"launch": {"command": command, "startup_timeout": "120s"}}],
+    }
+    gw = await make_live_gateway({"deployments": [dep]})
+    first = await ask(gw, "routed")
+    assert first["choices"][0]["message"]["content"]
+    doc = deployment_status(gw.gateway, "routed")
+    assert doc is not None and doc["deployment"]["park"] == "unload"
+    router_pid = doc["instances"][0]["process"]["pid"]
+    url = doc["instances"][0]["url"]
+
+    async def status() -> str:
+        async with httpx.AsyncClient(timeout=30) as c:
+            models = (await c.get(url + "/v1/models")).json()["data"]
+        return str(next(m for m in models if m["id"] == "tiny-a")["status"]["value"])
+
+    assert await status() == "loaded"
+    await operator_park(gw.gateway.lifecycle, "routed", known=True)
+    assert gw.gateway.lifecycle.lives["routed"].state == "parked"
+    assert await status() == "unloaded"  # the model's process is gone
+    assert await anyio.Path(f"/proc/{router_pid}").exists()  # the router is not
+    again = await ask(gw, "routed")
+    assert again["choices"][0]["message"]["content"]
+    assert await status() == "loaded"
+    doc = deployment_status(gw.gateway, "routed")
+    assert doc is not None and doc["instances"][0]["process"]["pid"] == router_pid
+    moves = [t["to"] for t in transitions(caplog, "parked") + transitions(caplog, "ready")]
+    assert moves.count("parked") == 1 and moves.count("ready") == 2  # started, then woken

@@ -208,11 +208,34 @@ class Deployment(BaseModel):
                 problem = launch_problem(self.engine, inst.launch.command, inst.launch.env)
                 if problem is not None:
                     raise ValueError(f"instances.{i}.launch.command: {problem}")
-        if self.lifecycle.park == "sleep" and not FACTS[self.engine].can_sleep:
+        if self.lifecycle.park == "sleep" and not self.can_park:
             raise ValueError(
                 f"lifecycle.park: {self.engine.value} cannot park here; use auto or stop"
+                + (
+                    " (llama.cpp parks in router mode, --models-dir)"
+                    if self.engine.value == "llamacpp"
+                    else ""
+                )
             )
         return self
+
+    @property
+    def router(self) -> bool:
+        """A llama.cpp server in router mode (``--models-dir``), serving many models."""
+        return self.engine.value == "llamacpp" and any(
+            i.launch is not None and "--models-dir" in i.launch.command for i in self.instances
+        )
+
+    @property
+    def can_park(self) -> bool:
+        return FACTS[self.engine].can_sleep or self.router
+
+    @property
+    def parks(self) -> bool:
+        """A park keeps the process up: asked (sleep), or where it always works (auto on a
+        llama.cpp router; vLLM's sleep needs a GPU, so auto never asks it)."""
+        park = self.lifecycle.park
+        return park == "sleep" or (park == "auto" and self.router)
 
     @property
     def launched(self) -> bool:

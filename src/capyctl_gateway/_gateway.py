@@ -156,7 +156,7 @@ class Gateway:
         """A launched engine answers: the collector watches it from now on."""
         if self.collector is not None and inst.url is not None:
             d = self.routes[inst.deployment].deployment
-            adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key)
+            adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key, router=d.router)
             self.collector.add(inst.key, adapter, model_id=d.engine_model)
 
     def _engine_stopped(self, inst: EngineInstance) -> None:

@@ -1,11 +1,20 @@
-"""Parking and waking an engine whose process stays up (vLLM sleep mode).
+"""Parking and waking an engine whose process stays up.
 
-vLLM 0.31.0, launched with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``: ``POST
-/sleep?level=1`` offloads its weights to host memory and drops its KV cache; ``POST /wake_up``
-brings them back; ``GET /is_sleeping`` says which. Each takes the engine's key like any route.
+- vLLM 0.31.0, launched with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``: ``POST
+  /sleep?level=1`` offloads its weights to host memory and drops its KV cache; ``POST /wake_up``
+  brings them back; ``GET /is_sleeping`` says which.
+- llama.cpp b10798 in router mode (``--models-dir``): ``POST /models/unload`` ends the model's
+  child process (all its memory goes; the router stays up) and answers before the child has
+  gone, so the park waits until ``GET /v1/models`` says ``unloaded``; ``POST /models/load``
+  starts a new child, and the wake waits for ``loaded``.
+
+Each call takes the engine's key like any route.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import aiohttp
 
@@ -14,16 +23,23 @@ from .._engines import EngineKind
 __all__ = ["ParkFailedError", "put_to_sleep", "wake_up"]
 
 PARK_TIMEOUT_S = 600.0
+STATUS_EVERY_S = 0.2
+"""How often a router's model status is read while it loads or unloads (it cannot tell us)."""
 
 
 class ParkFailedError(Exception):
     """The engine did not park or wake as asked."""
 
 
-async def _post(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> None:
+async def _post(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    json: dict[str, str] | None = None,
+) -> None:
     try:
         async with session.post(
-            url, headers=headers, timeout=aiohttp.ClientTimeout(total=PARK_TIMEOUT_S)
+            url, headers=headers, json=json, timeout=aiohttp.ClientTimeout(total=PARK_TIMEOUT_S)
         ) as resp:
             if resp.status != 200:
                 raise ParkFailedError(f"{url.rsplit('/', 1)[1]} answered HTTP {resp.status}")
@@ -42,9 +58,46 @@ async def _sleeping(session: aiohttp.ClientSession, base: str, headers: dict[str
     return bool(doc["is_sleeping"])
 
 
-async def put_to_sleep(
-    session: aiohttp.ClientSession, kind: EngineKind, base: str, headers: dict[str, str]
+async def _router_status(
+    session: aiohttp.ClientSession, base: str, headers: dict[str, str], model: str
+) -> str:
+    try:
+        async with session.get(f"{base}/v1/models", headers=headers) as resp:
+            doc = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise ParkFailedError(f"v1/models failed: {exc}") from exc
+    for entry in doc.get("data", []) if isinstance(doc, dict) else []:
+        if isinstance(entry, dict) and entry.get("id") == model:
+            status = entry.get("status")
+            value = status.get("value") if isinstance(status, dict) else None
+            return str(value)
+    raise ParkFailedError(f"the router does not list {model!r}")
+
+
+async def _router_until(
+    session: aiohttp.ClientSession, base: str, headers: dict[str, str], model: str, want: str
 ) -> None:
+    end = time.monotonic() + PARK_TIMEOUT_S
+    while (status := await _router_status(session, base, headers, model)) != want:
+        if status not in ("loading", "loaded", "unloaded", "sleeping"):
+            raise ParkFailedError(f"the router says {model!r} is {status}")
+        if time.monotonic() > end:
+            raise ParkFailedError(f"{model!r} was not {want} within {PARK_TIMEOUT_S:.0f} s")
+        await asyncio.sleep(STATUS_EVERY_S)
+
+
+async def put_to_sleep(
+    session: aiohttp.ClientSession,
+    kind: EngineKind,
+    base: str,
+    headers: dict[str, str],
+    *,
+    router_model: str | None = None,
+) -> None:
+    if kind is EngineKind.LLAMACPP and router_model is not None:
+        await _post(session, f"{base}/models/unload", headers, {"model": router_model})
+        await _router_until(session, base, headers, router_model, "unloaded")
+        return
     if kind is not EngineKind.VLLM:
         raise ParkFailedError(f"{kind.value} cannot be parked with its process up")
     await _post(session, f"{base}/sleep?level=1", headers)
@@ -53,8 +106,17 @@ async def put_to_sleep(
 
 
 async def wake_up(
-    session: aiohttp.ClientSession, kind: EngineKind, base: str, headers: dict[str, str]
+    session: aiohttp.ClientSession,
+    kind: EngineKind,
+    base: str,
+    headers: dict[str, str],
+    *,
+    router_model: str | None = None,
 ) -> None:
+    if kind is EngineKind.LLAMACPP and router_model is not None:
+        await _post(session, f"{base}/models/load", headers, {"model": router_model})
+        await _router_until(session, base, headers, router_model, "loaded")
+        return
     if kind is not EngineKind.VLLM:
         raise ParkFailedError(f"{kind.value} cannot be woken")
     await _post(session, f"{base}/wake_up", headers)

@@ -64,7 +64,7 @@ class DeploymentLife:
     @property
     def parks(self) -> bool:
         """A park keeps the process up (``park: sleep``); otherwise a park is a stop."""
-        return self.route.deployment.lifecycle.park == "sleep"
+        return self.route.deployment.parks
 
     @property
     def deployment(self) -> Deployment:

@@ -54,8 +54,9 @@ class Transitions:
         self.move(lc, InstanceState.STARTING, "a request is waiting")
         port = free_port()
         log = self.log_dir / f"{dep.name}-{inst.index}.log"
-        argv = launch_argv(dep.engine, inst.launch, port, sleep=life.parks)
-        env = launch_env(dep.engine, inst.launch, sleep=life.parks)
+        sleep = life.parks and not dep.router  # a router parks by unloading: no flags
+        argv = launch_argv(dep.engine, inst.launch, port, sleep=sleep)
+        env = launch_env(dep.engine, inst.launch, sleep=sleep)
         proc = EngineProcess(argv, env, log, port)
         lc.process = proc
         try:
@@ -88,9 +89,10 @@ class Transitions:
             return
         inst.available = False
         self.move(lc, InstanceState.PARKING, reason)
-        kind = self.lives[inst.deployment].deployment.engine
+        dep = self.lives[inst.deployment].deployment
+        model = dep.engine_model if dep.router else None
         try:
-            await put_to_sleep(session, kind, inst.url, _auth(inst))
+            await put_to_sleep(session, dep.engine, inst.url, _auth(inst), router_model=model)
         except ParkFailedError as exc:
             logger.warning("%s did not park (%s); stopping it instead", inst.where, exc)
             await self.stop_one(lc, f"could not park: {exc}")
@@ -104,9 +106,10 @@ class Transitions:
         if session is None or inst.url is None:
             raise StartFailedError("the gateway is stopping")
         self.move(lc, InstanceState.WAKING, "a request is waiting")
-        kind = self.lives[inst.deployment].deployment.engine
+        dep = self.lives[inst.deployment].deployment
+        model = dep.engine_model if dep.router else None
         try:
-            await wake_up(session, kind, inst.url, _auth(inst))
+            await wake_up(session, dep.engine, inst.url, _auth(inst), router_model=model)
         except ParkFailedError as exc:
             await self.stop_one(lc, f"could not wake: {exc}")
             self.move(lc, InstanceState.FAILED, f"could not wake: {exc}")

@@ -27,7 +27,8 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
     if "lifecycle" in d:
         held = d.get("memory_held")
         console.print(
-            f"launched by the gateway: {d['lifecycle']}; a park is a {d['park']}"
+            f"launched by the gateway: {d['lifecycle']}; "
+            + ("a park is a stop" if d["park"] == "stop" else f"a park keeps it up ({d['park']})")
             + ("" if held is None else f"; memory held {held} bytes"),
             soft_wrap=True,
         )

@@ -85,7 +85,7 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
         memory = d.memory.ready if d.memory is not None else None
         doc["deployment"]["lifecycle"] = life.state
         # What a park does here (docs/gateway/lifecycle.md): sleep keeps the process up.
-        doc["deployment"]["park"] = "sleep" if life.parks else "stop"
+        doc["deployment"]["park"] = ("unload" if d.router else "sleep") if life.parks else "stop"
         if memory is not None and d.memory is not None:
             held = 0
             for lc in life.launched:
