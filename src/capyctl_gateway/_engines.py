@@ -57,6 +57,10 @@ FACTS: dict[EngineKind, EngineFacts] = {
         reasoning_key="reasoning_content",
         honours_cache_salt=True,
         forced_flags=("--enable-cache-report",),
+        # Memory release: needs --enable-memory-saver (without it a release frees nothing
+        # and says nothing), and a GPU (torch_memory_saver), so park: auto never asks for it.
+        can_sleep=True,
+        sleep_flags=("--enable-memory-saver",),
     ),
     EngineKind.LLAMACPP: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),

@@ -8,7 +8,9 @@ listening, and ``--slow-start S`` waits S seconds first.
 
 Launched with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``, it speaks vLLM's sleep
 mode routes as vLLM 0.31.0 does (``POST /sleep?level=1``, ``POST /wake_up``, ``GET
-/is_sleeping``); asleep, it answers chat requests 503, so a test shows the gateway woke it first.
+/is_sleeping``); launched with ``--enable-memory-saver``, SGLang's (``POST
+/release_memory_occupation`` and ``/resume_memory_occupation``, JSON ``{"tags": [...]}``). Asleep
+or released, it answers chat requests 503, so a test shows the gateway woke it first.
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ def main(argv: list[str] | None = None) -> None:
         return response
 
     app.middlewares.append(refuse_asleep)
+
+    async def release(request: web.Request) -> web.Response:
+        nonlocal asleep
+        body = await request.json()
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "not an object"}}, status=400)
+        asleep = True
+        return web.json_response(None)
+
+    async def resume(request: web.Request) -> web.Response:
+        nonlocal asleep
+        asleep = False
+        return web.json_response(None)
+
+    if "--enable-memory-saver" in _unknown:
+        app.router.add_post("/release_memory_occupation", release)
+        app.router.add_post("/resume_memory_occupation", resume)
     if sleeps:
         app.router.add_post("/sleep", sleep)
         app.router.add_post("/wake_up", wake_up)

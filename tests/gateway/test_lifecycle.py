@@ -563,3 +563,35 @@ async def test_a_callers_request_id_is_never_stored(tmp_path: Path, engine: Any)
     data = b"".join(p.read_bytes() for p in state.glob("gateway.sqlite3*"))
     assert b"caller-secret-7" not in data
     assert b"my-model/0" in data
+
+
+async def test_sglang_with_park_sleep_releases_and_resumes_its_memory(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    dep = launched(engine="sglang", engine_version="0.5.21", lifecycle={"park": "sleep"})
+    gw = await make_gateway({"deployments": [dep]})
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        pid = pid_of(gw)
+        cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
+        assert b"--enable-memory-saver" in cmdline and b"--enable-cache-report" in cmdline
+        from capyctl_gateway._lifecycle.operator import operator_park
+
+        await operator_park(gw.gateway.lifecycle, "my-model", known=True)
+        assert gw.gateway.lifecycle.lives["my-model"].state == "parked"
+        r = await c.post("/v1/chat/completions", json=chat())  # released, the fake answers 503
+        assert r.status_code == 200, r.text
+        assert pid_of(gw) == pid
+    assert [t["to"] for t in transitions(caplog)][-2:] == ["waking", "ready"]
+
+
+async def test_sglang_under_park_auto_is_never_asked_to_release(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway({"deployments": [launched(engine="sglang", engine_version="0.5.21")]})
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    pid = pid_of(gw)
+    cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
+    assert b"--enable-memory-saver" not in cmdline
+    doc = deployment_status(gw.gateway, "my-model")
+    assert doc is not None and doc["deployment"]["park"] == "stop"

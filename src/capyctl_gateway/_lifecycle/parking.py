@@ -7,6 +7,10 @@
   child process (all its memory goes; the router stays up) and answers before the child has
   gone, so the park waits until ``GET /v1/models`` says ``unloaded``; ``POST /models/load``
   starts a new child, and the wake waits for ``loaded``.
+- SGLang 0.5.21, launched with ``--enable-memory-saver``: ``POST /release_memory_occupation``
+  with ``{}`` (every tag: weights, KV cache, CUDA graphs) releases its GPU memory, ``POST
+  /resume_memory_occupation`` with ``{}`` takes it back. It has no route that says which state
+  it is in: a 200 is the proof.
 
 Each call takes the engine's key like any route.
 """
@@ -98,6 +102,9 @@ async def put_to_sleep(
         await _post(session, f"{base}/models/unload", headers, {"model": router_model})
         await _router_until(session, base, headers, router_model, "unloaded")
         return
+    if kind is EngineKind.SGLANG:
+        await _post(session, f"{base}/release_memory_occupation", headers, {})
+        return
     if kind is not EngineKind.VLLM:
         raise ParkFailedError(f"{kind.value} cannot be parked with its process up")
     await _post(session, f"{base}/sleep?level=1", headers)
@@ -116,6 +123,9 @@ async def wake_up(
     if kind is EngineKind.LLAMACPP and router_model is not None:
         await _post(session, f"{base}/models/load", headers, {"model": router_model})
         await _router_until(session, base, headers, router_model, "loaded")
+        return
+    if kind is EngineKind.SGLANG:
+        await _post(session, f"{base}/resume_memory_occupation", headers, {})
         return
     if kind is not EngineKind.VLLM:
         raise ParkFailedError(f"{kind.value} cannot be woken")
