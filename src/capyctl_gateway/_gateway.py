@@ -27,9 +27,11 @@ from ._config import GatewayConfig
 from ._deployments.checks import CheckWatch
 from ._deployments.queue import BodyBudget
 from ._deployments.routes import EngineInstance, Route, build_routes
-from ._deployments.settle import Settlement
+from ._deployments.settle import CutRequest, Settlement
 from ._lifecycle.controller import Lifecycle
+from ._lifecycle.states import Launched
 from ._store import Store, restore
+from ._telemetry import Telemetry
 
 __all__ = [
     "IDLE_CONNECTION_S",
@@ -69,13 +71,15 @@ class Gateway:
         self.collector_options = collector_options or ProviderOptions()
         self.clock = clock
         self.collector: Collector | None = None
+        self.telemetry = Telemetry()
+        """The gateway's own counts and timings (read by the /metrics exposition)."""
         self.store = Store(state_dir / "gateway.sqlite3") if state_dir is not None else None
         store = self.store
         self.settlement = Settlement(
             clock,
             poll=self._set_poll_interval,
             on_cut=store.add_cut if store is not None else None,
-            on_settled=store.settled if store is not None else None,
+            on_settled=self._settled,
         )
         self.routes: dict[str, Route] = build_routes(
             config, os.environ if env is None else env, self.settlement
@@ -108,6 +112,7 @@ class Gateway:
                 else None
             ),
         )
+        self.lifecycle.engines.observers.append(self._transition)
         if store is not None:
             restore(store, self.routes, self.settlement, self.lifecycle)
         self.started_at = int(clock())
@@ -151,6 +156,15 @@ class Gateway:
             if m.running_requests is not None and m.waiting_requests is not None:
                 return max(running, int(m.running_requests + m.waiting_requests))
         return running
+
+    def _settled(self, key: str, cuts: list[CutRequest], why: str) -> None:
+        deployment, _, index = key.rpartition("/")
+        self.telemetry.settled[(deployment, index, why)] += len(cuts)
+        if self.store is not None:
+            self.store.settled(key, cuts)
+
+    def _transition(self, lc: Launched) -> None:
+        self.telemetry.transitions[(lc.inst.deployment, lc.state.value)] += 1
 
     def _engine_ready(self, inst: EngineInstance) -> None:
         """A launched engine answers: the collector watches it from now on."""

@@ -90,7 +90,7 @@ class Store:
             (instance, cut.request_id, cut.cut_at, cut.rule.value, cut.reason),
         )
 
-    def settled(self, instance: str, cuts: list[CutRequest]) -> None:
+    def settled(self, instance: str, cuts: list[CutRequest], why: str = "") -> None:
         self.drop_cuts(instance, (c.request_id for c in cuts))
 
     def drop_cuts(self, instance: str, request_ids: Iterable[str]) -> None:

@@ -26,7 +26,7 @@ from ._identity import (
     read_api_key,
 )
 from ._log import configure_logging
-from ._management.api import create_management_app
+from ._management.api import create_management_app, create_metrics_app
 from ._management.render import print_list, print_status
 
 app = typer.Typer(
@@ -148,6 +148,14 @@ def serve(
     log_format: Annotated[
         str, typer.Option("--log-format", help="text or json (default: text on a terminal).")
     ] = "auto",
+    metrics: Annotated[
+        str | None,
+        typer.Option(
+            "--metrics",
+            help="Also serve GET /metrics (same key) on HOST:PORT, e.g. for a Prometheus "
+            "scraper on another machine (env CAPYCTL_METRICS_ADDR).",
+        ),
+    ] = None,
 ) -> None:
     """Serve until interrupted."""
     fmt = log_format if log_format != "auto" else ("text" if sys.stderr.isatty() else "json")
@@ -166,6 +174,8 @@ def serve(
         _enough_files(2 * cfg.limits.max_connections + 256)
         sock = _bind(host, port)
         msock = _bind(mhost, mport)
+        metrics = metrics or os.environ.get("CAPYCTL_METRICS_ADDR")
+        xsock = _bind(*_address(metrics, "--metrics")) if metrics else None
     except (ConfigError, CredentialsError) as exc:
         raise _fail(str(exc)) from None
     try:
@@ -176,18 +186,26 @@ def serve(
         pass
     listening = (
         f"capyctl-gateway listening on http://{host}:{sock.getsockname()[1]}/v1 "
-        f"(key in {credentials_path(state)}; management on {mhost}:{msock.getsockname()[1]})"
+        f"(key in {credentials_path(state)}; management on {mhost}:{msock.getsockname()[1]}"
+        + (f"; metrics on {metrics}" if metrics else "")
+        + ")"
     )
-    asyncio.run(_run(application, sock, msock, listening))
+    asyncio.run(_run(application, sock, msock, listening, xsock))
 
 
 async def _run(
-    application: web.Application, sock: socket.socket, msock: socket.socket, listening: str
+    application: web.Application,
+    sock: socket.socket,
+    msock: socket.socket,
+    listening: str,
+    xsock: socket.socket | None = None,
 ) -> None:
     runner = GatewayRunner(application, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     mrunner = web.AppRunner(create_management_app(application[GATEWAY_KEY]), access_log=None)
     await mrunner.setup()
+    xrunner = web.AppRunner(create_metrics_app(application[GATEWAY_KEY]), access_log=None)
+    await xrunner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     received: list[signal.Signals] = []
@@ -201,6 +219,8 @@ async def _run(
     try:
         await web.SockSite(runner, sock, backlog=4096).start()
         await web.SockSite(mrunner, msock).start()
+        if xsock is not None:
+            await web.SockSite(xrunner, xsock).start()
         typer.echo(listening, err=True)  # once it is true, and signals are handled
         await stop.wait()
         gateway = application[GATEWAY_KEY]
@@ -213,6 +233,7 @@ async def _run(
             err=True,
         )
     finally:
+        await xrunner.cleanup()
         await mrunner.cleanup()
         await runner.cleanup()
     typer.echo("capyctl-gateway: stopped", err=True)

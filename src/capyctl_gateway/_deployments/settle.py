@@ -82,7 +82,7 @@ class Settlement:
         poll: Callable[[str, int | None], None],
         fast_poll_ms: int = FAST_POLL_MS,
         on_cut: Callable[[str, CutRequest], None] | None = None,
-        on_settled: Callable[[str, list[CutRequest]], None] | None = None,
+        on_settled: Callable[[str, list[CutRequest], str], None] | None = None,
     ) -> None:
         """``poll(key, interval_ms)`` sets an instance's polling interval (None: the
         collector's default); it is how settlement asks for faster samples while a cut
@@ -181,7 +181,7 @@ class Settlement:
             Settled(c, why, now, sample_requested_at) for c in ledger.cut if c not in keep
         )
         if self._on_settled is not None:
-            self._on_settled(ledger.key, [c for c in ledger.cut if c not in keep])
+            self._on_settled(ledger.key, [c for c in ledger.cut if c not in keep], why)
         ledger.cut = keep
         self.settled += gone
         logger.info("%s: %d cut request(s) settled (%s)", ledger.key, gone, why)

@@ -31,6 +31,7 @@ from .._relay.exchange import Exchange, Outcome
 from .._ulid import new_ulid
 from .answers import answer, error_response
 from .body import Body
+from .record import Times, outcome_of, record
 from .validate import caller_request_id, engine_payload, parse_chat_request, parse_decision_request
 
 __all__ = ["MAX_OFFERS", "Inference", "identify"]
@@ -63,12 +64,16 @@ class Inference:
         return await self._serve(request, Api.DECISIONS)
 
     async def _serve(self, request: web.Request, api: Api) -> web.StreamResponse:
-        arrival = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        times = Times(loop.time())
         rid = new_ulid()
         headers = {"X-CapyCTL-Request-Id": rid}
         config = self.gw.config
         limits = config.limits
         held = Body(self.gw.bodies)
+        deadline = times.arrival + config.queue.request_deadline
+        name, outcome, code = "", "hang_up", None  # what a cancellation leaves
+        call: _Call | None = None
         try:
             try:
                 caller = identify(self.gw, request, headers)
@@ -81,29 +86,40 @@ class Inference:
                     raw = await held.read(request, limit, limits.body_read_timeout)
                     decision = parse_decision_request(raw, config)
                     dep, body, stream = decision.deployment, decision.body, False
+                name = dep.name
                 payload = engine_payload(body, dep, chat=api is Api.CHAT, stream=stream)
                 del raw, body
                 route = self.gw.routes[dep.name]
-                await route.queue.acquire(arrival + config.queue.request_deadline)
+                await route.queue.acquire(deadline)
+                times.slot = loop.time()
                 if dep.launched:
                     try:
-                        await self.gw.lifecycle.ensure_ready(
-                            dep.name, arrival + config.queue.request_deadline
-                        )
+                        await self.gw.lifecycle.ensure_ready(dep.name, deadline)
                     except BaseException:
                         route.queue.release()
                         raise
+                    times.ready = loop.time()
             except GatewayError as err:
+                outcome, code, name = "refused", err.code, name or err.deployment or ""
                 return await answer(request, err, headers, rid)
             try:
-                call = _Call(request, api, dep, payload, stream, headers, rid, caller, arrival)
-                return await self._offer(call)
+                call = _Call(
+                    request, api, dep, payload, stream, headers, rid, caller, times.arrival
+                )
+                response = await self._offer(call)
+                outcome = outcome_of(call.ex, None)
+                return response
             except GatewayError as err:
+                outcome, code = outcome_of(call.ex if call else None, err), err.code
                 return await answer(request, err, headers, rid)
             finally:
                 route.queue.release()
         finally:
             held.release()
+            ex = call.ex if call is not None else None
+            instance = call.instance if call is not None else None
+            launched = call is not None and call.dep.launched
+            record(self.gw.telemetry, name, api.value, outcome, code, times, ex, instance, launched)
 
     async def _offer(self, call: _Call) -> web.StreamResponse:
         route = self.gw.routes[call.dep.name]
@@ -130,6 +146,7 @@ class Inference:
                 idle_timeout=self.gw.config.queue.stream_idle_timeout,
                 drains=self.gw.drains,
             )
+            call.ex, call.instance = ex, instance.index
             instance.ledger.running += 1
             try:
                 return await self._exchange(call, ex)
@@ -189,7 +206,9 @@ class _Call:
         "arrival",
         "caller",
         "dep",
+        "ex",
         "headers",
+        "instance",
         "payload",
         "request",
         "rid",
@@ -211,6 +230,9 @@ class _Call:
         self.request, self.api, self.dep, self.payload = request, api, dep, payload
         self.stream, self.headers, self.rid, self.caller = stream, headers, rid, caller
         self.arrival = arrival
+        self.ex: Exchange | None = None
+        """The last exchange offered (the one that answered, or failed)."""
+        self.instance: int | None = None
 
 
 def identify(gateway: Gateway, request: web.Request, headers: dict[str, str]) -> str | None:

@@ -12,7 +12,7 @@ import orjson
 
 from .._config import Api, Deployment, GatewayConfig
 from .._engines import facts
-from .._errors import RefusedError, UnknownModelError, invalid
+from .._errors import GatewayError, RefusedError, UnknownModelError, invalid
 
 __all__ = [
     "CHAT_FIELDS",
@@ -128,8 +128,17 @@ def resolve(raw: bytes, config: GatewayConfig, api: Api) -> tuple[dict[str, Any]
 
 
 def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
-    """Validate a chat body in the documented order; raise the documented GatewayError."""
+    """Validate a chat body in the documented order; raise the documented GatewayError (with
+    the deployment it names, once that is known, for the gateway's counts)."""
     body, deployment = resolve(raw, config, Api.CHAT)
+    try:
+        return _check_chat(body, deployment)
+    except GatewayError as err:
+        err.deployment = deployment.name
+        raise
+
+
+def _check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
     for key in body:
         if key not in CHAT_FIELDS:
             raise invalid(f"request field `{key}` is not accepted")
@@ -165,6 +174,14 @@ def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
 def parse_decision_request(raw: bytes, config: GatewayConfig) -> DecisionRequest:
     """The documented checks, in order; the engine judges the rest."""
     body, deployment = resolve(raw, config, Api.DECISIONS)
+    try:
+        return _check_decision(body, deployment)
+    except GatewayError as err:
+        err.deployment = deployment.name
+        raise
+
+
+def _check_decision(body: dict[str, Any], deployment: Deployment) -> DecisionRequest:
     for key in body:
         if key not in DECISION_FIELDS:
             raise invalid(f"request field `{key}` is not accepted")

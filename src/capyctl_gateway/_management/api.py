@@ -15,17 +15,23 @@ from .._lifecycle.operator import (
     operator_stop,
 )
 from .._ulid import new_ulid
+from .metrics import exposition
 from .status import deployment_status
 
-__all__ = ["create_management_app"]
+__all__ = ["create_management_app", "create_metrics_app"]
 
 
 def _error(err: GatewayError, rid: str) -> web.Response:
     return error_response(err, {"X-CapyCTL-Request-Id": rid})
 
 
+async def not_found(request: web.Request) -> web.Response:
+    err = GatewayError(f"no route {request.method} {request.path}", status=404, code="not_found")
+    return _error(err, new_ulid())
+
+
 def create_management_app(gateway: Gateway) -> web.Application:
-    """The management application over ``gateway``."""
+    """The management application over ``gateway``: status, operator commands, ``/metrics``."""
 
     async def deployment(request: web.Request) -> web.Response:
         rid = new_ulid()
@@ -68,6 +74,40 @@ def create_management_app(gateway: Gateway) -> web.Application:
             return _error(err, rid)
         return _json(deployment_status(gateway, name), rid)
 
+    async def metrics(request: web.Request) -> web.Response:
+        rid = new_ulid()
+        if not gateway.authorized(request.headers.get("Authorization", "")):
+            return _error(UnauthorizedError(), rid)
+        return web.Response(
+            body=exposition(gateway),
+            headers={"X-CapyCTL-Request-Id": rid},
+            content_type="text/plain",
+            charset="utf-8",
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/management/v1/deployments", listing)
+    app.router.add_get("/management/v1/deployments/{name}", deployment)
+    app.router.add_post("/management/v1/deployments/{name}/{action:start|stop|park}", act)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app
+
+
+def create_metrics_app(gateway: Gateway) -> web.Application:
+    """``GET /metrics`` alone (same key), for a listener a Prometheus scraper can reach."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        rid = new_ulid()
+        if not gateway.authorized(request.headers.get("Authorization", "")):
+            return _error(UnauthorizedError(), rid)
+        return web.Response(
+            body=exposition(gateway),
+            headers={"X-CapyCTL-Request-Id": rid},
+            content_type="text/plain",
+            charset="utf-8",
+        )
+
     async def not_found(request: web.Request) -> web.Response:
         err = GatewayError(
             f"no route {request.method} {request.path}", status=404, code="not_found"
@@ -75,8 +115,6 @@ def create_management_app(gateway: Gateway) -> web.Application:
         return _error(err, new_ulid())
 
     app = web.Application()
-    app.router.add_get("/management/v1/deployments", listing)
-    app.router.add_get("/management/v1/deployments/{name}", deployment)
-    app.router.add_post("/management/v1/deployments/{name}/{action:start|stop|park}", act)
+    app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

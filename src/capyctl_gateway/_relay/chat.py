@@ -96,7 +96,7 @@ async def relay_chat(
             raise  # nothing written yet: the HTTP surface answers it
         return await stream_error(request, out, err, headers)
     finally:
-        ex.outcome.answered = ex.outcome.answered or verifier.answered
+        _note(ex, verifier)
 
 
 async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_bytes: int) -> bytes:
@@ -132,10 +132,16 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_byt
         message = f"the engine answer failed verification: {exc}"
         raise EngineError(message, detail=exc.detail) from exc
     finally:
-        ex.outcome.answered = ex.outcome.answered or verifier.answered
+        _note(ex, verifier)
     result = assembler.result()
     result["capyctl"] = {"metrics": _figures(dep, verifier, sent_at)}
     return orjson.dumps(result)
+
+
+def _note(ex: Exchange, verifier: ChunkVerifier) -> None:
+    out = ex.outcome
+    out.answered = out.answered or verifier.answered
+    out.first_content_at, out.last_at = verifier.first_text_at, verifier.last_at
 
 
 def _said(exc: UnverifiedError) -> str:

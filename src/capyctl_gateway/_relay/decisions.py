@@ -51,6 +51,7 @@ async def relay_decision(
         resp = await ex.post(payload)
         raw = await resp.content.read(max_bytes + 1)
         ex.complete()
+        ex.outcome.last_at = loop.time()
     if resp.status != 200:
         raise await refusal(resp, ex.where, raw)
     if len(raw) > max_bytes:

@@ -76,6 +76,13 @@ class Outcome:
     """The engine produced part of the answer, or an error, before the end."""
     error: str | None = None
     """What went wrong with the engine, for the log."""
+    kind: str | None = None
+    """How it went wrong, for the gateway's counts: engine_error, unverified, engine_rejected."""
+    head_at: float | None = None
+    """Loop time when the engine's answer's head arrived."""
+    first_content_at: float | None = None
+    last_at: float | None = None
+    """Loop times of the first content and the last chunk relayed (or read)."""
 
 
 class Exchange:
@@ -134,6 +141,7 @@ class Exchange:
         self.response = await self._session.post(
             self._url, data=payload, headers=self._headers, allow_redirects=False
         )
+        self.outcome.head_at = asyncio.get_running_loop().time()
         return self.response
 
     async def open_stream(self, payload: bytes) -> aiohttp.StreamReader:
@@ -206,6 +214,7 @@ class Exchange:
             return NotAcceptedError(f"{self.where} could not be reached", detail=str(exc))
         if isinstance(exc, aiohttp.ClientError):
             out.error = str(exc) or type(exc).__name__
+            out.kind = "engine_error"
             return EngineError(f"{self.where}: the engine connection failed", detail=out.error)
         if isinstance(exc, TimeoutError) and self._bound.expired and self.writing:
             out.cut = "hang_up"
@@ -223,10 +232,15 @@ class Exchange:
             return exc
         if isinstance(exc, EngineRejectedError):
             out.answered = out.completed = True
+            out.kind = "engine_rejected"
         elif isinstance(exc, UnverifiedError):
             out.error = str(exc)
+            out.kind = "unverified"
+        elif isinstance(exc, EngineError):
+            out.kind = "engine_error"
         elif not isinstance(exc, GatewayError):
             out.error = repr(exc)
+            out.kind = "engine_error"
         return exc
 
 

@@ -1,0 +1,70 @@
+"""The gateway's own counts and timings, recorded cheaply on the hot path.
+
+Recording a request is a few dictionary lookups, integer additions and one C-level bisect per
+timing: no locks, no label resolution, no per-request allocation beyond the key tuples. The
+Prometheus exposition (``_management/metrics.py``) reads these numbers at scrape time, where the
+cost does not matter. Labels come from the configuration (deployment, instance), from the
+gateway's fixed outcomes and its documented error codes, never from a client.
+
+Imports nothing of the gateway's rooms.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["BUCKETS", "OUTCOMES", "PHASES", "Histogram", "Telemetry"]
+
+BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+"""Seconds, for LLM traffic: a millisecond (a queue without wait, a cached head) to ten
+minutes (the default request deadline)."""
+OUTCOMES = (
+    "completed", "engine_error", "unverified", "hang_up", "deadline", "idle_timeout", "refused",
+)  # fmt: skip
+PHASES = (
+    "queue_wait", "activation_wait", "engine_first_byte", "first_content", "last_chunk", "total",
+)  # fmt: skip
+"""What each timing measures, from the request's arrival: the wait for a running slot; the wait
+for a launched engine to start or wake; then, from the moment the request was sent to the
+engine, its answer's head, its first content, its last chunk; and the whole request."""
+
+
+@dataclass(slots=True)
+class Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(BUCKETS, value)] += 1
+        self.total += value
+
+
+class Telemetry:
+    """Counters and histograms keyed by (deployment, ...)."""
+
+    __slots__ = ("requests", "refusals", "timings", "transitions", "settled")
+
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, str, str]] = Counter()
+        """(deployment, api, outcome) -> requests."""
+        self.refusals: Counter[tuple[str, str]] = Counter()
+        """(deployment or "", code) -> refused requests."""
+        self.timings: dict[tuple[str, str], list[Histogram]] = {}
+        """(deployment, instance) -> one histogram per phase, in `PHASES` order (seconds)."""
+        self.transitions: Counter[tuple[str, str]] = Counter()
+        """(deployment, to state) -> lifecycle transitions."""
+        self.settled: Counter[tuple[str, str, str]] = Counter()
+        """(deployment, instance, how) -> cut requests settled."""
+
+    def phases(self, deployment: str, instance: str) -> list[Histogram]:
+        """The histograms of (deployment, instance), indexed as `PHASES`."""
+        key = (deployment, instance)
+        found = self.timings.get(key)
+        if found is None:
+            found = self.timings[key] = [Histogram() for _ in PHASES]
+        return found

@@ -1,0 +1,108 @@
+"""GET /metrics on the management listener: the gateway's own series after real traffic,
+parsed back with prometheus_client's parser."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from capyctl_gateway import create_management_app
+from tests.gateway.conftest import Gw, deployments
+from tests.gateway.fake_engine import FakeEngine, Hold, chunk, event, vllm_stream
+
+pytestmark = pytest.mark.anyio
+CHAT: dict[str, Any] = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
+MakeGateway = Callable[..., Awaitable[Gw]]
+
+
+async def scrape(gw: Gw, *, key: str | None = None) -> httpx.Response:
+    runner = web.AppRunner(create_management_app(gw.gateway))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with httpx.AsyncClient() as c:
+            headers = {"Authorization": f"Bearer {key or gw.key}"}
+            return await c.get(f"http://{host}:{port}/metrics", headers=headers)
+    finally:
+        await runner.cleanup()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_metrics_count_outcomes_refusals_and_timings(
+    engine: FakeEngine, make_gateway: MakeGateway
+) -> None:
+    gw = await make_gateway({"deployments": [deployments(engine.url)]})
+    engine.script = vllm_stream()
+    async with gw.client() as c:
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert (await c.post("/v1/chat/completions", json={**CHAT, "n": 2})).status_code == 400
+        assert (
+            await c.post("/v1/chat/completions", json={**CHAT, "model": "x"})
+        ).status_code == 404
+        # One client hangs up mid-stream.
+        engine.script = [event(chunk(delta={"role": "assistant", "content": ""})), Hold()]
+        engine.arrived.clear()
+        async with anyio.create_task_group() as tg:
+
+            async def hang() -> None:
+                await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+
+            tg.start_soon(hang)
+            with anyio.fail_after(5):
+                await engine.arrived.wait()
+            tg.cancel_scope.cancel()
+        with anyio.fail_after(5):
+            await engine.hung_up.wait()
+    r = await scrape(gw)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    got = samples(r.text)
+
+    def value(name: str, **labels: str) -> float:
+        return got[(name, tuple(sorted(labels.items())))]
+
+    assert (
+        value("capyctl_requests_total", deployment="my-model", api="chat", outcome="completed") == 3
+    )
+    assert (
+        value("capyctl_requests_total", deployment="my-model", api="chat", outcome="refused") == 1
+    )
+    assert value("capyctl_requests_total", deployment="", api="chat", outcome="refused") == 1
+    assert (
+        value("capyctl_requests_total", deployment="my-model", api="chat", outcome="hang_up") == 1
+    )
+    assert value("capyctl_refusals_total", deployment="my-model", code="unsupported_parameter") == 1
+    assert value("capyctl_refusals_total", deployment="", code="unknown_model") == 1
+    for phase in ("queue_wait", "engine_first_byte", "first_content", "last_chunk", "total"):
+        count = value(f"capyctl_{phase}_seconds_count", deployment="my-model", instance="0")
+        assert count >= 3, phase
+        assert value(f"capyctl_{phase}_seconds_bucket", deployment="my-model", instance="0",
+                     le="+Inf") == count  # fmt: skip
+    assert (
+        value("capyctl_cut_requests", deployment="my-model", instance="0", settles="at_restart")
+        == 1
+    )
+    assert value("capyctl_running", deployment="my-model") == 0
+    assert value("capyctl_collector_state", deployment="my-model", instance="0", state="ready") == 1
+    assert ("capyctl_sample_age_seconds", (("deployment", "my-model"), ("instance", "0"))) in got
+    # A client's words never become a label: the unknown model counts under "".
+    assert not any(dict(labels).get("deployment") == "x" for _, labels in got)
+
+
+async def test_metrics_need_the_key(gateway: Gw) -> None:
+    assert (await scrape(gateway, key="wrong")).status_code == 401
