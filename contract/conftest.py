@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -83,9 +84,15 @@ async def _gateway(engine: str, version: str, url: str) -> AsyncIterator[Running
         "served_model": "tiny",
         "instances": [{"url": url}],
     }
-    config = GatewayConfig.model_validate({"deployments": [deployment]})
+    async for gw in serve_gateway({"deployments": [deployment]}):
+        yield gw
+
+
+async def serve_gateway(config: dict[str, Any], **create: Any) -> AsyncGenerator[RunningGateway]:
+    """capyctl-gateway for ``config`` on a loopback port (``create``: more of create_app's
+    arguments), stopped when the iteration ends."""
     key = "live-" + "k" * 40
-    app = create_app(config, key, env={})
+    app = create_app(GatewayConfig.model_validate(config), key, env={}, **create)
     runner = GatewayRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

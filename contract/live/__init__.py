@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import select
 from typing import Any
 
 import httpx
 import orjson
 
-__all__ = ["streamed_chunks"]
+__all__ = ["gone", "streamed_chunks"]
+
+
+def gone(pid: int, within: float = 60) -> bool:
+    """Whether process ``pid`` is gone, waiting up to ``within`` s (a pidfd turns readable
+    when the process exits: no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], within)[0])
+    finally:
+        os.close(fd)
 
 
 async def streamed_chunks(base_url: str) -> list[dict[str, Any]]:

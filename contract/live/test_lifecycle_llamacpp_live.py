@@ -6,9 +6,8 @@ switches between them, each answer from the right model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
-import select
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,10 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from aiohttp import web
 
-from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._management.status import deployment_status
-from contract.conftest import RunningGateway
+from contract.conftest import RunningGateway, serve_gateway
+from contract.live import gone
 
 pytestmark = pytest.mark.anyio
 
@@ -45,25 +43,15 @@ def launched(name: str, binary: Path, model: Path, alias: str, **over: Any) -> d
 
 @pytest.fixture
 async def make_live_gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    runners: list[GatewayRunner] = []
+    stack = contextlib.AsyncExitStack()
 
     async def make(config: dict[str, Any]) -> RunningGateway:
-        app = create_app(
-            GatewayConfig.model_validate(config), "k" * 43, env={}, engine_logs=tmp_path / "logs"
-        )
-        runner = GatewayRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return RunningGateway(f"http://{host}:{port}", "k" * 43, app[GATEWAY_KEY])
+        serving = serve_gateway(config, engine_logs=tmp_path / "logs")
+        stack.push_async_callback(serving.aclose)
+        return await anext(serving)
 
-    try:
+    async with stack:
         yield make
-    finally:
-        for runner in runners:
-            await runner.cleanup()
 
 
 def transitions(caplog: pytest.LogCaptureFixture, to: str) -> list[dict[str, Any]]:
@@ -84,17 +72,6 @@ async def ask(gw: RunningGateway, model: str) -> dict[str, Any]:
     assert r.status_code == 200, r.text
     doc: dict[str, Any] = r.json()
     return doc
-
-
-def gone(pid: int, within: float = 30) -> bool:
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], within)[0])
-    finally:
-        os.close(fd)
 
 
 async def test_llama_server_started_by_a_request_stopped_when_idle_and_started_again(

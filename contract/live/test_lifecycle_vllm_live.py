@@ -5,7 +5,6 @@ figures, and with ``park: auto`` a park is a stop (the CPU build cannot sleep)."
 from __future__ import annotations
 
 import os
-import select
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,13 +13,12 @@ import anyio
 import httpx
 import orjson
 import pytest
-from aiohttp import web
 
-from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._lifecycle.operator import operator_park
 from capyctl_gateway._management.status import deployment_status
-from contract.conftest import RunningGateway
+from contract.conftest import RunningGateway, serve_gateway
 from contract.engines.vllm import VllmServer
+from contract.live import gone
 
 pytestmark = pytest.mark.anyio
 
@@ -49,28 +47,8 @@ async def launched_vllm(vllm_server: VllmServer, tmp_path: Path) -> AsyncIterato
         "served_model": "tiny",
         "instances": [{"launch": {"command": command, "env": extra, "startup_timeout": "300s"}}],
     }
-    config = GatewayConfig.model_validate({"deployments": [deployment]})
-    app = create_app(config, "k" * 43, env={}, engine_logs=tmp_path / "logs")
-    runner = GatewayRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield RunningGateway(f"http://{host}:{port}", "k" * 43, app[GATEWAY_KEY])
-    finally:
-        await runner.cleanup()
-
-
-def gone(pid: int, within: float = 60) -> bool:
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], within)[0])
-    finally:
-        os.close(fd)
+    async for gw in serve_gateway({"deployments": [deployment]}, engine_logs=tmp_path / "logs"):
+        yield gw
 
 
 async def test_vllm_launched_by_the_gateway_with_the_forced_flag(

@@ -98,18 +98,7 @@ async def put_to_sleep(
     *,
     router_model: str | None = None,
 ) -> None:
-    if kind is EngineKind.LLAMACPP and router_model is not None:
-        await _post(session, f"{base}/models/unload", headers, {"model": router_model})
-        await _router_until(session, base, headers, router_model, "unloaded")
-        return
-    if kind is EngineKind.SGLANG:
-        await _post(session, f"{base}/release_memory_occupation", headers, {})
-        return
-    if kind is not EngineKind.VLLM:
-        raise ParkFailedError(f"{kind.value} cannot be parked with its process up")
-    await _post(session, f"{base}/sleep?level=1", headers)
-    if not await _sleeping(session, base, headers):
-        raise ParkFailedError("the engine says it is not sleeping after /sleep")
+    await _drive(session, kind, base, headers, router_model, park=True)
 
 
 async def wake_up(
@@ -120,15 +109,32 @@ async def wake_up(
     *,
     router_model: str | None = None,
 ) -> None:
+    await _drive(session, kind, base, headers, router_model, park=False)
+
+
+async def _drive(
+    session: aiohttp.ClientSession,
+    kind: EngineKind,
+    base: str,
+    headers: dict[str, str],
+    router_model: str | None,
+    *,
+    park: bool,
+) -> None:
+    """Park (or wake) one engine the way its kind allows, and check it took effect."""
     if kind is EngineKind.LLAMACPP and router_model is not None:
-        await _post(session, f"{base}/models/load", headers, {"model": router_model})
-        await _router_until(session, base, headers, router_model, "loaded")
-        return
-    if kind is EngineKind.SGLANG:
-        await _post(session, f"{base}/resume_memory_occupation", headers, {})
-        return
-    if kind is not EngineKind.VLLM:
-        raise ParkFailedError(f"{kind.value} cannot be woken")
-    await _post(session, f"{base}/wake_up", headers)
-    if await _sleeping(session, base, headers):
-        raise ParkFailedError("the engine says it is still sleeping after /wake_up")
+        route, want = ("unload", "unloaded") if park else ("load", "loaded")
+        await _post(session, f"{base}/models/{route}", headers, {"model": router_model})
+        await _router_until(session, base, headers, router_model, want)
+    elif kind is EngineKind.SGLANG:
+        route = "release" if park else "resume"
+        await _post(session, f"{base}/{route}_memory_occupation", headers, {})
+    elif kind is EngineKind.VLLM:
+        await _post(session, f"{base}/sleep?level=1" if park else f"{base}/wake_up", headers)
+        if await _sleeping(session, base, headers) is not park:
+            raise ParkFailedError(
+                "the engine says it is "
+                + ("not sleeping after /sleep" if park else "still sleeping after /wake_up")
+            )
+    else:
+        raise ParkFailedError(f"{kind.value} cannot be parked with its process up")

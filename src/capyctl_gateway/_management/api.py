@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import orjson
 from aiohttp import web
 
@@ -74,19 +76,8 @@ def create_management_app(gateway: Gateway) -> web.Application:
             return _error(err, rid)
         return _json(deployment_status(gateway, name), rid)
 
-    async def metrics(request: web.Request) -> web.Response:
-        rid = new_ulid()
-        if not gateway.authorized(request.headers.get("Authorization", "")):
-            return _error(UnauthorizedError(), rid)
-        return web.Response(
-            body=exposition(gateway),
-            headers={"X-CapyCTL-Request-Id": rid},
-            content_type="text/plain",
-            charset="utf-8",
-        )
-
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", _metrics_handler(gateway))
     app.router.add_get("/management/v1/deployments", listing)
     app.router.add_get("/management/v1/deployments/{name}", deployment)
     app.router.add_post("/management/v1/deployments/{name}/{action:start|stop|park}", act)
@@ -94,9 +85,7 @@ def create_management_app(gateway: Gateway) -> web.Application:
     return app
 
 
-def create_metrics_app(gateway: Gateway) -> web.Application:
-    """``GET /metrics`` alone (same key), for a listener a Prometheus scraper can reach."""
-
+def _metrics_handler(gateway: Gateway) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def metrics(request: web.Request) -> web.Response:
         rid = new_ulid()
         if not gateway.authorized(request.headers.get("Authorization", "")):
@@ -108,13 +97,12 @@ def create_metrics_app(gateway: Gateway) -> web.Application:
             charset="utf-8",
         )
 
-    async def not_found(request: web.Request) -> web.Response:
-        err = GatewayError(
-            f"no route {request.method} {request.path}", status=404, code="not_found"
-        )
-        return _error(err, new_ulid())
+    return metrics
 
+
+def create_metrics_app(gateway: Gateway) -> web.Application:
+    """``GET /metrics`` alone (same key), for a listener a Prometheus scraper can reach."""
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", _metrics_handler(gateway))
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
