@@ -243,3 +243,20 @@ def test_a_reset_while_writing_to_the_client_is_a_hang_up_not_an_engine_failure(
         assert isinstance(mapped, ClientGoneError) and ex.outcome.cut == "hang_up"
     else:
         assert isinstance(mapped, EngineError) and ex.outcome.cut is None
+
+
+async def test_every_path_refuses_other_methods_with_405_and_hands_back_the_callers_id(
+    gateway: Gw,
+) -> None:
+    async with gateway.client() as c:
+        for method, path, allow in (
+            ("POST", "/v1/models", "GET"),
+            ("DELETE", "/openapi.json", "GET"),
+            ("GET", "/v1/systemone", "POST"),
+        ):
+            r = await c.request(method, path, headers={"X-Request-Id": "mine-405"})
+            assert (r.status_code, r.json()["code"]) == (405, "method_not_allowed"), path
+            assert r.headers["allow"] == allow
+            assert r.headers["x-request-id"] == "mine-405" and r.headers["x-capyctl-request-id"]
+        missing = await c.get("/nowhere", headers={"X-Request-Id": "mine-404"})
+    assert missing.status_code == 404 and missing.headers["x-request-id"] == "mine-404"

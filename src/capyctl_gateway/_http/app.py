@@ -18,6 +18,7 @@ from canopyx_provider import ProviderOptions
 from .._config import GatewayConfig
 from .._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
 from .inference import Inference
+from .openapi import openapi_handler
 from .server import HANGUPS_SEEN, LIMITS, GatewayRunner, Limits
 
 __all__ = ["GATEWAY_KEY", "GatewayRunner", "create_app"]
@@ -64,9 +65,12 @@ def create_app(
     app.cleanup_ctx.append(lambda _: engine_collector(gateway))
     app.cleanup_ctx.append(lambda _: engine_lifecycle(gateway))
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_route("*", "/v1/models", Inference.wrong_method("GET"))
     app.router.add_post("/v1/chat/completions", handlers.chat)
-    app.router.add_route("*", "/v1/chat/completions", handlers.wrong_method)
+    app.router.add_route("*", "/v1/chat/completions", Inference.wrong_method("POST"))
     app.router.add_post("/v1/systemone", handlers.decide)
-    app.router.add_route("*", "/v1/systemone", handlers.wrong_method)
+    app.router.add_route("*", "/v1/systemone", Inference.wrong_method("POST"))
+    app.router.add_get("/openapi.json", openapi_handler(gateway.authorized))
+    app.router.add_route("*", "/openapi.json", Inference.wrong_method("GET"))
     app.router.add_route("*", "/{tail:.*}", handlers.not_found)
     return app

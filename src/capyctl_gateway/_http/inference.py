@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -183,19 +184,36 @@ class Inference:
             self.gw.settlement.cut(ledger, rid, answered=out.answered, reason=reason)
 
     async def not_found(self, request: web.Request) -> web.Response:
-        headers = {"X-CapyCTL-Request-Id": new_ulid()}
         err = GatewayError(
             f"no route {request.method} {request.path}", status=404, code="not_found"
         )
-        return error_response(err, headers)
+        return error_response(err, _ids(request))
 
-    async def wrong_method(self, request: web.Request) -> web.Response:
-        err = GatewayError(
-            f"{request.path} answers POST, not {request.method}",
-            status=405,
-            code="method_not_allowed",
-        )
-        return error_response(err, {"X-CapyCTL-Request-Id": new_ulid(), "Allow": "POST"})
+    @staticmethod
+    def wrong_method(allow: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """The 405 handler of a path that answers ``allow`` only."""
+
+        async def refuse(request: web.Request) -> web.Response:
+            err = GatewayError(
+                f"{request.path} answers {allow}, not {request.method}",
+                status=405,
+                code="method_not_allowed",
+            )
+            return error_response(err, {**_ids(request), "Allow": allow})
+
+        return refuse
+
+
+def _ids(request: web.Request) -> dict[str, str]:
+    """Our request ID, and the caller's when it sent a valid one (as on every answer)."""
+    headers = {"X-CapyCTL-Request-Id": new_ulid()}
+    try:
+        caller = caller_request_id(request.headers.getall("X-Request-Id", []))
+    except GatewayError:
+        caller = None
+    if caller is not None:
+        headers["X-Request-Id"] = caller
+    return headers
 
 
 class _Call:
