@@ -22,6 +22,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.live)
+        # Whichever test first asks for the session's vLLM pays its start (about 30 s, more on a
+        # busy machine, with its warm-up): whatever order the tests run in, that fits.
+        if "vllm_server" in getattr(item, "fixturenames", ()) and not item.get_closest_marker(
+            "timeout"
+        ):
+            item.add_marker(pytest.mark.timeout(300))
 
 
 @pytest.fixture(scope="session")

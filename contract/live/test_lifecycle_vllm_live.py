@@ -51,6 +51,7 @@ async def launched_vllm(vllm_server: VllmServer, tmp_path: Path) -> AsyncIterato
         yield gw
 
 
+@pytest.mark.timeout(600)  # the session's vLLM may start here, then the gateway starts its own
 async def test_vllm_launched_by_the_gateway_with_the_forced_flag(
     launched_vllm: RunningGateway,
 ) -> None:
