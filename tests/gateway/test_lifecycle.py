@@ -258,8 +258,11 @@ async def test_stopping_the_gateway_stops_every_engine_it_launched(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_an_engine_dies_with_a_gateway_killed_outright(tmp_path: Path) -> None:
+    # The engine forks a child of its own (as vLLM does): it must not outlive the gateway either.
     config = tmp_path / "g.yaml"
-    config.write_text(yaml.safe_dump({"deployments": [launched()]}))
+    child_file = tmp_path / "child.pid"
+    dep = launched(extra=["--child-pid-file", str(child_file)])
+    config.write_text(yaml.safe_dump({"deployments": [dep]}))
     state = tmp_path / "state"
     ports = [_free_port(), _free_port()]
     argv = [
@@ -282,9 +285,11 @@ def test_an_engine_dies_with_a_gateway_killed_outright(tmp_path: Path) -> None:
                 assert "from tiny" in r.text
                 doc = c.get(f"http://127.0.0.1:{ports[1]}/management/v1/deployments/my-model")
             pid = doc.json()["instances"][0]["process"]["pid"]
+            child = int(child_file.read_text())
             gateway.send_signal(signal.SIGKILL)
             gateway.wait(timeout=30)
             wait_gone(pid)
+            wait_gone(child)
         finally:
             if gateway.poll() is None:
                 gateway.kill()

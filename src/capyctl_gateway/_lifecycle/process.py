@@ -2,10 +2,10 @@
 it answers, stopped with its whole process group.
 
 The command is the operator's, plus ``--host 127.0.0.1 --port <free port>`` and the engine's
-forced flags (`EngineFacts.forced_flags`). The process gets a session of its own (so a stop
-reaches the children an engine forks) and, on Linux, dies with the gateway even when the gateway
-is killed (``PR_SET_PDEATHSIG``). Its output goes to a log file; the last lines of it go to the
-gateway's log when a start fails.
+forced flags (`EngineFacts.forced_flags`). It runs under a reaper (``reaper.py``), a small
+process that the kernel signals when the gateway dies (``PR_SET_PDEATHSIG``, even on SIGKILL)
+and that then stops the engine's whole process group, children included. Its output goes to a
+log file; the last lines of it go to the gateway's log when a start fails.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from .._engines import EngineKind, facts
 
 __all__ = ["EngineProcess", "StartFailedError", "free_port", "launch_argv", "launch_env"]
 
-STOP_GRACE_S = 10.0
-"""A stopping engine gets SIGTERM, and SIGKILL after this long."""
+STOP_GRACE_S = 15.0
+"""A stopping engine's reaper gets SIGTERM (it gives the engine 10 s), and SIGKILL after this."""
+REAPER = [sys.executable, "-m", "capyctl_gateway._lifecycle.reaper", "--"]
 PROBE_EVERY_S = 0.1
 
 
@@ -65,8 +66,8 @@ def _die_with_parent() -> None:  # runs in the child, between fork and exec
     if sys.platform.startswith("linux"):
         import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        pr_set_pdeathsig = 1  # SIGTERM, so that the reaper can stop its engine first
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class EngineProcess:
@@ -83,6 +84,7 @@ class EngineProcess:
 
     @property
     def pid(self) -> int | None:
+        """The reaper's: its command line is the engine's, after ``--``."""
         return self.proc.pid if self.proc is not None else None
 
     async def start(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
@@ -96,6 +98,7 @@ class EngineProcess:
         with self.log_path.open("ab") as log:
             try:
                 self.proc = await asyncio.create_subprocess_exec(
+                    *REAPER,
                     *self.argv,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log,
