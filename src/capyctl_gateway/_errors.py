@@ -96,8 +96,6 @@ class GatewayError(Exception):
         """What only the log may see (addresses, the engine's own words)."""
         self.in_band = in_band
         """The client asked for a stream and hears of this as an error event on it."""
-        self.deployment: str | None = None
-        """The deployment the refused request named, once known (for the gateway's counts)."""
 
     def body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"code": self.code, "message": self.message}

@@ -33,7 +33,7 @@ from .._ulid import new_ulid
 from .answers import answer, error_response
 from .body import Body
 from .record import Times, outcome_of, record
-from .validate import caller_request_id, engine_payload, parse_chat_request, parse_decision_request
+from .validate import caller_request_id, check_chat, check_decision, engine_payload, resolve
 
 __all__ = ["MAX_OFFERS", "Inference", "identify"]
 
@@ -78,16 +78,16 @@ class Inference:
         try:
             try:
                 caller = identify(self.gw, request, headers)
-                if api is Api.CHAT:
-                    raw = await held.read(request, limits.max_body_bytes, limits.body_read_timeout)
-                    chat = parse_chat_request(raw, config)
-                    dep, body, stream = chat.deployment, chat.body, chat.stream
+                chat_api = api is Api.CHAT
+                limit = limits.max_body_bytes if chat_api else limits.max_decision_body_bytes
+                raw = await held.read(request, limit, limits.body_read_timeout)
+                body, dep = resolve(raw, config, api)
+                name = dep.name  # known from here on: the refusals below count under it
+                if chat_api:
+                    stream = check_chat(body, dep).stream
                 else:
-                    limit = limits.max_decision_body_bytes
-                    raw = await held.read(request, limit, limits.body_read_timeout)
-                    decision = parse_decision_request(raw, config)
-                    dep, body, stream = decision.deployment, decision.body, False
-                name = dep.name
+                    check_decision(body, dep)
+                    stream = False
                 payload = engine_payload(body, dep, chat=api is Api.CHAT, stream=stream)
                 del raw, body
                 route = self.gw.routes[dep.name]
@@ -101,7 +101,7 @@ class Inference:
                         raise
                     times.ready = loop.time()
             except GatewayError as err:
-                outcome, code, name = "refused", err.code, name or err.deployment or ""
+                outcome, code = "refused", err.code
                 return await answer(request, err, headers, rid)
             try:
                 call = _Call(

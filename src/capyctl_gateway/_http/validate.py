@@ -12,7 +12,7 @@ import orjson
 
 from .._config import Api, Deployment, GatewayConfig
 from .._engines import facts
-from .._errors import GatewayError, RefusedError, UnknownModelError, invalid
+from .._errors import RefusedError, UnknownModelError, invalid
 
 __all__ = [
     "CHAT_FIELDS",
@@ -20,6 +20,8 @@ __all__ = [
     "ChatRequest",
     "DecisionRequest",
     "caller_request_id",
+    "check_chat",
+    "check_decision",
     "engine_payload",
     "parse_chat_request",
     "parse_decision_request",
@@ -128,17 +130,12 @@ def resolve(raw: bytes, config: GatewayConfig, api: Api) -> tuple[dict[str, Any]
 
 
 def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
-    """Validate a chat body in the documented order; raise the documented GatewayError (with
-    the deployment it names, once that is known, for the gateway's counts)."""
-    body, deployment = resolve(raw, config, Api.CHAT)
-    try:
-        return _check_chat(body, deployment)
-    except GatewayError as err:
-        err.deployment = deployment.name
-        raise
+    """Validate a chat body in the documented order; raise the documented GatewayError."""
+    return check_chat(*resolve(raw, config, Api.CHAT))
 
 
-def _check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
+def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
+    """The chat checks after `resolve` (which found ``deployment``), in the documented order."""
     for key in body:
         if key not in CHAT_FIELDS:
             raise invalid(f"request field `{key}` is not accepted")
@@ -173,15 +170,11 @@ def _check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
 
 def parse_decision_request(raw: bytes, config: GatewayConfig) -> DecisionRequest:
     """The documented checks, in order; the engine judges the rest."""
-    body, deployment = resolve(raw, config, Api.DECISIONS)
-    try:
-        return _check_decision(body, deployment)
-    except GatewayError as err:
-        err.deployment = deployment.name
-        raise
+    return check_decision(*resolve(raw, config, Api.DECISIONS))
 
 
-def _check_decision(body: dict[str, Any], deployment: Deployment) -> DecisionRequest:
+def check_decision(body: dict[str, Any], deployment: Deployment) -> DecisionRequest:
+    """The decision checks after `resolve` (which found ``deployment``)."""
     for key in body:
         if key not in DECISION_FIELDS:
             raise invalid(f"request field `{key}` is not accepted")

@@ -24,7 +24,7 @@ import aiohttp
 
 from .._engines import EngineKind
 
-__all__ = ["ParkFailedError", "put_to_sleep", "wake_up"]
+__all__ = ["ParkFailedError", "drive"]
 
 PARK_TIMEOUT_S = 600.0
 STATUS_EVERY_S = 0.2
@@ -90,29 +90,7 @@ async def _router_until(
         await asyncio.sleep(STATUS_EVERY_S)
 
 
-async def put_to_sleep(
-    session: aiohttp.ClientSession,
-    kind: EngineKind,
-    base: str,
-    headers: dict[str, str],
-    *,
-    router_model: str | None = None,
-) -> None:
-    await _drive(session, kind, base, headers, router_model, park=True)
-
-
-async def wake_up(
-    session: aiohttp.ClientSession,
-    kind: EngineKind,
-    base: str,
-    headers: dict[str, str],
-    *,
-    router_model: str | None = None,
-) -> None:
-    await _drive(session, kind, base, headers, router_model, park=False)
-
-
-async def _drive(
+async def drive(
     session: aiohttp.ClientSession,
     kind: EngineKind,
     base: str,

@@ -14,7 +14,7 @@ import aiohttp
 from .._deployments.routes import EngineInstance
 from .._deployments.settle import Settlement
 from .._log import event
-from .parking import ParkFailedError, put_to_sleep, wake_up
+from .parking import ParkFailedError, drive
 from .process import EngineProcess, StartFailedError, free_port, launch_argv, launch_env
 from .states import HOLDING, DeploymentLife, InstanceState, Launched
 
@@ -92,7 +92,7 @@ class Transitions:
         dep = self.lives[inst.deployment].deployment
         model = dep.engine_model if dep.router else None
         try:
-            await put_to_sleep(session, dep.engine, inst.url, _auth(inst), router_model=model)
+            await drive(session, dep.engine, inst.url, _auth(inst), model, park=True)
         except ParkFailedError as exc:
             logger.warning("%s did not park (%s); stopping it instead", inst.where, exc)
             await self.stop_one(lc, f"could not park: {exc}")
@@ -109,7 +109,7 @@ class Transitions:
         dep = self.lives[inst.deployment].deployment
         model = dep.engine_model if dep.router else None
         try:
-            await wake_up(session, dep.engine, inst.url, _auth(inst), router_model=model)
+            await drive(session, dep.engine, inst.url, _auth(inst), model, park=False)
         except ParkFailedError as exc:
             await self.stop_one(lc, f"could not wake: {exc}")
             self.move(lc, InstanceState.FAILED, f"could not wake: {exc}")
