@@ -600,3 +600,19 @@ async def test_sglang_under_park_auto_is_never_asked_to_release(make_gateway: Ma
     assert b"--enable-memory-saver" not in cmdline
     doc = deployment_status(gw.gateway, "my-model")
     assert doc is not None and doc["deployment"]["park"] == "stop"
+
+
+def test_a_launched_command_is_shown_without_its_secrets() -> None:
+    from capyctl_gateway._management.status import shown
+
+    argv = ["vllm", "serve", "m", "--api-key", "s3cret", "--hf-token=t0k", "--port", "1"]
+    assert shown(argv) == [
+        "vllm",
+        "serve",
+        "m",
+        "--api-key",
+        "***",
+        "--hf-token=***",
+        "--port",
+        "1",
+    ]

@@ -8,7 +8,7 @@ from typing import Any
 from .._gateway import Gateway
 from .._lifecycle.states import HOLDING, InstanceState
 
-__all__ = ["deployment_status"]
+__all__ = ["deployment_status", "shown"]
 
 
 def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
@@ -65,7 +65,7 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
                 row["failure"] = lc.failure
             proc = lc.process
             if proc is not None and proc.pid is not None:
-                row["process"] = {"pid": proc.pid, "port": proc.port, "command": proc.argv}
+                row["process"] = {"pid": proc.pid, "port": proc.port, "command": shown(proc.argv)}
         instances.append(row)
     ready = any(i["state"] == "ready" for i in instances)
     doc: dict[str, Any] = {
@@ -95,3 +95,24 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
                     held += d.memory.parked
             doc["deployment"]["memory_held"] = held
     return doc
+
+
+_SECRET_FLAG = ("key", "token", "secret", "password")
+
+
+def shown(argv: list[str]) -> list[str]:
+    """A command line fit to show: the value of any flag that names a key, token, secret or
+    password is masked (``--api-key X``, ``--api-key=X``)."""
+    out: list[str] = []
+    mask_next = False
+    for arg in argv:
+        name, eq, _ = arg.partition("=")
+        secret = arg.startswith("-") and any(word in name.lower() for word in _SECRET_FLAG)
+        if mask_next:
+            out.append("***")
+        elif secret and eq:
+            out.append(f"{name}=***")
+        else:
+            out.append(arg)
+        mask_next = secret and not eq
+    return out
