@@ -20,7 +20,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -125,9 +125,10 @@ def start_gateway(
     engine: str = "vllm",
     engine_version: str = "0.31.0",
     extra: str = "",
+    args: Sequence[str] = (),
 ) -> tuple[Proc, Target]:
     """capyctl-gateway serving the engine at ``engine_url`` as the deployment ``bench``
-    (``extra``: more YAML for its config), ready."""
+    (``extra``: more YAML for its config; ``args``: more options for ``serve``), ready."""
     py = sys.executable
     config = work / "gateway.yaml"
     text = CONFIG.format(engine=engine, version=engine_version, url=engine_url) + extra
@@ -150,6 +151,7 @@ def start_gateway(
             str(state),
             "--log-format",
             "json",
+            *args,
         ],
     )
     creds = state / "identity" / "credentials"
