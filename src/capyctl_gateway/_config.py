@@ -25,6 +25,8 @@ from ._engines import FACTS, launch_problem
 
 __all__ = [
     "Api",
+    "HOST_NAME",
+    "REMOTE_MAX_BODY_BYTES",
     "ConfigError",
     "Deployment",
     "GatewayConfig",
@@ -33,6 +35,9 @@ __all__ = [
     "load_config",
 ]
 
+HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+REMOTE_MAX_BODY_BYTES = 8 * 1024 * 1024
+"""A request for a deployment on another machine must fit in this (413 otherwise)."""
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
@@ -159,7 +164,19 @@ class Instance(BaseModel):
     launch: Launch | None = None
     """An engine the gateway runs."""
     api_key_env: str | None = None
-    """The engine's key is read from this environment variable."""
+    """The engine's key is read from this environment variable (on the instance's host)."""
+    host: str | None = None
+    """The host machine that runs it (``capyctl-gateway serve --role server``); ``url`` and
+    ``launch`` are then read on that host."""
+
+    @field_validator("host")
+    @classmethod
+    def _host_name(cls, v: str | None) -> str | None:
+        if v is not None and not HOST_NAME.fullmatch(v):
+            raise ValueError(
+                f"{v!r} is not a host name: 1 to 63 of a-z, 0-9 and '-', not at either end"
+            )
+        return v
 
     @model_validator(mode="after")
     def _one_kind(self) -> Self:
@@ -241,6 +258,11 @@ class Deployment(BaseModel):
     def launched(self) -> bool:
         return any(i.launch is not None for i in self.instances)
 
+    @property
+    def remote(self) -> bool:
+        """Its instances run on host machines (the server role)."""
+        return any(i.host is not None for i in self.instances)
+
     @field_validator("engine")
     @classmethod
     def _served(cls, v: EngineKind) -> EngineKind:
@@ -278,6 +300,28 @@ class GatewayConfig(BaseModel):
 
     def deployment(self, name: str) -> Deployment | None:
         return next((d for d in self.deployments if d.name == name), None)
+
+    @property
+    def hosts(self) -> set[str]:
+        """The host machines the deployments name (none for a single machine)."""
+        return {i.host for d in self.deployments for i in d.instances if i.host is not None}
+
+    def role_problem(self, server: bool) -> str | None:
+        """Why this configuration does not fit the role (server: every instance names its
+        host; single machine: none does), or None."""
+        for d in self.deployments:
+            for n, inst in enumerate(d.instances):
+                if server and inst.host is None:
+                    return (
+                        f"deployment {d.name!r}, instance {n}: name its host "
+                        "(--role server runs no engine itself)"
+                    )
+                if not server and inst.host is not None:
+                    return (
+                        f"deployment {d.name!r}, instance {n} names host {inst.host!r}: "
+                        "serve it with --role server"
+                    )
+        return None
 
 
 def load_config(path: Path) -> GatewayConfig:

@@ -26,10 +26,13 @@ from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions, adapter
 from ._config import GatewayConfig
 from ._deployments.checks import CheckWatch
 from ._deployments.queue import BodyBudget
-from ._deployments.routes import EngineInstance, Route, build_routes
+from ._deployments.routes import EngineInstance, Route, build_routes, usage_penalty
 from ._deployments.settle import CutRequest, Settlement
 from ._lifecycle.controller import Lifecycle
-from ._lifecycle.states import Launched
+from ._lifecycle.states import InstanceState, Launched
+from ._machines.enroll import Invites, ServerIdentity
+from ._machines.protocol import InstanceReport
+from ._machines.server import Machines
 from ._store import Store, restore
 from ._telemetry import Telemetry
 
@@ -39,6 +42,8 @@ __all__ = [
     "engine_collector",
     "engine_lifecycle",
     "engine_session",
+    "remote_report",
+    "skipped",
 ]
 
 IDLE_CONNECTION_S = 4.0
@@ -61,11 +66,14 @@ class Gateway:
         clock: Callable[[], float] = time.time,
         engine_logs: Path | None = None,
         state_dir: Path | None = None,
+        server: ServerIdentity | None = None,
     ) -> None:
         """Raises ConfigError when an instance's engine key is not in ``env``.
-        ``engine_logs``: where launched engines write their output (default: ``<state_dir>/logs``,
-        or a new temporary directory). ``state_dir``: where operator intent and cut requests
-        outlive the process (``gateway.sqlite3``); None keeps them in memory only."""
+        ``server``: the control identity of a gateway in the server role (its instances run on
+        hosts; see `Machines`). ``engine_logs``: where launched engines write their output
+        (default: ``<state_dir>/logs``, or a new temporary directory). ``state_dir``: where
+        operator intent and cut requests outlive the process (``gateway.sqlite3``); None keeps
+        them in memory only."""
         self.config = config
         self._key = api_key.encode()
         self.collector_options = collector_options or ProviderOptions()
@@ -94,6 +102,13 @@ class Gateway:
                 else Path(tempfile.mkdtemp(prefix="capyctl-engines-"))
             )
         logs = engine_logs
+        self.machines: Machines | None = None
+        if server is not None:
+            invites = Invites((state_dir or server.directory.parent) / "machines.sqlite3")
+            self.machines = Machines(
+                config, self.routes, self.settlement, identity=server, invites=invites,
+                clock=clock, on_report=lambda inst, r: remote_report(self, inst, r),
+            )  # fmt: skip
         self.lifecycle = Lifecycle(
             config,
             self.routes,
@@ -102,6 +117,7 @@ class Gateway:
             on_ready=self._engine_ready,
             on_stopped=self._engine_stopped,
             log_dir=logs,
+            remote=self.machines.order if self.machines is not None else None,
             remember=(
                 (
                     lambda name, stopped, started: store.set_intent(
@@ -148,13 +164,22 @@ class Gateway:
 
     def load(self, instance: EngineInstance) -> int:
         """What routing weighs: the engine's running and waiting requests from a fresh sample,
-        never less than the requests the gateway has in flight there."""
+        never less than the requests the gateway has in flight there, plus a penalty for a
+        nearly full KV cache; without a fresh sample, the requests in flight alone."""
         running = instance.ledger.running
+        if instance.remote is not None:
+            machines = self.machines
+            r = machines.fresh(instance, asyncio.get_running_loop().time()) if machines else None
+            if r is None or r.running is None or r.waiting is None:
+                return running
+            return max(running, r.running + r.waiting) + usage_penalty(r.usage)
         snap = self.collector.snapshot(instance.key) if self.collector is not None else None
         if snap is not None:
             m = snap.metrics
             if m.running_requests is not None and m.waiting_requests is not None:
-                return max(running, int(m.running_requests + m.waiting_requests))
+                usage = m.kv_cache_usage_ratio
+                penalty = usage_penalty(usage if usage is not None else m.slot_usage_ratio)
+                return max(running, int(m.running_requests + m.waiting_requests)) + penalty
         return running
 
     def _settled(self, key: str, cuts: list[CutRequest], why: str) -> None:
@@ -168,7 +193,7 @@ class Gateway:
 
     def _engine_ready(self, inst: EngineInstance) -> None:
         """A launched engine answers: the collector watches it from now on."""
-        if self.collector is not None and inst.url is not None:
+        if self.collector is not None and inst.url is not None and inst.remote is None:
             d = self.routes[inst.deployment].deployment
             adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key, router=d.router)
             self.collector.add(inst.key, adapter, model_id=d.engine_model)
@@ -182,6 +207,35 @@ class Gateway:
     def _set_poll_interval(self, key: str, interval_ms: int | None) -> None:
         if self.collector is not None and key in self.collector.keys():  # noqa: SIM118
             self.collector.set_poll_interval(key, interval_ms)  # (a stopped engine is not)
+
+
+# -- several machines ----------------------------------------------------------------------
+def skipped(gw: Gateway, route: Route) -> list[str]:
+    """Why each instance of ``route`` that takes no request now is skipped."""
+    out = []
+    for i in route.instances:
+        if i.unusable:
+            out.append(f"{i.where}: {i.unusable}")
+        elif i.remote is not None and gw.machines is not None:
+            if i.remote not in gw.machines.sessions:
+                out.append(f"{i.where}: host_session_lost")
+            elif not i.available:
+                out.append(f"{i.where}: dispatch_closed")
+        elif not i.available:
+            out.append(f"{i.where}: not ready")
+    return out
+
+
+def remote_report(gw: Gateway, inst: EngineInstance, report: InstanceReport) -> None:
+    """A host says its engine exited: the server's state follows (its next request
+    starts it again)."""
+    life = gw.lifecycle.lives.get(inst.deployment)
+    lc = next((x for x in life.launched if x.inst is inst), None) if life else None
+    if lc is None or lc.state not in (InstanceState.READY, InstanceState.PARKED):
+        return
+    if report.state in ("stopped", "failed"):
+        lc.failure = report.failure or "the engine exited on its host"
+        gw.lifecycle.engines.move(lc, InstanceState.FAILED, lc.failure)
 
 
 # -- lifetimes (aiohttp cleanup contexts, in this order; they end in the reverse one) ------
@@ -241,7 +295,8 @@ async def engine_collector(gw: Gateway) -> AsyncIterator[None]:
             for route in gw.routes.values():
                 d = route.deployment
                 for inst in route.instances:
-                    if inst.url is not None:  # a launched one is added once it answers
+                    # A launched one is added once it answers; a remote one, its host watches.
+                    if inst.url is not None and inst.remote is None:
                         adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key)
                         collector.add(inst.key, adapter, model_id=d.engine_model)
             gw.collector = collector

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["CredentialsError", "credentials_path", "load_or_create_api_key", "read_api_key"]
+__all__ = [
+    "CredentialsError",
+    "credentials_path",
+    "load_or_create_api_key",
+    "load_or_create_server_key",
+    "read_api_key",
+    "server_credentials_path",
+]
 
 
 class CredentialsError(Exception):
@@ -17,6 +26,33 @@ class CredentialsError(Exception):
 
 def credentials_path(state_dir: Path) -> Path:
     return state_dir / "identity" / "credentials"
+
+
+def server_credentials_path(state_dir: Path) -> Path:
+    return state_dir / "identity" / "server-credentials.json"
+
+
+def load_or_create_server_key(state_dir: Path) -> str:
+    """The server role's key: ``<state>/identity/server-credentials.json``, a JSON object with
+    ``"api_key"``, written (0600) on first start. The same checks as the single machine's."""
+    path = server_credentials_path(state_dir)
+    if not path.exists():
+        if path.parent.is_dir():
+            _check_directory(path.parent)
+        return _create(path, lambda key: json.dumps({"api_key": key}) + "\n", _read_server_key)
+    return _read_server_key(path)
+
+
+def _read_server_key(path: Path) -> str:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CredentialsError(f"cannot read the credentials file {path}: {exc}") from exc
+    key = doc.get("api_key") if isinstance(doc, dict) else None
+    if not isinstance(key, str) or len(key) < 32:
+        raise CredentialsError(f'{path} has no usable "api_key"')
+    _check_private(path)
+    return key
 
 
 def load_or_create_api_key(state_dir: Path) -> str:
@@ -32,7 +68,7 @@ def load_or_create_api_key(state_dir: Path) -> str:
         pass
     if path.parent.is_dir():
         _check_directory(path.parent)
-    return _create(path)
+    return _create(path, lambda key: f"api_key: {key}\n", lambda p: read_api_key(p.parent.parent))
 
 
 def read_api_key(state_dir: Path) -> str:
@@ -82,7 +118,7 @@ def _check_directory(directory: Path) -> None:
         )
 
 
-def _create(path: Path) -> str:
+def _create(path: Path, text: Callable[[str], str], reread: Callable[[Path], str]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = secrets.token_urlsafe(32)
     # Write the whole file aside, then link it into place: a reader never sees a half-written
@@ -90,14 +126,14 @@ def _create(path: Path) -> str:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".credentials-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"api_key: {key}\n")
+            f.write(text(key))
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, stat.S_IRUSR | stat.S_IWUSR)
         try:
             os.link(tmp, path)
         except FileExistsError:
-            return read_api_key(path.parent.parent)
+            return reread(path)
     finally:
         os.unlink(tmp)
     return key

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,15 +18,19 @@ import typer
 from aiohttp import web
 from rich.console import Console
 
+from ._cli_common import address, bind, enough_files
 from ._config import ConfigError, load_config
 from ._http.app import GATEWAY_KEY, GatewayRunner, create_app
 from ._identity import (
     CredentialsError,
     credentials_path,
     load_or_create_api_key,
+    load_or_create_server_key,
     read_api_key,
+    server_credentials_path,
 )
 from ._log import configure_logging
+from ._machines.enroll import JoinError
 from ._management.api import create_management_app, create_metrics_app
 from ._management.render import print_list, print_status
 
@@ -71,6 +76,7 @@ def _main(
 DEFAULT_LISTEN = "0.0.0.0:8443"
 DEFAULT_MANAGEMENT = "127.0.0.1:7443"
 DEFAULT_STATE = Path("~/.local/state/capyctl")
+DEFAULT_CONTROL = "0.0.0.0:7445"
 
 StateOpt = Annotated[
     Path | None, typer.Option("--state-dir", help="State directory (env CAPYCTL_STATE_DIR).")
@@ -81,19 +87,12 @@ ManagementOpt = Annotated[
 ]
 
 
-def _address(value: str, flag: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{flag} takes HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 - the documented default
-
-
 def _state(state_dir: Path | None) -> Path:
     return (state_dir or Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE)).expanduser()
 
 
 def _management(value: str | None) -> tuple[str, int]:
-    host, port = _address(
+    host, port = address(
         value or os.environ.get("CAPYCTL_MANAGEMENT_ADDR") or DEFAULT_MANAGEMENT, "--management"
     )
     try:
@@ -103,38 +102,6 @@ def _management(value: str | None) -> tuple[str, int]:
     if not loopback:
         raise ConfigError(f"the management endpoint stays on loopback; {host} is not")
     return host, port
-
-
-def _enough_files(wanted: int) -> None:
-    """Raise the soft open-file limit towards ``wanted`` (each client connection may hold an
-    engine connection too), as far as the hard limit allows; say so when it falls short."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= wanted:
-        return
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if target > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < wanted:
-        typer.echo(
-            f"capyctl-gateway: the open-file limit is {target}, under the {wanted} that "
-            "limits.max_connections asks for: lower it, or raise the limit (ulimit -n)",
-            err=True,
-        )
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
 
 
 @app.command()
@@ -156,6 +123,13 @@ def serve(
             "scraper on another machine (env CAPYCTL_METRICS_ADDR).",
         ),
     ] = None,
+    role: Annotated[
+        str,
+        typer.Option("--role", help="single (engines here) or server (engines on hosts)."),
+    ] = "single",
+    control: Annotated[
+        str, typer.Option("--control", help="The server's control listener, for its hosts.")
+    ] = DEFAULT_CONTROL,
 ) -> None:
     """Serve until interrupted."""
     fmt = log_format if log_format != "auto" else ("text" if sys.stderr.isatty() else "json")
@@ -164,19 +138,31 @@ def serve(
     configure_logging(fmt)
     state = _state(state_dir)
     try:
-        host, port = _address(
+        host, port = address(
             listen or os.environ.get("CAPYCTL_INFERENCE_ADDR") or DEFAULT_LISTEN, "--listen"
         )
         mhost, mport = _management(management)
         cfg = load_config(config)
-        key = load_or_create_api_key(state)
-        application = create_app(cfg, key, state_dir=state)
-        _enough_files(2 * cfg.limits.max_connections + 256)
-        sock = _bind(host, port)
-        msock = _bind(mhost, mport)
+        if role not in ("single", "server"):
+            raise ConfigError("--role takes single or server")
+        problem = cfg.role_problem(server=role == "server")
+        if problem is not None:
+            raise ConfigError(f"{config}: {problem}")
+        extra = []
+        if role == "server":
+            key = load_or_create_server_key(state)
+            identity, csock, context = server_control(state, *address(control, "--control"))
+            application = create_app(cfg, key, state_dir=state, server=identity)
+            extra.append((control_runner(application[GATEWAY_KEY]), csock, context))
+        else:
+            key = load_or_create_api_key(state)
+            application = create_app(cfg, key, state_dir=state)
+        enough_files(2 * cfg.limits.max_connections + 256)
+        sock = bind(host, port)
+        msock = bind(mhost, mport)
         metrics = metrics or os.environ.get("CAPYCTL_METRICS_ADDR")
-        xsock = _bind(*_address(metrics, "--metrics")) if metrics else None
-    except (ConfigError, CredentialsError) as exc:
+        xsock = bind(*address(metrics, "--metrics")) if metrics else None
+    except (ConfigError, CredentialsError, JoinError) as exc:
         raise _fail(str(exc)) from None
     try:
         import uvloop
@@ -184,13 +170,15 @@ def serve(
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
+    keyfile = credentials_path(state) if role == "single" else server_credentials_path(state)
     listening = (
         f"capyctl-gateway listening on http://{host}:{sock.getsockname()[1]}/v1 "
-        f"(key in {credentials_path(state)}; management on {mhost}:{msock.getsockname()[1]}"
+        f"(key in {keyfile}; management on {mhost}:{msock.getsockname()[1]}"
+        + (f"; control on {control}" if role == "server" else "")
         + (f"; metrics on {metrics}" if metrics else "")
         + ")"
     )
-    asyncio.run(_run(application, sock, msock, listening, xsock))
+    asyncio.run(_run(application, sock, msock, listening, xsock, extra))
 
 
 async def _run(
@@ -199,6 +187,7 @@ async def _run(
     msock: socket.socket,
     listening: str,
     xsock: socket.socket | None = None,
+    extra: list[tuple[web.AppRunner, socket.socket, ssl.SSLContext]] | None = None,
 ) -> None:
     runner = GatewayRunner(application, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
@@ -221,6 +210,9 @@ async def _run(
         await web.SockSite(mrunner, msock).start()
         if xsock is not None:
             await web.SockSite(xrunner, xsock).start()
+        for erunner, esock, context in extra or []:
+            await erunner.setup()
+            await web.SockSite(erunner, esock, ssl_context=context).start()
         typer.echo(listening, err=True)  # once it is true, and signals are handled
         await stop.wait()
         gateway = application[GATEWAY_KEY]
@@ -233,6 +225,8 @@ async def _run(
             err=True,
         )
     finally:
+        for erunner, _, _ in extra or []:
+            await erunner.cleanup()
         await xrunner.cleanup()
         await mrunner.cleanup()
         await runner.cleanup()
@@ -332,6 +326,11 @@ def park(
 def _fail(message: str) -> typer.Exit:
     typer.echo(f"capyctl-gateway: {message}", err=True)
     return typer.Exit(2)
+
+
+from ._cli_machines import control_runner, register, server_control  # noqa: E402
+
+register(app, _state, _fail)
 
 
 def main() -> None:

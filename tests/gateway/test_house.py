@@ -226,7 +226,7 @@ def test_a_reset_while_writing_to_the_client_is_a_hang_up_not_an_engine_failure(
     from yarl import URL
 
     from capyctl_gateway._errors import ClientGoneError, EngineError
-    from capyctl_gateway._relay.exchange import Exchange
+    from capyctl_gateway._relay.exchange import Exchange, _failure
 
     ex = Exchange(
         None,  # type: ignore[arg-type]  # the mapping never touches the session
@@ -238,7 +238,7 @@ def test_a_reset_while_writing_to_the_client_is_a_hang_up_not_an_engine_failure(
         drains=set(),
     )
     ex.writing = writing
-    mapped = ex._failure(aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
+    mapped = _failure(ex, aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
     if writing:
         assert isinstance(mapped, ClientGoneError) and ex.outcome.cut == "hang_up"
     else:

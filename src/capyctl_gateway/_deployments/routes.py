@@ -12,9 +12,12 @@ Never imports the HTTP surface or the relay.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from yarl import URL
@@ -26,7 +29,14 @@ from .._engines import facts
 from .queue import Admission, DeploymentQueue
 from .settle import InstanceLedger, Settlement
 
-__all__ = ["EngineInstance", "Route", "build_routes", "same_version", "unusable_reason"]
+__all__ = [
+    "EngineInstance",
+    "Route",
+    "build_routes",
+    "same_version",
+    "unusable_reason",
+    "usage_penalty",
+]
 
 ENGINE_HEADERS = {
     "Content-Type": "application/json",
@@ -60,18 +70,26 @@ class EngineInstance:
     """Why requests are not sent here (a startup check the engine failed: another model
     served, another version refused); None while it may be routed to."""
     available: bool = field(init=False, default=True)
-    """Whether the engine can take requests now (a launched one: only while ready)."""
+    """Whether the engine can take requests now (a launched one: only while ready; a remote
+    one: while its host's session is live and its gate open)."""
+    remote: str | None = None
+    """The host machine it runs on (the server role); None when this process reaches it."""
+    exchanges: set[Any] = field(init=False, default_factory=set)
+    """A remote instance's exchanges in progress (ended at once when its host goes away)."""
 
     def __post_init__(self) -> None:
         self.where = f"deployment {self.deployment}, instance {self.index}"
-        self.available = self.launch is None
-        if self.url is not None:
+        self.available = self.launch is None and self.remote is None
+        if self.url is not None and self.remote is None:
             self.bind(self.url)
+        if self.remote is not None:
+            self.url, self.host = None, self.remote
 
     def bind(self, url: str) -> None:
-        """Address the instance at ``url`` (a launched engine, once it has its port)."""
+        """Address the instance at ``url`` (a launched engine, once it has its port; a remote
+        one, at its host's ingress)."""
         self.url = url
-        self.host = urlsplit(url).hostname or ""
+        self.host = self.remote or urlsplit(url).hostname or ""
         # Parsed once: aiohttp would parse a string URL on every request.
         self.chat_url = URL(url + "/v1/chat/completions")
         self.decision_url = URL(url + "/v1/systemone")
@@ -88,6 +106,23 @@ class Route:
     instances: list[EngineInstance]
     queue: DeploymentQueue
     turn: itertools.count[int] = field(default_factory=itertools.count)
+    _changed: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        """An instance became available: requests waiting for one look again."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def available(self, within: float) -> bool:
+        """Wait up to ``within`` seconds for an instance to become available; whether one did."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(within, 0))
+        except TimeoutError:
+            return False
+        return True
 
     def choose(
         self,
@@ -105,6 +140,13 @@ class Route:
             if i.index not in exclude and not i.unusable and i.available
         ]
         return min(ordered, key=load) if ordered else None
+
+
+def usage_penalty(usage: float | None) -> int:
+    """What a nearly full KV cache (or slot set) adds to an instance's load: up to 8 from 80%."""
+    if usage is None or usage <= 0.8:
+        return 0
+    return math.ceil((min(usage, 1.0) - 0.8) / 0.2 * 8)
 
 
 def unusable_reason(deployment: Deployment, report: CheckReport) -> str | None:
@@ -156,7 +198,7 @@ def build_routes(
     for d in config.deployments:
         instances = []
         for i, inst in enumerate(d.instances):
-            key = _engine_key(inst, env)
+            key = _engine_key(inst, env) if inst.host is None else None  # read on the host
             headers = dict(ENGINE_HEADERS)
             if key is not None:
                 headers["Authorization"] = f"Bearer {key}"
@@ -164,7 +206,16 @@ def build_routes(
                 headers["Connection"] = "close"  # so the connection is never reused
             ledger = settlement.ledger(f"{d.name}/{i}")
             instances.append(
-                EngineInstance(d.name, i, inst.url, headers, key, ledger, launch=inst.launch)
+                EngineInstance(
+                    d.name,
+                    i,
+                    inst.url,
+                    headers,
+                    key,
+                    ledger,
+                    launch=inst.launch,
+                    remote=inst.host,
+                )  # fmt: skip
             )
         queue = DeploymentQueue(
             admission,

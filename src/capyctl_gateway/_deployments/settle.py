@@ -99,6 +99,8 @@ class Settlement:
         """The latest settlements, newest last."""
         self.observers: list[Callable[[Event], None]] = []
         """Called after each collector event has been applied (logging, tests)."""
+        self.settled_observers: list[Callable[[str, list[CutRequest], str], None]] = []
+        """Called with each batch of settled cut requests (tests)."""
 
     def ledger(self, key: str) -> InstanceLedger:
         return self.ledgers.setdefault(key, InstanceLedger(key))
@@ -126,6 +128,28 @@ class Settlement:
         ledger.cut.extend(cuts)
         if cuts:
             self._poll(ledger.key, self.fast_poll_ms)
+
+    def remote(
+        self,
+        ledger: InstanceLedger,
+        *,
+        idle_after: float | None,
+        restarted_before: float | None,
+    ) -> None:
+        """A host's report on a remote instance: its ingress and engine were seen idle in a
+        sample taken no earlier than ``idle_after``, or its engine restarted or stopped no
+        earlier than ``restarted_before`` (both on this settlement's clock)."""
+        if restarted_before is not None:
+            self._settle(
+                ledger, lambda c: c.cut_at < restarted_before, "engine restarted on its host"
+            )
+        if idle_after is not None:
+            self._settle(
+                ledger,
+                lambda c: c.rule is SettleRule.WHEN_IDLE and c.cut_at < idle_after,
+                "engine and ingress idle on its host",
+                sample_requested_at=idle_after,
+            )
 
     def settle_all(self, ledger: InstanceLedger, why: str) -> None:
         """The engine was stopped by the gateway: nothing it counted can still run."""
@@ -182,6 +206,8 @@ class Settlement:
         )
         if self._on_settled is not None:
             self._on_settled(ledger.key, [c for c in ledger.cut if c not in keep], why)
+        for observe in self.settled_observers:
+            observe(ledger.key, [c for c in ledger.cut if c not in keep], why)
         ledger.cut = keep
         self.settled += gone
         logger.info("%s: %d cut request(s) settled (%s)", ledger.key, gone, why)

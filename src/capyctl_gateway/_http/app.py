@@ -17,7 +17,8 @@ from canopyx_provider import ProviderOptions
 
 from .._config import GatewayConfig
 from .._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
-from .inference import Inference
+from .._machines.enroll import ServerIdentity
+from .inference import Inference, not_found, wrong_method
 from .openapi import openapi_handler
 from .server import HANGUPS_SEEN, LIMITS, GatewayRunner, Limits
 
@@ -42,6 +43,7 @@ def create_app(
     collector_options: ProviderOptions | None = None,
     engine_logs: Path | None = None,
     state_dir: Path | None = None,
+    server: ServerIdentity | None = None,
 ) -> web.Application:
     """The inference application for ``config``; serve it with `GatewayRunner`. Its cleanup
     closes everything it opened."""
@@ -52,6 +54,7 @@ def create_app(
         collector_options=collector_options,
         engine_logs=engine_logs,
         state_dir=state_dir,
+        server=server,
     )
     handlers = Inference(gateway)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
@@ -65,12 +68,12 @@ def create_app(
     app.cleanup_ctx.append(lambda _: engine_collector(gateway))
     app.cleanup_ctx.append(lambda _: engine_lifecycle(gateway))
     app.router.add_get("/v1/models", handlers.models)
-    app.router.add_route("*", "/v1/models", Inference.wrong_method("GET"))
+    app.router.add_route("*", "/v1/models", wrong_method("GET"))
     app.router.add_post("/v1/chat/completions", handlers.chat)
-    app.router.add_route("*", "/v1/chat/completions", Inference.wrong_method("POST"))
+    app.router.add_route("*", "/v1/chat/completions", wrong_method("POST"))
     app.router.add_post("/v1/systemone", handlers.decide)
-    app.router.add_route("*", "/v1/systemone", Inference.wrong_method("POST"))
+    app.router.add_route("*", "/v1/systemone", wrong_method("POST"))
     app.router.add_get("/openapi.json", openapi_handler(gateway.authorized))
-    app.router.add_route("*", "/openapi.json", Inference.wrong_method("GET"))
-    app.router.add_route("*", "/{tail:.*}", handlers.not_found)
+    app.router.add_route("*", "/openapi.json", wrong_method("GET"))
+    app.router.add_route("*", "/{tail:.*}", not_found)
     return app

@@ -16,15 +16,16 @@ from typing import Any
 
 from aiohttp import web
 
-from .._config import Api, Deployment
+from .._config import REMOTE_MAX_BODY_BYTES, Api, Deployment
 from .._errors import (
     EngineError,
     GatewayError,
     NotAcceptedError,
+    TooLargeError,
     UnauthorizedError,
     UnavailableError,
 )
-from .._gateway import Gateway
+from .._gateway import Gateway, skipped
 from .._log import event
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
@@ -35,7 +36,7 @@ from .body import Body
 from .record import Times, outcome_of, record
 from .validate import caller_request_id, check_chat, check_decision, engine_payload, resolve
 
-__all__ = ["MAX_OFFERS", "Inference", "identify"]
+__all__ = ["MAX_OFFERS", "Inference", "identify", "not_found", "wrong_method"]
 
 logger = logging.getLogger("capyctl_gateway")
 MAX_OFFERS = 4
@@ -83,6 +84,11 @@ class Inference:
                 raw = await held.read(request, limit, limits.body_read_timeout)
                 body, dep = resolve(raw, config, api)
                 name = dep.name  # known from here on: the refusals below count under it
+                if dep.remote and len(raw) > REMOTE_MAX_BODY_BYTES:
+                    raise TooLargeError(
+                        f"deployment {name} runs on another machine: its requests must fit in "
+                        f"{REMOTE_MAX_BODY_BYTES} bytes"
+                    )
                 if chat_api:
                     stream = check_chat(body, dep).stream
                 else:
@@ -132,10 +138,21 @@ class Inference:
             )
         refused: set[int] = set()
         details: list[str] = []
+        loop = asyncio.get_running_loop()
+        deadline = call.arrival + self.gw.config.queue.request_deadline
         while len(refused) < MAX_OFFERS:
             instance = route.choose(self.gw.load, refused)
             if instance is None:
-                break
+                if refused:
+                    break
+                # None may take it now (its host is gone, its engine is parking): wait for one.
+                if not await route.available(deadline - loop.time()):
+                    raise UnavailableError(
+                        f"deployment {call.dep.name}: no instance could take the request within "
+                        "queue.request_deadline",
+                        detail="; ".join(skipped(self.gw, route)),
+                    )
+                continue
             _log_route("router_selection", call, instance.index, instance.host)
             assert self.gw.session is not None
             ex = Exchange(
@@ -149,6 +166,10 @@ class Inference:
             )
             call.ex, call.instance = ex, instance.index
             instance.ledger.running += 1
+            remote = instance.remote is not None
+            if remote:
+                ex.abortable()
+                instance.exchanges.add(ex)
             try:
                 return await self._exchange(call, ex)
             except NotAcceptedError as exc:
@@ -157,8 +178,10 @@ class Inference:
                 details.append(exc.detail or exc.message)
                 _log_route("router_failover", call, instance.index, instance.host, exc.detail)
             finally:
+                if remote:
+                    instance.exchanges.discard(ex)
                 instance.ledger.running -= 1
-                self._account(call.rid, instance.ledger.key, ex.outcome)
+                _account(self.gw, call.rid, instance.ledger.key, ex.outcome)
         raise EngineError(
             f"deployment {call.dep.name}: its instances could not be reached",
             detail="; ".join(details) or "no instance to send it to",
@@ -176,32 +199,32 @@ class Inference:
             return await relay_chat(call.request, ex, call.dep, call.payload, headers=call.headers)
         return web.Response(body=body, headers=call.headers, content_type="application/json")
 
-    def _account(self, rid: str, key: str, out: Outcome) -> None:
-        """A request that may still run on the engine stays charged until it is settled."""
-        if out.sent and not out.completed:
-            reason = out.cut or "engine stream broken"
-            ledger = self.gw.settlement.ledgers[key]
-            self.gw.settlement.cut(ledger, rid, answered=out.answered, reason=reason)
 
-    async def not_found(self, request: web.Request) -> web.Response:
+async def not_found(request: web.Request) -> web.Response:
+    err = GatewayError(f"no route {request.method} {request.path}", status=404, code="not_found")
+    return error_response(err, _ids(request))
+
+
+def wrong_method(allow: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """The 405 handler of a path that answers ``allow`` only."""
+
+    async def refuse(request: web.Request) -> web.Response:
         err = GatewayError(
-            f"no route {request.method} {request.path}", status=404, code="not_found"
+            f"{request.path} answers {allow}, not {request.method}",
+            status=405,
+            code="method_not_allowed",
         )
-        return error_response(err, _ids(request))
+        return error_response(err, {**_ids(request), "Allow": allow})
 
-    @staticmethod
-    def wrong_method(allow: str) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """The 405 handler of a path that answers ``allow`` only."""
+    return refuse
 
-        async def refuse(request: web.Request) -> web.Response:
-            err = GatewayError(
-                f"{request.path} answers {allow}, not {request.method}",
-                status=405,
-                code="method_not_allowed",
-            )
-            return error_response(err, {**_ids(request), "Allow": allow})
 
-        return refuse
+def _account(gw: Gateway, rid: str, key: str, out: Outcome) -> None:
+    """A request that may still run on the engine stays charged until it is settled."""
+    if out.sent and not out.completed:
+        reason = out.cut or "engine stream broken"
+        ledger = gw.settlement.ledgers[key]
+        gw.settlement.cut(ledger, rid, answered=out.answered, reason=reason)
 
 
 def _ids(request: web.Request) -> dict[str, str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -56,6 +56,7 @@ class Lifecycle:
         on_ready: Callable[[EngineInstance], None],
         on_stopped: Callable[[EngineInstance], None],
         log_dir: Path,
+        remote: Callable[[EngineInstance, str, str, float], Awaitable[None]] | None = None,
         remember: Callable[[str, bool, bool], None] | None = None,
     ) -> None:
         self._config = config
@@ -74,6 +75,7 @@ class Lifecycle:
             on_ready=on_ready,
             on_stopped=on_stopped,
             log_dir=log_dir,
+            remote=remote,
         )
 
     # -- requests ------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -33,7 +33,11 @@ class Transitions:
         on_ready: Callable[[EngineInstance], None],
         on_stopped: Callable[[EngineInstance], None],
         log_dir: Path,
+        remote: Callable[[EngineInstance, str, str, float], Awaitable[None]] | None = None,
     ) -> None:
+        """``remote(inst, op, reason, timeout)``: has an instance's host carry out ``op``
+        (start, park, wake, stop); raises with the host's words when it could not."""
+        self.remote = remote
         self.lives = lives
         self._settlement = settlement
         self._session = session
@@ -52,6 +56,9 @@ class Transitions:
         if session is None:
             raise StartFailedError("the gateway is stopping")
         self.move(lc, InstanceState.STARTING, "a request is waiting")
+        if inst.remote is not None:
+            await _order(self, lc, "start", "a request is waiting", inst.launch.startup_timeout)
+            return
         port = free_port()
         log = self.log_dir / f"{dep.name}-{inst.index}.log"
         sleep = life.parks and not dep.router  # a router parks by unloading: no flags
@@ -85,12 +92,24 @@ class Transitions:
         """Park with the process up (the engine gives its memory back); a stop if it fails."""
         inst = lc.inst
         session = self._session()
-        if session is None or inst.url is None or lc.state is not InstanceState.READY:
+        if (
+            session is None
+            or (inst.url is None and inst.remote is None)
+            or lc.state is not InstanceState.READY
+        ):
             return
         inst.available = False
         self.move(lc, InstanceState.PARKING, reason)
+        if inst.remote is not None:
+            try:
+                await _order(self, lc, "park", reason, 120.0)
+            except StartFailedError as exc:
+                logger.warning("%s did not park (%s); stopping it instead", inst.where, exc)
+                await self.stop_one(lc, f"could not park: {exc}")
+            return
         dep = self.lives[inst.deployment].deployment
         model = dep.engine_model if dep.router else None
+        assert inst.url is not None
         try:
             await drive(session, dep.engine, inst.url, _auth(inst), model, park=True)
         except ParkFailedError as exc:
@@ -103,11 +122,19 @@ class Transitions:
         """Wake a parked instance; a wake that fails stops it (StartFailedError)."""
         inst = lc.inst
         session = self._session()
-        if session is None or inst.url is None:
+        if session is None or (inst.url is None and inst.remote is None):
             raise StartFailedError("the gateway is stopping")
         self.move(lc, InstanceState.WAKING, "a request is waiting")
+        if inst.remote is not None:
+            try:
+                await _order(self, lc, "wake", "a request is waiting", 600.0)
+            except StartFailedError:
+                await self.stop_one(lc, "could not wake")
+                raise
+            return
         dep = self.lives[inst.deployment].deployment
         model = dep.engine_model if dep.router else None
+        assert inst.url is not None
         try:
             await drive(session, dep.engine, inst.url, _auth(inst), model, park=False)
         except ParkFailedError as exc:
@@ -127,6 +154,15 @@ class Transitions:
         inst.available = False
         self.move(lc, InstanceState.STOPPING, reason)
         self._on_stopped(inst)
+        if inst.remote is not None:
+            try:
+                await _order(self, lc, "stop", reason, 60.0)
+            except StartFailedError as exc:  # its cut requests stay counted: unproven
+                logger.warning("%s: its host did not confirm the stop (%s)", inst.where, exc)
+                self.move(lc, InstanceState.STOPPED, f"{reason}; unconfirmed: {exc}")
+                return
+            self._settlement.settle_all(inst.ledger, "engine stopped by its host")
+            return
         if lc.process is not None:
             await lc.process.stop()
             lc.process = None
@@ -146,6 +182,30 @@ class Transitions:
             took, deployment=inst.deployment, instance=inst.index, **{"from": before.value},
             to=to.value, reason=reason, duration_s=round(took, 3),
         )  # fmt: skip
+
+
+async def _order(engines: Transitions, lc: Launched, op: str, reason: str, within: float) -> None:
+    """Have the instance's host carry out ``op``; the state it reaches is the one its
+    host reports. Raises StartFailedError when it could not."""
+    assert engines.remote is not None
+    goal = _GOALS[op]
+    try:
+        await engines.remote(lc.inst, op, reason, within)
+    except Exception as exc:  # the host's words, or its session gone
+        lc.failure = str(exc)
+        if op != "stop":
+            engines.move(lc, InstanceState.FAILED, f"{op} on its host failed: {exc}")
+        raise StartFailedError(str(exc)) from None
+    lc.failure = None
+    engines.move(lc, goal, f"{reason} (on host {lc.inst.remote})")
+
+
+_GOALS = {
+    "start": InstanceState.READY,
+    "wake": InstanceState.READY,
+    "park": InstanceState.PARKED,
+    "stop": InstanceState.STOPPED,
+}
 
 
 def _auth(inst: EngineInstance) -> dict[str, str]:

@@ -8,8 +8,9 @@ from typing import Any
 import orjson
 
 from .._errors import EngineError
-from .exchange import Exchange, refusal
+from .exchange import Exchange
 from .figures import Figures, num, put
+from .refusal import forwarded, refusal
 
 __all__ = ["MAX_ANSWER_BYTES", "decision_figures", "relay_decision"]
 
@@ -49,6 +50,8 @@ async def relay_decision(
     sent_at = loop.time()
     async with ex:
         resp = await ex.post(payload)
+        if resp.status != 200:
+            forwarded(ex, resp)
         raw = await resp.content.read(max_bytes + 1)
         ex.complete()
         ex.outcome.last_at = loop.time()

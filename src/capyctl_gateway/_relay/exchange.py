@@ -25,10 +25,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import aiohttp
-import orjson
 from yarl import URL
 
 from .._errors import (
@@ -41,22 +39,12 @@ from .._errors import (
     UnverifiedError,
 )
 from .deadline import Deadline
+from .refusal import forwarded, refusal
 
-__all__ = [
-    "DRAIN_S",
-    "MAX_ERROR_BODY",
-    "REJECTION_STATUSES",
-    "Exchange",
-    "Outcome",
-    "engine_message",
-    "refusal",
-]
+__all__ = ["DRAIN_S", "Exchange", "Outcome"]
 
 logger = logging.getLogger(__name__)
 
-REJECTION_STATUSES = frozenset({400, 413, 422})
-"""An engine answering one of these refused the request itself: its status is kept."""
-MAX_ERROR_BODY = 16 * 1024
 DRAIN_S = 1.0
 """How long a finished exchange waits for the end of the engine's body to pool its connection."""
 _NEVER_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
@@ -89,12 +77,15 @@ class Exchange:
     """One POST to one engine instance and everything up to its connection's release."""
 
     __slots__ = (
+        "_abortable",
+        "_aborted",
         "_bound",
         "_clean",
         "_deadline",
         "_drains",
         "_headers",
         "_idle_timeout",
+        "_posting",
         "_session",
         "_started",
         "_url",
@@ -133,22 +124,44 @@ class Exchange:
         # Set while the caller writes to its client: a deadline that passes then means the
         # client stopped reading (a write that cannot drain), which is a hang-up.
         self.writing = False
+        self._aborted: str | None = None
+        self._abortable = False
+        self._posting: asyncio.Task[aiohttp.ClientResponse] | None = None
+
+    def abort(self, why: str) -> None:
+        """End the exchange now from outside (its engine's host went away): the engine
+        connection is closed, and the caller sees an engine failure."""
+        self._aborted = why
+        if self.response is not None:
+            self.response.close()  # the read in progress fails
+        elif self._posting is not None:
+            self._posting.cancel()
 
     # -- the exchange ------------------------------------------------------------------
     async def post(self, payload: bytes) -> aiohttp.ClientResponse:
         """Send the request; return the answer's head, whatever its status."""
         self.outcome.sent = True
-        self.response = await self._session.post(
+        posting = self._session.post(
             self._url, data=payload, headers=self._headers, allow_redirects=False
         )
+        if not self._abortable:
+            self.response = await posting
+        else:  # a remote instance: the POST runs as a task that abort() can cancel
+            self._posting = task = asyncio.ensure_future(posting)
+            self.response = await _aborted_or(self, task)
         self.outcome.head_at = asyncio.get_running_loop().time()
         return self.response
+
+    def abortable(self) -> None:
+        """Let `abort` end this exchange before the engine's answer has a head too."""
+        self._abortable = True
 
     async def open_stream(self, payload: bytes) -> aiohttp.StreamReader:
         """Send the request and return the engine's event stream; a refusal or an answer that
         is not a stream raises here."""
         resp = await self.post(payload)
         if resp.status != 200:
+            forwarded(self, resp)
             self.outcome.completed = True  # an answer, not a stream: nothing runs on
             raise await refusal(resp, self.where)
         ctype = resp.headers.get("Content-Type", "")
@@ -193,55 +206,70 @@ class Exchange:
             except TimeoutError as timeout:  # our deadline turned a cancellation into this
                 error = timeout
             if error is not None:
-                error = self._failure(error)
+                error = _failure(self, error)
         finally:
             _finish(self.response, self._clean, self._drains)
         if error is not None and error is not exc:
             raise error from exc
 
-    def _failure(self, exc: BaseException) -> BaseException:
-        """The one mapping of a failed exchange to what the caller sees; notes the outcome."""
-        out = self.outcome
-        # A write to the client that failed (aiohttp's ClientConnectionResetError is a
-        # ClientError too, though the engine's connection is not the one that broke).
-        if isinstance(exc, ConnectionResetError) and (
-            self.writing or not isinstance(exc, aiohttp.ClientError)
-        ):
-            out.cut = "hang_up"
-            return ClientGoneError()
-        if isinstance(exc, _NEVER_CONNECTED) and self.response is None:
-            out.sent = False
-            return NotAcceptedError(f"{self.where} could not be reached", detail=str(exc))
-        if isinstance(exc, aiohttp.ClientError):
-            out.error = str(exc) or type(exc).__name__
-            out.kind = "engine_error"
-            return EngineError(f"{self.where}: the engine connection failed", detail=out.error)
-        if isinstance(exc, TimeoutError) and self._bound.expired and self.writing:
-            out.cut = "hang_up"
-            return ClientGoneError()
-        if isinstance(exc, TimeoutError) and self._bound.expired:
-            out.cut = "idle_timeout" if self._started else "deadline"
-            what = (
-                "the engine stream was quiet for longer than queue.stream_idle_timeout"
-                if self._started
-                else "no output within queue.request_deadline"
-            )
-            return UnavailableError(what)
-        if isinstance(exc, asyncio.CancelledError):
-            out.cut = "hang_up"  # aiohttp cancels the handler when the client goes away
-            return exc
-        if isinstance(exc, EngineRejectedError):
-            out.answered = out.completed = True
-            out.kind = "engine_rejected"
-        elif isinstance(exc, UnverifiedError):
-            out.error = str(exc)
-            out.kind = "unverified"
-        elif isinstance(exc, EngineError):
-            out.kind = "engine_error"
-        elif not isinstance(exc, GatewayError):
-            out.error = repr(exc)
-            out.kind = "engine_error"
+
+def _failure(ex: Exchange, exc: BaseException) -> BaseException:
+    """The one mapping of a failed exchange to what the caller sees; notes the outcome."""
+    out = ex.outcome
+    # A write to the client that failed (aiohttp's ClientConnectionResetError is a
+    # ClientError too, though the engine's connection is not the one that broke).
+    if isinstance(exc, ConnectionResetError) and (
+        ex.writing or not isinstance(exc, aiohttp.ClientError)
+    ):
+        out.cut = "hang_up"
+        return ClientGoneError()
+    if isinstance(exc, _NEVER_CONNECTED) and ex.response is None:
+        out.sent = False
+        return NotAcceptedError(f"{ex.where} could not be reached", detail=str(exc))
+    if isinstance(exc, aiohttp.ClientError):
+        out.error = str(exc) or type(exc).__name__
+        out.kind = "engine_error"
+        return EngineError(f"{ex.where}: the engine connection failed", detail=out.error)
+    if isinstance(exc, TimeoutError) and ex._bound.expired and ex.writing:
+        out.cut = "hang_up"
+        return ClientGoneError()
+    if isinstance(exc, TimeoutError) and ex._bound.expired:
+        out.cut = "idle_timeout" if ex._started else "deadline"
+        what = (
+            "the engine stream was quiet for longer than queue.stream_idle_timeout"
+            if ex._started
+            else "no output within queue.request_deadline"
+        )
+        return UnavailableError(what)
+    if isinstance(exc, NotAcceptedError):  # a host's ingress did not forward it
         return exc
+    if isinstance(exc, asyncio.CancelledError):
+        out.cut = "hang_up"  # aiohttp cancels the handler when the client goes away
+        return exc
+    if isinstance(exc, EngineRejectedError):
+        out.answered = out.completed = True
+        out.kind = "engine_rejected"
+    elif isinstance(exc, UnverifiedError):
+        out.error = str(exc)
+        out.kind = "unverified"
+    elif isinstance(exc, EngineError):
+        out.kind = "engine_error"
+    elif not isinstance(exc, GatewayError):
+        out.error = repr(exc)
+        out.kind = "engine_error"
+    return exc
+
+
+async def _aborted_or(
+    ex: Exchange, task: asyncio.Task[aiohttp.ClientResponse]
+) -> aiohttp.ClientResponse:
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if ex._aborted is None or (current is not None and current.cancelling()):
+            raise
+        raise aiohttp.ServerDisconnectedError(ex._aborted) from None
 
 
 def _finish(
@@ -279,35 +307,3 @@ async def _release_when_ended(resp: aiohttp.ClientResponse) -> None:
             resp.release()
         else:
             resp.close()
-
-
-async def refusal(
-    resp: aiohttp.ClientResponse, where: str, raw: bytes | None = None
-) -> EngineError:
-    """The error for an engine's non-200 answer: its own refusals keep their status."""
-    if resp.status in REJECTION_STATUSES and "json" in resp.headers.get("Content-Type", ""):
-        if raw is None:
-            try:
-                raw = await asyncio.wait_for(resp.content.read(MAX_ERROR_BODY), 5)
-            except (TimeoutError, aiohttp.ClientError):
-                raw = b""
-        if raw:
-            return EngineRejectedError(resp.status, engine_message(raw))
-    return EngineError(
-        f"{where}: the engine answered HTTP {resp.status}", detail=f"status {resp.status}"
-    )
-
-
-def engine_message(raw: bytes) -> str:
-    """The message of an engine's JSON refusal ("" when it has none)."""
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return ""
-    message: Any = None
-    if isinstance(doc, dict):
-        err = doc.get("error")
-        message = err.get("message") if isinstance(err, dict) else doc.get("message")
-        if message is None and isinstance(err, str):
-            message = err
-    return str(message) if message is not None else ""

@@ -1,0 +1,189 @@
+"""The CLI of several machines: the server's control listener, ``invite host``, ``host join``
+and ``host serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import signal
+import socket
+import ssl
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from aiohttp import web
+
+from ._cli_common import address, bind
+from ._config import ConfigError
+from ._gateway import Gateway
+from ._host import Host, join
+from ._log import configure_logging
+from ._machines import pki
+from ._machines.enroll import DEFAULT_INVITE_S, Invites, JoinError, JoinFile, ServerIdentity
+from ._machines.ingress import create_ingress_app
+
+__all__ = ["control_runner", "register", "server_control"]
+
+
+def server_control(
+    state: Path, host: str, port: int
+) -> tuple[ServerIdentity, socket.socket, ssl.SSLContext]:
+    """The server's control identity (made on first start), its listening socket and TLS."""
+    identity = ServerIdentity(state / "identity")
+    identity.ensure()
+    sock = bind(host, port)
+    identity.address_file.write_text(f"{host}:{sock.getsockname()[1]}\n", encoding="utf-8")
+    return identity, sock, pki.server_context(identity.cert, identity.key, identity.ca_cert)
+
+
+def control_runner(gw: Gateway) -> web.AppRunner:
+    assert gw.machines is not None
+    return web.AppRunner(gw.machines.app(), access_log=None)
+
+
+def _duration(value: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        return float(value[:-1]) * units[value[-1]] if value[-1] in units else float(value)
+    except (ValueError, IndexError):
+        raise ConfigError(f"--valid takes a duration such as 1h or 30m, got {value!r}") from None
+
+
+def _private(host: str) -> None:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"--ingress takes a private IP address, not {host!r}") from None
+    if ip.is_unspecified or not (ip.is_private or ip.is_loopback) or ip in _CGNAT:
+        if ip in _CGNAT:
+            return
+        raise ConfigError(
+            f"--ingress {host}: bind the ingress to a private address only the server reaches "
+            "(docs/gateway/machines.md)"
+        )
+
+
+_CGNAT = ipaddress.ip_network("100.64.0.0/10")
+StateOpt = Annotated[
+    Path | None, typer.Option("--state-dir", help="State directory (env CAPYCTL_STATE_DIR).")
+]
+
+
+def register(
+    app: typer.Typer, state_of: Callable[[Path | None], Path], fail: Callable[[str], typer.Exit]
+) -> None:
+    invite_app = typer.Typer(help="Invite machines to this server.", no_args_is_help=True)
+    host_app = typer.Typer(help="Run this machine as a host of a server.", no_args_is_help=True)
+    app.add_typer(invite_app, name="invite")
+    app.add_typer(host_app, name="host")
+
+    @invite_app.command("host")
+    def invite_host(
+        name: Annotated[str, typer.Argument(help="The host's name, as deployments name it.")],
+        output: Annotated[Path, typer.Option("--output", help="The join file to write.")],
+        valid: Annotated[str, typer.Option("--valid", help="How long it may be used.")] = "1h",
+        server: Annotated[
+            str | None,
+            typer.Option("--server", help="The control address as the host reaches it."),
+        ] = None,
+        state_dir: StateOpt = None,
+    ) -> None:
+        """Write a single-use join file (mode 0600) for host NAME."""
+        state = state_of(state_dir)
+        identity = ServerIdentity(state / "identity")
+        try:
+            if not pki.valid_host_name(name):
+                raise ConfigError(f"{name!r} cannot name a host: 1 to 63 of a-z, 0-9 and '-'")
+            if not identity.ca_cert.exists():
+                raise ConfigError(f"no server state in {state}: start `serve --role server` once")
+            control = server or identity.address_file.read_text(encoding="utf-8").strip()
+            chost, _ = address(control, "--server")
+            if ipaddress.ip_address(chost).is_unspecified if _is_ip(chost) else False:
+                raise ConfigError(
+                    f"the server listens on {control}: say how the host reaches it with --server"
+                )
+            seconds = _duration(valid) if valid else DEFAULT_INVITE_S
+            invites = Invites(state / "machines.sqlite3")
+            token, expires = invites.create(name, seconds)
+            invites.close()
+            ca = identity.ca_cert.read_bytes()
+            JoinFile(name, control, ca, pki.fingerprint(ca), token, expires).write(output)
+        except (ConfigError, OSError) as exc:
+            raise fail(str(exc)) from None
+        typer.echo(f"join file for host {name} written to {output} (valid {valid}, used once)")
+
+    @host_app.command("join")
+    def host_join(
+        join_file: Annotated[Path, typer.Option("--join-file", help="From `invite host`.")],
+        state_dir: StateOpt = None,
+    ) -> None:
+        """Enroll this machine with the server that wrote the join file."""
+        state = state_of(state_dir)
+        try:
+            name = asyncio.run(join(join_file, state))
+        except JoinError as exc:
+            raise fail(str(exc)) from None
+        typer.echo(f"enrolled as host {name}; start it with `capyctl-gateway host serve`")
+
+    @host_app.command("serve")
+    def host_serve(
+        ingress: Annotated[
+            str, typer.Option("--ingress", help="Private ADDR:PORT the server forwards to.")
+        ],
+        state_dir: StateOpt = None,
+        log_format: Annotated[str, typer.Option("--log-format", help="text or json.")] = "auto",
+    ) -> None:
+        """Run this host: its session to the server, its engines and its ingress."""
+        fmt = log_format if log_format != "auto" else ("text" if sys.stderr.isatty() else "json")
+        configure_logging(fmt)
+        state = state_of(state_dir)
+        try:
+            ihost, iport = address(ingress, "--ingress")
+            _private(ihost)
+            sock = bind(ihost, iport)
+            host = Host(state, f"http://{ihost}:{sock.getsockname()[1]}")
+        except (ConfigError, JoinError) as exc:
+            raise fail(str(exc)) from None
+        try:
+            import uvloop
+
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        except ImportError:
+            pass
+        asyncio.run(_serve_host(host, sock))
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+async def _serve_host(host: Host, sock: socket.socket) -> None:
+    runner = web.AppRunner(
+        create_ingress_app(host.gate, host.session), access_log=None, handler_cancellation=True
+    )
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    session = loop.create_task(host.run())
+    try:
+        await web.SockSite(runner, sock).start()
+        typer.echo(
+            f"capyctl-gateway host {host.name}: ingress on {host.ingress_url}, "
+            f"server at {host.control}",
+            err=True,
+        )
+        await stop.wait()
+    finally:
+        session.cancel()
+        await asyncio.gather(session, return_exceptions=True)  # stops its engines
+        await runner.cleanup()
+    typer.echo(f"capyctl-gateway host {host.name}: stopped", err=True)

@@ -1,0 +1,319 @@
+"""A host: ``capyctl-gateway host serve``. It keeps a control session to its server, runs the
+deployments the server places on it (launching, parking, waking and stopping them on the
+server's orders, with the same lifecycle code as a single machine), reports their load every
+second, and serves its ingress.
+
+The host's engines and collector are a `Gateway` of its own, built from the server's ``setup``
+message, without a public listener: nothing reaches the engines but the ingress. A session
+that is lost closes every forward through the ingress; the engines keep running and the host
+connects again (every 1 to 5 s), so a server that comes back finds them as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
+from ._lifecycle.states import STARTABLE, InstanceState, Launched
+from ._log import event
+from ._machines import pki
+from ._machines.enroll import HostIdentity, JoinError, read_join_file
+from ._machines.ingress import Gate, close_all
+from ._machines.protocol import (
+    LOST_AFTER_S,
+    MAX_MESSAGE_BYTES,
+    REPORT_EVERY_S,
+    InstanceReport,
+    deployment_tag,
+    host_config,
+)
+
+__all__ = ["Host", "join"]
+
+logger = logging.getLogger("capyctl_gateway")
+RETRY_S = (1.0, 2.0, 5.0)
+
+
+async def join(join_file: Path, state_dir: Path) -> str:
+    """Enroll this host with the join file's server; returns the host's name. Raises
+    JoinError with what to do."""
+    identity = HostIdentity(state_dir / "identity")
+    done = identity.enrolled()
+    if done is not None:
+        raise JoinError(
+            f"this state directory is enrolled already (host {done[0]}); use another "
+            "--state-dir, or remove its identity/ to join afresh"
+        )
+    joining = read_join_file(join_file)
+    if not pki.valid_host_name(joining.host):
+        raise JoinError(f"{joining.host!r} cannot name a host")
+    identity.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = pki.new_host_key()
+    csr = pki.host_csr(key, joining.host)
+    ctx = pki.client_context(joining.ca_pem)
+    body = {"host": joining.host, "token": joining.token, "csr": csr.decode()}
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+            http.post(
+                f"https://{joining.control}/v1/enroll",
+                json=body,
+                ssl=ctx,
+                server_hostname=pki.SERVER_NAME,
+            ) as resp,
+        ):
+            answer = await resp.json(loads=orjson.loads, content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise JoinError(f"cannot enroll with the server at {joining.control}: {exc}") from None
+    if resp.status != 200:
+        raise JoinError(f"the server refused this host: {answer.get('message', resp.status)}")
+    pki.write_private(identity.key, key)
+    identity.save(joining, str(answer["certificate"]).encode())
+    return joining.host
+
+
+class Host:
+    """One host's runtime: its session to the server, its engines, its gates."""
+
+    def __init__(self, state_dir: Path, ingress_url: str) -> None:
+        self.identity = HostIdentity(state_dir / "identity")
+        about = self.identity.enrolled()
+        if about is None:
+            raise JoinError(f"{state_dir} is not enrolled: run `capyctl-gateway host join` first")
+        self.name, self.control = about
+        self.state_dir = state_dir
+        self.ingress_url = ingress_url
+        self.placed = Placement(state_dir / "logs")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.connected = asyncio.Event()
+
+    def gate(self, tag: str, index: int) -> Gate | None:
+        return self.placed.gates.get((tag, index))
+
+    def session(self) -> aiohttp.ClientSession | None:
+        return self.placed.gw.session if self.placed.gw is not None else None
+
+    # -- the session ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Keep a session to the server, forever (cancel to stop)."""
+        ctx = pki.client_context(
+            self.identity.ca.read_bytes(), self.identity.cert, self.identity.key
+        )
+        attempt = 0
+        try:
+            async with aiohttp.ClientSession() as http:
+                while True:
+                    try:
+                        async with http.ws_connect(
+                            f"https://{self.control}/v1/session",
+                            ssl=ctx,
+                            server_hostname=pki.SERVER_NAME,
+                            max_msg_size=MAX_MESSAGE_BYTES,
+                            timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
+                        ) as ws:
+                            attempt = 0
+                            await self._converse(ws)
+                    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                        logger.warning("no session with the server at %s: %s", self.control, exc)
+                    self._lost()
+                    await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
+                    attempt += 1
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.placed.teardown()
+
+    async def _converse(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        await ws.send_bytes(orjson.dumps({"t": "hello", "ingress": self.ingress_url}))
+        setup = await ws.receive(timeout=LOST_AFTER_S)
+        if setup.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+            return
+        await self.placed.setup(orjson.loads(setup.data).get("deployments", []))
+        event("host_session", "host %s: session with %s up", self.name, self.control,
+              host=self.name, state="live")  # fmt: skip
+        self.connected.set()
+        reporter = asyncio.get_running_loop().create_task(self._report(ws))
+        try:
+            while True:
+                try:
+                    msg = await ws.receive(timeout=LOST_AFTER_S)
+                except TimeoutError:
+                    logger.warning("nothing heard from the server for %.0f s", LOST_AFTER_S)
+                    return
+                if msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                    return
+                doc = orjson.loads(msg.data)
+                if doc.get("t") == "ping":
+                    await ws.send_bytes(orjson.dumps({"t": "pong", "n": doc.get("n")}))
+                elif doc.get("t") == "order":
+                    self._spawn(self._carry_out(ws, doc))
+        finally:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+
+    def _lost(self) -> None:
+        if self.connected.is_set():
+            event("host_session", "host %s: session lost", self.name, host=self.name,
+                  state="lost")  # fmt: skip
+        self.connected.clear()
+        close_all(list(self.placed.gates.values()))
+
+    async def _report(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        while True:
+            reports = [r.to_json() for r in self.placed.reports()]
+            await ws.send_bytes(orjson.dumps({"t": "report", "instances": reports}))
+            await asyncio.sleep(REPORT_EVERY_S)
+
+    # -- orders -------------------------------------------------------------------------------
+    async def _carry_out(self, ws: aiohttp.ClientWebSocketResponse, doc: dict[str, Any]) -> None:
+        key = (deployment_tag(str(doc["deployment"])), int(doc["instance"]))
+        error = None
+        try:
+            await self.placed.do(key, str(doc["op"]), str(doc.get("reason", "the server asked")))
+        except Exception as exc:  # the server hears the host's words
+            error = str(exc) or type(exc).__name__
+        report = next((r.to_json() for r in self.placed.reports() if (
+            deployment_tag(r.deployment), r.instance) == key), None)  # fmt: skip
+        answer = {"t": "done", "id": doc.get("id"), "ok": error is None, "error": error,
+                  "report": report}  # fmt: skip
+        with contextlib.suppress(ConnectionError):
+            await ws.send_bytes(orjson.dumps(answer))
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class Placement:
+    """The deployments the server placed on this host: their engines (a `Gateway` of the
+    host's own) and the ingress's gate of each instance."""
+
+    def __init__(self, logs: Path) -> None:
+        self._logs = logs
+        self.gw: Gateway | None = None
+        self._view: bytes = b""
+        self._stack: contextlib.AsyncExitStack | None = None
+        self.gates: dict[tuple[str, int], Gate] = {}
+        self._launched: dict[tuple[str, int], Launched | None] = {}
+        self._engine: dict[tuple[str, int], Any] = {}
+        self._generation: dict[tuple[str, int], int] = {}
+        self._procs: dict[tuple[str, int], object] = {}
+
+    async def do(self, key: tuple[str, int], op: str, reason: str) -> None:
+        """Carry out the server's order ``op`` on one launched instance."""
+        lc = self._launched.get(key)
+        if self.gw is None or lc is None:
+            raise RuntimeError("no such launched instance on this host")
+        engines = self.gw.lifecycle.engines
+        if op == "start" and lc.state is InstanceState.PARKED:
+            op = "wake"
+        if op == "start" and lc.state in STARTABLE:
+            await engines.start(lc)
+        elif op == "wake":
+            await engines.wake(lc)
+        elif op == "park":
+            await engines.park(lc, reason)
+            if lc.state is not InstanceState.PARKED:
+                raise RuntimeError(lc.failure or "the engine did not park")
+        elif op == "stop":
+            await engines.stop_one(lc, reason)
+        elif op != "start":
+            raise RuntimeError(f"unknown order {op!r}")
+
+    # -- ----------------------------------------------------------
+    async def setup(self, view: list[dict[str, Any]]) -> None:
+        raw = orjson.dumps(view, option=orjson.OPT_SORT_KEYS)
+        if raw == self._view:
+            return  # the same placement: the engines stay as they are
+        await self.teardown()
+        self._view = raw
+        if not view:
+            return
+        config, indexes = host_config(view)
+        gw = Gateway(config, secrets.token_urlsafe(32), engine_logs=self._logs)
+        stack = contextlib.AsyncExitStack()
+        for lifetime in (engine_session, engine_collector, engine_lifecycle):
+            await stack.enter_async_context(contextlib.asynccontextmanager(_life(lifetime))(gw))
+        self.gw, self._stack = gw, stack
+        for route in gw.routes.values():
+            lives = gw.lifecycle.lives.get(route.deployment.name)
+            for inst in route.instances:
+                key = (deployment_tag(inst.deployment), indexes[(inst.deployment, inst.index)])
+                self._engine[key] = (inst, indexes[(inst.deployment, inst.index)])
+                self._launched[key] = next(
+                    (lc for lc in lives.launched if lc.inst is inst), None
+                ) if lives else None  # fmt: skip
+                self._generation[key] = 0
+                self.gates[key] = Gate(url=inst.url, headers=dict(inst.headers), key=None)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Open, close or renew each gate to match its engine."""
+        for key, (inst, _) in self._engine.items():
+            gate, lc = self.gates[key], self._launched[key]
+            proc = lc.process if lc is not None else None
+            if lc is not None and proc is not None and proc is not self._procs.get(key):
+                self._procs[key] = proc
+                self._generation[key] += 1
+                gate.key = None  # a new engine process: a new key
+            gate.url = inst.url
+            open_ = inst.available and not inst.unusable and inst.url is not None
+            if not open_:
+                gate.key = None
+            elif gate.key is None:
+                gate.key = secrets.token_bytes(32).hex()
+
+    def reports(self) -> list[InstanceReport]:
+        self.refresh()
+        gw = self.gw
+        out = []
+        now = gw.clock() if gw is not None else 0.0
+        for key, (inst, index) in self._engine.items():
+            lc = self._launched[key]
+            snap = gw.collector.snapshot(inst.key) if gw and gw.collector else None
+            m = snap.metrics if snap is not None else None
+            proc = lc.process if lc is not None else None
+            usage = m.kv_cache_usage_ratio if m is not None else None
+            out.append(InstanceReport(
+                deployment=inst.deployment, instance=index,
+                state=lc.state.value if lc is not None else "external",
+                gate=self.gates[key].key, generation=self._generation[key],
+                running=m.running_requests if m is not None else None,
+                waiting=m.waiting_requests if m is not None else None,
+                usage=usage if usage is not None or m is None else m.slot_usage_ratio,
+                age_s=max(now - snap.requested_at, 0.0) if snap is not None else None,
+                ingress_in_flight=self.gates[key].in_flight,
+                pid=proc.proc.pid if proc is not None and proc.proc is not None else None,
+                port=proc.port if proc is not None else None,
+                command=proc.argv if proc is not None else None,
+                failure=lc.failure if lc is not None else None,
+            ))  # fmt: skip
+        return out
+
+    async def teardown(self) -> None:
+        close_all(list(self.gates.values()))
+        if self._stack is not None:
+            await self._stack.aclose()  # stops the engines this host started
+        self.gw, self._stack, self._view = None, None, b""
+        self.gates.clear()
+        self._launched.clear()
+        self._engine.clear()
+
+
+def _life(lifetime: Any) -> Any:
+    def make(gw: Gateway) -> AsyncIterator[None]:
+        return lifetime(gw)  # type: ignore[no-any-return]
+
+    return make

@@ -1,0 +1,1 @@
+"""Several machines: the server's control channel, hosts and their ingress."""

@@ -1,0 +1,149 @@
+"""The server's control listener: ``POST /v1/enroll`` (a host's first contact, with its join
+token; TLS without a client certificate) and ``GET /v1/session`` (the host's WebSocket session,
+which needs the certificate enrollment gave it). The listener's TLS context is
+`pki.server_context`: a certificate is checked when presented, and required here for a session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import WSMsgType, web
+
+from .._log import event
+from . import pki
+from .enroll import JoinError
+from .protocol import LOST_AFTER_S, MAX_MESSAGE_BYTES, REPORT_EVERY_S, InstanceReport, host_view
+
+if TYPE_CHECKING:
+    from .server import Machines
+
+__all__ = ["HostSession", "control_app"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+
+@dataclass(eq=False)
+class HostSession:
+    name: str
+    ws: web.WebSocketResponse
+    ingress: str = ""
+    rtts: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+    pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    ids: itertools.count[int] = field(default_factory=itertools.count)
+    pinged: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def rtt(self) -> float:
+        """The worst recent round trip (1 s before the first is measured)."""
+        return max(self.rtts) if self.rtts else 1.0
+
+
+def control_app(machines: Machines) -> web.Application:
+    control = _Control(machines)
+    app = web.Application(client_max_size=64 * 1024)
+    app.router.add_post("/v1/enroll", control.enroll)
+    app.router.add_get("/v1/session", control.session)
+    return app
+
+
+class _Control:
+    def __init__(self, machines: Machines) -> None:
+        self.m = machines
+
+    async def enroll(self, request: web.Request) -> web.Response:
+        try:
+            doc = await request.json(loads=orjson.loads)
+            host, token, csr = str(doc["host"]), str(doc["token"]), str(doc["csr"]).encode()
+        except (ValueError, KeyError, TypeError):
+            return _refuse(400, "bad_request", "an enrollment is JSON with host, token and csr")
+        try:
+            self.m.invites.spend(token, host)
+            cert = self.m.identity.sign(csr, host)
+        except (JoinError, pki.PkiError) as exc:
+            logger.warning("an enrollment as host %s was refused: %s", host, exc)
+            return _refuse(403, "join_refused", str(exc))
+        logger.info("host %s enrolled", host)
+        return web.json_response({"certificate": cert.decode()})
+
+    async def session(self, request: web.Request) -> web.StreamResponse:
+
+        transport = request.transport
+        peer = transport.get_extra_info("peercert") if transport is not None else None
+        host = pki.peer_host(peer)
+        if host is None:
+            return _refuse(401, "unauthorized", "a session needs the host's certificate")
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
+        await ws.prepare(request)
+        old = self.m.sessions.get(host)
+        if old is not None:
+            await old.ws.close()  # the newer session wins (a host that reconnected)
+        session = HostSession(host, ws)
+        try:
+            await self._converse(session)
+        finally:
+            if self.m.sessions.get(host) is session:
+                self.m.lost(session, "session ended")
+        return ws
+
+    async def _converse(self, session: HostSession) -> None:
+        ws, host = session.ws, session.name
+        hello = await ws.receive(timeout=LOST_AFTER_S)
+        if hello.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+            return
+        session.ingress = str(orjson.loads(hello.data).get("ingress", ""))
+        await ws.send_bytes(
+            orjson.dumps({"t": "setup", "deployments": host_view(self.m.config, host)})
+        )
+        self.m.up(session)
+        event("host_session", "host %s: session up", host, host=host, state="live")
+        pinger = asyncio.get_running_loop().create_task(self._ping(session))
+        try:
+            while True:
+                try:
+                    msg = await ws.receive(timeout=LOST_AFTER_S)
+                except TimeoutError:
+                    self.m.lost(session, f"nothing heard for {LOST_AFTER_S:.0f} s")
+                    return
+                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    return
+                self._heard(session, orjson.loads(msg.data))
+        finally:
+            pinger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pinger
+
+    async def _ping(self, session: HostSession) -> None:
+        for n in itertools.count():
+            session.pinged[n] = asyncio.get_running_loop().time()
+            if len(session.pinged) > 16:
+                session.pinged.pop(min(session.pinged))
+            with contextlib.suppress(ConnectionError):
+                await session.ws.send_bytes(orjson.dumps({"t": "ping", "n": n}))
+            await asyncio.sleep(REPORT_EVERY_S)
+
+    def _heard(self, session: HostSession, msg: dict[str, Any]) -> None:
+        now = asyncio.get_running_loop().time()
+        kind = msg.get("t")
+        if kind == "report":
+            for doc in msg.get("instances", []):
+                self.m.apply(session, InstanceReport.from_json(doc), now)
+        elif kind == "pong":
+            sent = session.pinged.pop(int(msg.get("n", -1)), None)
+            if sent is not None:
+                session.rtts.append(now - sent)
+        elif kind == "done":
+            fut = session.pending.get(int(msg.get("id", -1)))
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+
+def _refuse(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"code": code, "message": message}, status=status)

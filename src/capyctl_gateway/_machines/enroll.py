@@ -1,0 +1,233 @@
+"""Enrolling hosts: the server's control identity, single-use join files, and a host's identity.
+
+The server keeps a certificate authority of its own for the control channel (created on its
+first start under ``<state>/identity/``). ``invite host NAME`` writes a join file: the server's
+control address, its CA certificate and the CA's fingerprint, the host's name, a random token
+and when it expires. The server keeps only the token's SHA-256, spent at first use. ``host join``
+checks the CA against the fingerprint, makes the host's own key (it never leaves the host),
+and sends a certificate request with the token over TLS that trusts only that CA; the server
+answers with the host's certificate. Nothing secret travels in clear, and a copied join file
+is worth nothing once used or expired.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import pki
+
+__all__ = [
+    "DEFAULT_INVITE_S",
+    "HostIdentity",
+    "Invites",
+    "JoinError",
+    "JoinFile",
+    "ServerIdentity",
+    "read_join_file",
+]
+
+DEFAULT_INVITE_S = 3600.0
+"""How long a join file is valid unless ``invite host --valid`` says otherwise."""
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS invite (
+    token_sha256 TEXT PRIMARY KEY,
+    host TEXT NOT NULL,
+    expires_at REAL NOT NULL,
+    spent_at REAL
+);
+"""
+
+
+class JoinError(Exception):
+    """A join file or enrollment that cannot be used; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ServerIdentity:
+    """The server's control CA and certificate, under ``<state>/identity``."""
+
+    directory: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.directory / "control-ca.pem"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.directory / "control-ca.key"
+
+    @property
+    def cert(self) -> Path:
+        return self.directory / "control-server.pem"
+
+    @property
+    def key(self) -> Path:
+        return self.directory / "control-server.key"
+
+    @property
+    def address_file(self) -> Path:
+        return self.directory / "control-address"
+
+    def ensure(self) -> None:
+        """Create the CA and the server certificate on first start (mode 0600 keys)."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not self.ca_cert.exists():
+            key, cert = pki.new_ca()
+            pki.write_private(self.ca_key, key)
+            pki.write_private(self.ca_cert, cert)
+        if not self.cert.exists():
+            key, cert = pki.issue_server_cert(self.ca_key.read_bytes(), self.ca_cert.read_bytes())
+            pki.write_private(self.key, key)
+            pki.write_private(self.cert, cert)
+
+    def sign(self, csr_pem: bytes, host: str) -> bytes:
+        return pki.sign_host_csr(self.ca_key.read_bytes(), self.ca_cert.read_bytes(), csr_pem, host)
+
+
+class Invites:
+    """Join tokens, kept by their SHA-256 in ``<state>/machines.sqlite3``."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._db = sqlite3.connect(path, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def create(self, host: str, valid_s: float, now: float | None = None) -> tuple[str, float]:
+        """A new token for ``host``; returns (token, expires_at)."""
+        token = secrets.token_urlsafe(32)
+        expires = (time.time() if now is None else now) + valid_s
+        self._db.execute(
+            "INSERT INTO invite VALUES (?, ?, ?, NULL)", (_digest(token), host, expires)
+        )
+        return token, expires
+
+    def spend(self, token: str, host: str, now: float | None = None) -> None:
+        """Use ``token`` for ``host`` once. Raises JoinError (unknown, spent, expired, another
+        host's)."""
+        now = time.time() if now is None else now
+        with self._db:  # one transaction: two joins racing with one token, one wins
+            self._db.execute("BEGIN IMMEDIATE")
+            row = self._db.execute(
+                "SELECT host, expires_at, spent_at FROM invite WHERE token_sha256 = ?",
+                (_digest(token),),
+            ).fetchone()
+            if row is None:
+                raise JoinError("this join file is not one the server issued")
+            invited, expires, spent = row
+            if spent is not None:
+                raise JoinError("this join file was used already; ask for a new one")
+            if now > expires:
+                raise JoinError("this join file has expired; ask for a new one")
+            if invited != host:
+                raise JoinError(f"this join file is for host {invited!r}, not {host!r}")
+            self._db.execute(
+                "UPDATE invite SET spent_at = ? WHERE token_sha256 = ?", (now, _digest(token))
+            )
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class JoinFile:
+    host: str
+    control: str
+    """The server's control address as the host reaches it (HOST:PORT)."""
+    ca_pem: bytes
+    ca_fingerprint: str
+    token: str
+    expires_at: float
+
+    def write(self, path: Path) -> None:
+        doc = {
+            "capyctl_join": 1,
+            "host": self.host,
+            "control": self.control,
+            "ca_fingerprint": self.ca_fingerprint,
+            "ca_pem": self.ca_pem.decode(),
+            "token": self.token,
+            "expires_at": self.expires_at,
+        }
+        pki.write_private(path, json.dumps(doc, indent=1).encode() + b"\n")
+
+
+def read_join_file(path: Path, now: float | None = None) -> JoinFile:
+    """Read and check a join file (shape, CA fingerprint, expiry). Raises JoinError."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise JoinError(f"cannot read the join file {path}: {exc.strerror}") from None
+    except ValueError:
+        raise JoinError(f"{path} is not a join file (not JSON)") from None
+    fields = ("host", "control", "ca_fingerprint", "ca_pem", "token", "expires_at")
+    if (
+        not isinstance(doc, dict)
+        or doc.get("capyctl_join") != 1
+        or any(f not in doc for f in fields)
+    ):
+        raise JoinError(f"{path} is not a capyctl join file")
+    join = JoinFile(
+        host=str(doc["host"]),
+        control=str(doc["control"]),
+        ca_pem=str(doc["ca_pem"]).encode(),
+        ca_fingerprint=str(doc["ca_fingerprint"]),
+        token=str(doc["token"]),
+        expires_at=float(doc["expires_at"]),
+    )
+    try:
+        found = pki.fingerprint(join.ca_pem)
+    except ValueError:
+        raise JoinError(f"{path}: its CA certificate cannot be read") from None
+    if found != join.ca_fingerprint:
+        raise JoinError(f"{path}: its CA certificate does not match its fingerprint")
+    if (time.time() if now is None else now) > join.expires_at:
+        raise JoinError("this join file has expired; ask the server's operator for a new one")
+    return join
+
+
+@dataclass(frozen=True)
+class HostIdentity:
+    """A host's key, certificate and what it knows of its server, under ``<state>/identity``."""
+
+    directory: Path
+
+    @property
+    def key(self) -> Path:
+        return self.directory / "host.key"
+
+    @property
+    def cert(self) -> Path:
+        return self.directory / "host.pem"
+
+    @property
+    def ca(self) -> Path:
+        return self.directory / "control-ca.pem"
+
+    @property
+    def about(self) -> Path:
+        return self.directory / "host.json"
+
+    def enrolled(self) -> tuple[str, str] | None:
+        """(host name, server control address), or None before ``host join``."""
+        try:
+            doc = json.loads(self.about.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        return str(doc["host"]), str(doc["control"])
+
+    def save(self, join: JoinFile, cert_pem: bytes) -> None:
+        pki.write_private(self.cert, cert_pem)
+        pki.write_private(self.ca, join.ca_pem)
+        about = {"host": join.host, "control": join.control}
+        pki.write_private(self.about, json.dumps(about).encode() + b"\n")

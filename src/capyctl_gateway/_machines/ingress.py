@@ -1,0 +1,150 @@
+"""A host's ingress: the one door through which the server reaches the host's engines.
+
+``POST /i/<deployment>/<index>/v1/chat/completions`` (and ``/v1/systemone``) with exactly one
+``Authorization: Bearer <gate key>``, the key the host reported for that instance on the control
+session. Anything else is refused, with `NOT_FORWARDED` set so that the server knows the engine
+never saw it: an unknown instance (404), a missing or wrong key (401), a closed gate (503
+``shutting_down``), a query string or a compressed body (400), a body over 8 MiB (413), an
+engine that cannot be reached (502). An accepted request goes to the engine with the engine's
+own key, and its answer comes back byte for byte. When the server's connection goes away, the
+ingress closes the engine connection (that is the engine's signal to stop); when the control
+session is lost, it closes every forward.
+
+Bind it to a private address that only the server can reach (docs/gateway/machines.md has the
+firewall rule). Never imports the HTTP surface, the relay or the lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from .._config import REMOTE_MAX_BODY_BYTES
+from .protocol import NOT_FORWARDED
+
+__all__ = ["MAX_FORWARDS", "Gate", "create_ingress_app"]
+
+MAX_FORWARDS = 256
+"""Requests forwarded at once, over all instances; past it, 503 (not forwarded)."""
+_ENDPOINTS = {"v1/chat/completions", "v1/systemone"}
+
+
+@dataclass(eq=False)
+class Gate:
+    """What the ingress needs of one instance."""
+
+    url: str | None
+    """The engine's origin on this host (None while it has no process)."""
+    headers: dict[str, str]
+    """Sent to the engine (its own key among them)."""
+    key: str | None
+    """The gate key while the gate is open; None while it is closed."""
+    in_flight: int = 0
+    forwards: set[asyncio.Task[object]] = field(default_factory=set)
+
+
+def _refuse(status: int, code: str, message: str) -> web.Response:
+    return web.json_response(
+        {"code": code, "message": message}, status=status, headers={NOT_FORWARDED: code}
+    )
+
+
+def create_ingress_app(
+    gates: Callable[[str, int], Gate | None], session: Callable[[], aiohttp.ClientSession | None]
+) -> web.Application:
+    """The ingress over ``gates(deployment tag, index)``; serve it with handler cancellation on
+    (``web.AppRunner(app, handler_cancellation=True)``), so a server that hangs up cancels the
+    forward."""
+    busy = [0]
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        info = request.match_info
+        tail = info["tail"]
+        try:
+            index = int(info["index"])
+        except ValueError:
+            index = -1
+        gate = gates(info["deployment"], index) if tail in _ENDPOINTS else None
+        if gate is None:
+            return _refuse(404, "not_found", "no such instance here")
+        keys = request.headers.getall("Authorization", [])
+        wanted = gate.key
+        if (
+            len(keys) != 1
+            or wanted is None
+            or not hmac.compare_digest(keys[0].encode(), f"Bearer {wanted}".encode())
+        ):
+            if wanted is None and len(keys) == 1:
+                return _refuse(503, "shutting_down", "this instance takes no requests now")
+            return _refuse(401, "unauthorized", "missing or wrong gate key")
+        if request.query_string or "Content-Encoding" in request.headers:
+            return _refuse(400, "bad_request", "no query string, no compressed body")
+        if request.content_length is not None and request.content_length > REMOTE_MAX_BODY_BYTES:
+            return _refuse(413, "request_too_large", "over the ingress's body limit")
+        if busy[0] >= MAX_FORWARDS or gate.url is None:
+            return _refuse(503, "shutting_down", "the ingress takes no more requests now")
+        client = session()
+        if client is None:
+            return _refuse(503, "shutting_down", "the host is stopping")
+        body = await request.content.read(REMOTE_MAX_BODY_BYTES + 1)
+        if len(body) > REMOTE_MAX_BODY_BYTES:
+            return _refuse(413, "request_too_large", "over the ingress's body limit")
+        busy[0] += 1
+        gate.in_flight += 1
+        task = asyncio.current_task()
+        assert task is not None
+        gate.forwards.add(task)
+        try:
+            return await _relay(request, client, f"{gate.url}/{tail}", gate.headers, body)
+        finally:
+            gate.forwards.discard(task)
+            gate.in_flight -= 1
+            busy[0] -= 1
+
+    app = web.Application(client_max_size=REMOTE_MAX_BODY_BYTES)
+    app.router.add_post("/i/{deployment}/{index}/{tail:.*}", forward)
+    return app
+
+
+async def _relay(
+    request: web.Request,
+    client: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    body: bytes,
+) -> web.StreamResponse:
+    try:
+        resp = await client.post(url, data=body, headers=headers, allow_redirects=False)
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+        return _refuse(502, "engine_unreachable", "the engine could not be reached")
+    try:
+        out = web.StreamResponse(status=resp.status)
+        for name in ("Content-Type",):
+            if name in resp.headers:
+                out.headers[name] = resp.headers[name]
+        await out.prepare(request)
+        async for chunk in resp.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+        return out
+    finally:
+        # Read to its end: pooled; anything else (the server hung up, the engine broke off):
+        # closed, which tells the engine to stop.
+        if resp.content.is_eof():
+            resp.release()
+        else:
+            resp.close()
+
+
+def close_all(gates: list[Gate]) -> None:
+    """The control session is lost: end every forward (each closes its engine connection)."""
+    for gate in gates:
+        for task in list(gate.forwards):
+            with contextlib.suppress(RuntimeError):
+                task.cancel()

@@ -1,0 +1,204 @@
+"""The server's side of several machines: the control listener, one session per host, orders,
+and what the hosts report.
+
+A remote instance takes requests while its host's session is live and its host reports its
+gate open; it is then addressed at the host's ingress with that gate key. A report also carries
+the engine's load (for routing) and is the evidence that settles cut requests: a sample taken
+after the cut (its age and the session's worst recent round trip are both taken off the time
+it arrived) in which the ingress has nothing in flight and the engine runs and waits for
+nothing; or a new engine process, or none, after the cut.
+
+Never imports the HTTP surface, the relay or the lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .._config import GatewayConfig
+from .._deployments.routes import EngineInstance, Route
+from .._deployments.settle import Settlement
+from .._log import event
+from .control import HostSession, control_app
+from .enroll import Invites, ServerIdentity
+from .protocol import (
+    STALE_AFTER_S,
+    InstanceReport,
+    ingress_path,
+)
+
+__all__ = ["HostGoneError", "HostSession", "Machines", "RemoteSample"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+
+class HostGoneError(Exception):
+    """An order could not be carried out: the host has no session, or lost it meanwhile."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSample:
+    report: InstanceReport
+    received_at: float
+    """Monotonic time the report arrived."""
+
+
+class Machines:
+    """The hosts of one server."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        routes: dict[str, Route],
+        settlement: Settlement,
+        *,
+        identity: ServerIdentity,
+        invites: Invites,
+        clock: Callable[[], float] = time.time,
+        on_report: Callable[[EngineInstance, InstanceReport], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._settlement = settlement
+        self.identity = identity
+        self.invites = invites
+        self._clock = clock
+        self._on_report = on_report
+        self.instances: dict[tuple[str, int], EngineInstance] = {
+            (i.deployment, i.index): i for r in routes.values() for i in r.instances if i.remote
+        }
+        self._routes = routes
+        self.sessions: dict[str, HostSession] = {}
+        self.samples: dict[str, RemoteSample] = {}
+        self._up: dict[str, asyncio.Event] = {h: asyncio.Event() for h in config.hosts}
+
+    # -- what routing and status read --------------------------------------------------------
+    def fresh(self, inst: EngineInstance, now: float) -> InstanceReport | None:
+        s = self.samples.get(inst.key)
+        if s is None or inst.remote not in self.sessions or s.report.age_s is None:
+            return None
+        if now - s.received_at + s.report.age_s > STALE_AFTER_S:
+            return None
+        return s.report
+
+    def session_state(self, host: str) -> str:
+        return "live" if host in self.sessions else "lost"
+
+    def app(self) -> web.Application:
+        """The control listener's application (serve it with the control TLS context)."""
+        return control_app(self)
+
+    def up(self, session: HostSession) -> None:
+        """A host's session is established."""
+        self.sessions[session.name] = session
+        self._up.setdefault(session.name, asyncio.Event()).set()
+
+    # -- orders -------------------------------------------------------------------------------
+    async def order(self, inst: EngineInstance, op: str, reason: str, within: float) -> None:
+        """Have the instance's host start, park, wake or stop it; return once done.
+
+        Waits for the host's session (all within ``within`` seconds). Raises HostGoneError, or
+        RuntimeError with the host's words when the host could not do it."""
+        host = inst.remote
+        assert host is not None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        session = self.sessions.get(host)
+        if session is None:
+            try:
+                await asyncio.wait_for(self._up[host].wait(), within)
+            except TimeoutError:
+                raise HostGoneError(f"host {host} has no session with this server") from None
+            session = self.sessions[host]
+        n = next(session.ids)
+        done: asyncio.Future[dict[str, Any]] = loop.create_future()
+        session.pending[n] = done
+        msg = {"t": "order", "id": n, "op": op, "deployment": inst.deployment,
+               "instance": inst.index, "reason": reason}  # fmt: skip
+        try:
+            await session.ws.send_bytes(orjson.dumps(msg))
+            answer = await asyncio.wait_for(done, max(end - loop.time(), 0.1))
+        except TimeoutError:
+            raise HostGoneError(f"host {host} did not carry out {op} in time") from None
+        except ConnectionError:
+            raise HostGoneError(f"host {host} lost its session") from None
+        finally:
+            session.pending.pop(n, None)
+        report = answer.get("report")
+        if isinstance(report, dict):
+            self.apply(session, InstanceReport.from_json(report), loop.time())
+        if not answer.get("ok"):
+            raise RuntimeError(str(answer.get("error") or f"{op} failed"))
+
+    def apply(self, session: HostSession, report: InstanceReport, now: float) -> None:
+        inst = self.instances.get((report.deployment, report.instance))
+        if inst is None or inst.remote != session.name:
+            return
+        before = self.samples.get(inst.key)
+        self.samples[inst.key] = RemoteSample(report, now)
+        if report.gate is not None and session.ingress:
+            inst.bind(session.ingress + ingress_path(inst.deployment, inst.index))
+            inst.headers["Authorization"] = f"Bearer {report.gate}"
+            if not inst.available:
+                inst.available = True
+                self._routes[inst.deployment].notify()
+        else:
+            inst.available = False
+        self._settle(inst, before, report, session)
+        if self._on_report is not None:
+            self._on_report(inst, report)
+
+    def _settle(
+        self,
+        inst: EngineInstance,
+        before: RemoteSample | None,
+        report: InstanceReport,
+        session: HostSession,
+    ) -> None:
+        if not inst.ledger.cut:
+            return
+        # On the settlement's clock: the latest moment the sample can have been taken at.
+        earliest = self._clock() - session.rtt - (report.age_s or 0.0)
+        restarted = (
+            before is not None and before.report.generation != report.generation
+        ) or report.state in ("stopped", "failed")
+        idle = (
+            report.age_s is not None
+            and report.ingress_in_flight == 0
+            and report.running == 0
+            and report.waiting == 0
+        )
+        self._settlement.remote(
+            inst.ledger,
+            idle_after=earliest if idle else None,
+            restarted_before=self._clock() - session.rtt if restarted else None,
+        )
+
+    def lost(self, session: HostSession, why: str) -> None:
+        host = session.name
+        if self.sessions.get(host) is not session:
+            return
+        del self.sessions[host]
+        self._up[host] = asyncio.Event()
+        for fut in session.pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(why))
+        for inst in self.instances.values():
+            if inst.remote == host:
+                inst.available = False
+                for ex in list(inst.exchanges):
+                    ex.abort(f"host {host} lost its session")
+        event("host_session", "host %s: session lost (%s)", host, why, host=host,
+              state="lost", reason=why)  # fmt: skip
+        asyncio.get_running_loop().create_task(session.ws.close())
+
+
+def _refuse(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"code": code, "message": message}, status=status)

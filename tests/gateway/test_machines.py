@@ -1,0 +1,286 @@
+"""Several machines in one process: a server gateway, its control listener over mutual TLS, and
+hosts that enrolled with join files, each with its ingress in front of a fake engine, all on
+loopback. (The live tier runs them as separate processes in network namespaces, with real
+llama.cpp engines.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
+from capyctl_gateway._host import Host, join
+from capyctl_gateway._machines import pki
+from capyctl_gateway._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
+from capyctl_gateway._machines.ingress import create_ingress_app
+from capyctl_gateway._machines.protocol import NOT_FORWARDED, ingress_path
+from tests.gateway.conftest import COLLECTOR, KEY
+from tests.gateway.fake_engine import FakeEngine, Hold, vllm_stream
+
+pytestmark = pytest.mark.anyio
+
+
+async def _site(
+    runner: web.AppRunner, ssl_context: Any = None, host: str = "127.0.0.1"
+) -> tuple[web.AppRunner, str]:
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0, ssl_context=ssl_context)
+    await site.start()
+    addr = runner.addresses[0]
+    return runner, f"{addr[0]}:{addr[1]}"
+
+
+@dataclass
+class Cluster:
+    url: str
+    server_state: Path
+    control: str
+    tmp: Path
+    runners: list[web.AppRunner] = field(default_factory=list)
+    hosts: dict[str, tuple[Host, asyncio.Task[None], web.AppRunner]] = field(default_factory=dict)
+    app: web.Application | None = None
+
+    def client(self, **kw: Any) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30, **kw
+        )
+
+    def join_file(self, host: str, valid_s: float = 3600) -> Path:
+        identity = ServerIdentity(self.server_state / "identity")
+        invites = Invites(self.server_state / "machines.sqlite3")
+        token, expires = invites.create(host, valid_s)
+        invites.close()
+        ca = identity.ca_cert.read_bytes()
+        path = self.tmp / f"{host}-{token[:6]}.join"
+        JoinFile(host, self.control, ca, pki.fingerprint(ca), token, expires).write(path)
+        return path
+
+    async def start_host(self, name: str) -> Host:
+        state = self.tmp / f"host-{name}"
+        await join(self.join_file(name), state)
+        holder: list[Host] = []
+        app = create_ingress_app(lambda tag, i: holder[0].gate(tag, i), lambda: holder[0].session())
+        # A short shutdown: stopping it ends its forwards at once, as a killed process would.
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1
+        )
+        runner, addr = await _site(runner)
+        host = Host(state, f"http://{addr}")
+        holder.append(host)
+        task = asyncio.get_running_loop().create_task(host.run())
+        self.hosts[name] = (host, task, runner)
+        await asyncio.wait_for(host.connected.wait(), 10)
+        return host
+
+    async def kill_host(self, name: str) -> None:
+        """Like a host process killed: its ingress and session vanish without a word."""
+        host, task, runner = self.hosts.pop(name)
+        await runner.cleanup()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
+    made: list[Cluster] = []
+
+    async def make(deployments: list[dict[str, Any]], **queue: Any) -> Cluster:
+        state = tmp_path / "server"
+        identity = ServerIdentity(state / "identity")
+        identity.ensure()
+        config = GatewayConfig.model_validate({"deployments": deployments, "queue": queue})
+        app = create_app(
+            config, KEY, env={}, collector_options=COLLECTOR, state_dir=state, server=identity
+        )
+        runner, addr = await _site(GatewayRunner(app))
+        gw = app[GATEWAY_KEY]
+        assert gw.machines is not None
+        context = pki.server_context(identity.cert, identity.key, identity.ca_cert)
+        crunner, control = await _site(web.AppRunner(gw.machines.app()), context)
+        c = Cluster(f"http://{addr}", state, control, tmp_path, [runner, crunner], app=app)
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            for name in list(c.hosts):
+                await c.kill_host(name)
+            for runner in reversed(c.runners):
+                await runner.cleanup()
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Callable[[], Awaitable[FakeEngine]]]:
+    runners = []
+
+    async def make() -> FakeEngine:
+        fake = FakeEngine()
+        app = web.Application()
+        fake.routes(app)
+        runner, addr = await _site(web.AppRunner(app, handler_cancellation=True))
+        fake.url = f"http://{addr}"
+        runners.append(runner)
+        return fake
+
+    try:
+        yield make
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+def dep(*instances: dict[str, Any], name: str = "m") -> dict[str, Any]:
+    return {"name": name, "engine": "vllm", "engine_version": "0.31.0", "served_model": "tiny",
+            "instances": list(instances)}  # fmt: skip
+
+
+def stream(text: str = "hi") -> list[Any]:
+    return list(vllm_stream([text]))
+
+
+async def test_a_request_reaches_the_engine_on_a_host_and_only_the_server_sees_the_caller_id(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    engine = await engines()
+    engine.script = stream("from the host")
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    await c.start_host("gpu-box")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with c.client() as client:
+        r = await client.post(
+            "/v1/chat/completions", json=body, headers={"X-Request-Id": "caller-7"}
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "from the host"
+        assert r.headers["X-Request-Id"] == "caller-7"
+        r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        assert r.status_code == 200 and "from the host" in r.text
+    assert len(engine.received) == 2
+    for got in engine.received:
+        assert "caller-7" not in json.dumps(got.headers) + json.dumps(got.body)
+        assert not any(h.lower() == "x-request-id" for h in got.headers)
+        assert got.headers.get("Authorization") is None  # the gate key stays at the ingress
+
+
+async def test_a_join_file_is_used_once_and_an_expired_one_is_refused(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    engine = await engines()
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    path = c.join_file("gpu-box")
+    await join(path, c.tmp / "first")
+    with pytest.raises(JoinError, match="used already"):
+        await join(path, c.tmp / "second")
+    assert not (c.tmp / "second" / "identity" / "host.pem").exists()
+    with pytest.raises(JoinError, match="expired"):
+        await join(c.join_file("gpu-box", valid_s=-1), c.tmp / "third")
+    assert (c.tmp / "first" / "identity" / "host.key").stat().st_mode & 0o777 == 0o600
+
+
+async def test_the_ingress_refuses_a_request_without_the_gate_key_and_forwards_nothing(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    engine = await engines()
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    host = await c.start_host("gpu-box")
+    ingress = host.ingress_url + ingress_path("m", 0) + "/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    async with httpx.AsyncClient() as client:
+        for headers in ({}, {"Authorization": "Bearer " + "0" * 64},
+                        {"Authorization": f"Bearer {KEY}"}):  # fmt: skip
+            r = await client.post(ingress, json=body, headers=headers)
+            assert r.status_code == 401 and r.headers[NOT_FORWARDED] == "unauthorized"
+    assert engine.received == []
+
+
+async def test_a_host_that_goes_away_ends_its_streams_in_band_and_then_requests_wait_for_it(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    engine = await engines()
+    engine.script = [*vllm_stream(["part"])[:2], Hold()]
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})], request_deadline="2s")
+    await c.start_host("gpu-box")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    async with c.client() as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.aiter_lines()
+            async for line in lines:
+                if "part" in line:
+                    break
+            await c.kill_host("gpu-box")
+            rest = [line async for line in lines]
+        assert any('"error"' in line for line in rest), rest
+        assert "data: [DONE]" not in rest
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.json()["code"] == "unavailable"
+        assert r.json()["retryable"] is True
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None and gw.machines is not None
+    assert "gpu-box" not in gw.machines.sessions
+
+
+async def test_requests_fail_over_to_the_other_host_when_one_refuses_connections(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    a, b = await engines(), await engines()
+    a.script = b.script = stream("ok")
+    c = await cluster([dep({"host": "box-a", "url": a.url}, {"host": "box-b", "url": b.url})])
+    await c.start_host("box-a")
+    await c.start_host("box-b")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with c.client() as client:
+        for _ in range(4):
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        assert len(a.received) == 2 and len(b.received) == 2  # an idle pair: turns rotate
+        await c.kill_host("box-a")
+        for _ in range(3):
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    assert len(a.received) == 2 and len(b.received) == 5
+
+
+async def test_a_hang_up_closes_the_engine_connection_on_the_host_and_settles_on_its_report(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    engine = await engines()
+    engine.script = [*vllm_stream(["part"])[:2], Hold()]
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    await c.start_host("gpu-box")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    ledger = gw.settlement.ledgers["m/0"]
+    async with c.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if "part" in line:
+                break
+    await asyncio.wait_for(engine.hung_up.wait(), 5)  # the ingress closed its engine connection
+    settled = asyncio.Event()
+    gw.settlement.settled_observers.append(lambda key, cuts, why: settled.set())
+    if ledger.cut:
+        await asyncio.wait_for(settled.wait(), 10)  # the host reports every second
+    assert ledger.cut == [] and ledger.running == 0
+    assert gw.settlement.recent[-1].why == "engine and ingress idle on its host"
+
+
+async def test_a_body_over_8_mib_for_a_remote_deployment_is_refused_before_it_leaves(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    engine = await engines()
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    await c.start_host("gpu-box")
+    big = "x" * (8 * 1024 * 1024)
+    body = {"model": "m", "messages": [{"role": "user", "content": big}]}
+    async with c.client() as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 413 and r.json()["code"] == "request_too_large"
+    assert engine.received == []
