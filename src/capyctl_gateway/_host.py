@@ -282,7 +282,9 @@ class Placement:
         now = gw.clock() if gw is not None else 0.0
         for key, (inst, index) in self._engine.items():
             lc = self._launched[key]
-            snap = gw.collector.snapshot(inst.key) if gw and gw.collector else None
+            collector = gw.collector if gw is not None else None
+            watched = collector is not None and inst.key in collector.keys()  # noqa: SIM118
+            snap = collector.snapshot(inst.key) if collector is not None and watched else None
             m = snap.metrics if snap is not None else None
             proc = lc.process if lc is not None else None
             usage = m.kv_cache_usage_ratio if m is not None else None

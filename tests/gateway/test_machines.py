@@ -284,3 +284,78 @@ async def test_a_body_over_8_mib_for_a_remote_deployment_is_refused_before_it_le
         r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 413 and r.json()["code"] == "request_too_large"
     assert engine.received == []
+
+
+async def reported(c: Cluster, check: Callable[[Any, Any], bool], within: float = 10) -> None:
+    """Wait for a host report that passes ``check(instance, report)`` (hosts report every s)."""
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None and gw.machines is not None
+    seen = asyncio.Event()
+    gw.machines.observers.append(lambda i, r: seen.set() if check(i, r) else None)
+    await asyncio.wait_for(seen.wait(), within)
+
+
+async def test_routing_weighs_the_load_each_host_reports_for_its_engine(
+    cluster: Callable[..., Awaitable[Cluster]],
+    engines: Callable[[], Awaitable[FakeEngine]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = await engines(), await engines()
+    a.script = b.script = stream("ok")
+    a.running, a.waiting = 5, 2  # busy with requests that came another way
+    c = await cluster([dep({"host": "box-a", "url": a.url}, {"host": "box-b", "url": b.url})])
+    await c.start_host("box-a")
+    await c.start_host("box-b")
+    await reported(c, lambda i, r: i.remote == "box-a" and r.running == 5 and r.age_s is not None)
+    await reported(c, lambda i, r: i.remote == "box-b" and r.running == 0 and r.age_s is not None)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    caplog.set_level("INFO", "capyctl_gateway")
+    async with c.client() as client:
+        for _ in range(4):
+            r = await client.post(
+                "/v1/chat/completions", json=body, headers={"X-Request-Id": "who-1"}
+            )
+            assert r.status_code == 200
+    assert len(a.received) == 0 and len(b.received) == 4
+    picks = [getattr(r, "fields", {}) for r in caplog.records
+             if getattr(r, "event", "") == "router_selection"]  # fmt: skip
+    assert len(picks) == 4 and all(p["host"] == "box-b" for p in picks)
+    scores = {row["host"]: row for row in picks[0]["candidates"]}
+    assert scores["box-a"]["score"] == 7 and scores["box-a"]["load_source"] == "engine"
+    assert scores["box-b"]["score"] == 0 and scores["box-b"]["sample_age_ms"] is not None
+    assert picks[0]["caller_request_id"] == "who-1"
+    assert any("who-1" in r.getMessage() and "-> box-b instance 1" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    # The caller's ID is on the router lines and nowhere else.
+    others = [r for r in caplog.records if getattr(r, "event", "") != "router_selection"]
+    assert not any("who-1" in r.getMessage() + str(getattr(r, "fields", "")) for r in others)
+
+
+async def test_a_host_launches_and_stops_a_deployment_on_the_servers_orders(
+    cluster: Callable[..., Awaitable[Cluster]],
+) -> None:
+    from capyctl_gateway._lifecycle.operator import operator_stop
+    from capyctl_gateway._management.status import deployment_status
+    from tests.gateway.test_lifecycle import ENGINE, wait_gone
+
+    launch = {"command": [*ENGINE, "--served", "tiny"], "startup_timeout": "60s"}
+    c = await cluster([dep({"host": "gpu-box", "launch": launch})])
+    await c.start_host("gpu-box")
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with c.client() as client:
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert "tiny" in r.json()["choices"][0]["message"]["content"]
+    doc = deployment_status(gw, "m")
+    assert doc is not None
+    row = doc["instances"][0]
+    assert row["host"] == "gpu-box" and row["session"] == "live" and row["lifecycle"] == "ready"
+    pid = int(row["process"]["pid"])
+    await operator_stop(gw.lifecycle, "m", known=True)
+    wait_gone(pid)
+    assert gw.lifecycle.lives["m"].launched[0].state.value == "stopped"
+    async with c.client() as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 409 and r.json()["code"] == "deployment_stopped"

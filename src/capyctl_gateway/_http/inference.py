@@ -25,7 +25,7 @@ from .._errors import (
     UnauthorizedError,
     UnavailableError,
 )
-from .._gateway import Gateway, skipped
+from .._gateway import Gateway, candidates, skipped
 from .._log import event
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
@@ -153,7 +153,12 @@ class Inference:
                         detail="; ".join(skipped(self.gw, route)),
                     )
                 continue
-            _log_route("router_selection", call, instance.index, instance.host)
+            if len(route.instances) > 1 or call.dep.remote:
+                shown, skipped_ = candidates(self.gw, route, refused)
+                _log_route("router_selection", call, instance.index, instance.host,
+                           candidates=shown, skipped=skipped_)  # fmt: skip
+            else:
+                _log_route("router_selection", call, instance.index, instance.host)
             assert self.gw.session is not None
             ex = Exchange(
                 self.gw.session,
@@ -295,12 +300,15 @@ def identify(gateway: Gateway, request: web.Request, headers: dict[str, str]) ->
     return caller
 
 
-def _log_route(name: str, call: _Call, index: int, host: str, detail: str | None = None) -> None:
+def _log_route(
+    name: str, call: _Call, index: int, host: str, detail: str | None = None, **more: Any
+) -> None:
     fields: dict[str, Any] = {
         "capyctl_request_id": call.rid,
         "deployment": call.dep.name,
         "instance": index,
         "host": host,
+        **more,
     }
     if call.caller is not None:
         fields["caller_request_id"] = call.caller

@@ -78,6 +78,8 @@ class Machines:
         self.sessions: dict[str, HostSession] = {}
         self.samples: dict[str, RemoteSample] = {}
         self._up: dict[str, asyncio.Event] = {h: asyncio.Event() for h in config.hosts}
+        self.observers: list[Callable[[EngineInstance, InstanceReport], None]] = []
+        """Called with each instance report once applied (tests)."""
 
     # -- what routing and status read --------------------------------------------------------
     def fresh(self, inst: EngineInstance, now: float) -> InstanceReport | None:
@@ -154,6 +156,8 @@ class Machines:
         self._settle(inst, before, report, session)
         if self._on_report is not None:
             self._on_report(inst, report)
+        for observe in self.observers:
+            observe(inst, report)
 
     def _settle(
         self,

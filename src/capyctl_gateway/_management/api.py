@@ -18,7 +18,7 @@ from .._lifecycle.operator import (
 )
 from .._ulid import new_ulid
 from .metrics import exposition
-from .status import deployment_status
+from .status import deployment_status, instance_hosts
 
 __all__ = ["create_management_app", "create_metrics_app"]
 
@@ -61,7 +61,13 @@ def create_management_app(gateway: Gateway) -> web.Application:
         if not gateway.authorized(request.headers.get("Authorization", "")):
             return _error(UnauthorizedError(), rid)
         budget = gateway.config.resources.memory_budget
-        return _json(deployments_list(gateway.lifecycle, gateway.routes, budget), rid)
+        doc = deployments_list(gateway.lifecycle, gateway.routes, budget)
+        for row in doc["deployments"]:
+            hosts = instance_hosts(gateway, row["name"])
+            if hosts:
+                row["hosts"] = hosts
+                row["run_by"] = "hosts " + ", ".join(sorted({h["host"] for h in hosts}))
+        return _json(doc, rid)
 
     async def act(request: web.Request) -> web.Response:
         rid = new_ulid()

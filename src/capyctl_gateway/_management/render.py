@@ -47,7 +47,16 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
     # Addresses and reasons on lines of their own: a table column would cut them short.
     for i in rows:
         where = i["url"] if i["url"] is not None else "not running"
-        console.print(f"instance {i['index']}: {where} (host {i['host']})", soft_wrap=True)
+        about = f"host {i['host']}"
+        if "session" in i:
+            report = i.get("report_age_s")
+            about += f", session {i['session']}" + (
+                ""
+                if report is None
+                else f", reported {report:.1f} s ago, "
+                f"ingress in flight {i.get('ingress_in_flight')}"
+            )
+        console.print(f"instance {i['index']}: {where} ({about})", soft_wrap=True)
         if i.get("error"):
             console.print(f"  error: {i['error']}", soft_wrap=True)
         if i.get("not_routed"):
@@ -89,6 +98,15 @@ def print_list(console: Console, doc: dict[str, Any]) -> None:
             _cell(d.get("memory_held")),
         )
     console.print(table)
+    for d in doc["deployments"]:
+        for h in d.get("hosts", []):
+            age = h["sample_age_s"]
+            console.print(
+                f"{d['name']} instance {h['instance']}: host {h['host']}, session "
+                f"{h['session']}, "
+                + ("no fresh sample" if age is None else f"sample {age:.1f} s old"),
+                soft_wrap=True,
+            )
     budget = doc["memory_budget"]
     console.print(
         f"memory held by launched deployments: {doc['memory_held']} bytes"

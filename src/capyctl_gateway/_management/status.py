@@ -3,12 +3,14 @@ and the cut requests each instance still counts."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from .._deployments.routes import EngineInstance
 from .._gateway import Gateway
 from .._lifecycle.states import HOLDING, InstanceState
 
-__all__ = ["deployment_status", "shown"]
+__all__ = ["deployment_status", "instance_hosts", "shown"]
 
 
 def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
@@ -54,12 +56,14 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
                 row["snapshot_age_s"] = round(snap.age_s(now), 3)
             if status.error:
                 row["error"] = status.error
+        if inst.remote is not None and gateway.machines is not None:
+            _remote_row(gateway, inst, row)
         if inst.unusable is not None:
             row["not_routed"] = inst.unusable
         lc = launched.get(inst.index)
         if lc is not None:
             row["lifecycle"] = lc.state.value
-            if inst.key not in collected:
+            if inst.key not in collected and inst.remote is None:
                 row["state"] = lc.state.value
             if lc.failure is not None:
                 row["failure"] = lc.failure
@@ -95,6 +99,50 @@ def deployment_status(gateway: Gateway, name: str) -> dict[str, Any] | None:
                     held += d.memory.parked
             doc["deployment"]["memory_held"] = held
     return doc
+
+
+def instance_hosts(gateway: Gateway, name: str) -> list[dict[str, Any]]:
+    """Each remote instance of deployment ``name``: its host, the session, the sample's age."""
+    machines = gateway.machines
+    if machines is None:
+        return []
+    out = []
+    loop_now = asyncio.get_running_loop().time()
+    for inst in gateway.routes[name].instances:
+        if inst.remote is None:
+            continue
+        sample = machines.samples.get(inst.key)
+        fresh = machines.fresh(inst, loop_now)
+        age = None
+        if sample is not None and fresh is not None:
+            age = round(loop_now - sample.received_at + (fresh.age_s or 0.0), 3)
+        session = machines.session_state(inst.remote)
+        out.append({"instance": inst.index, "host": inst.remote, "session": session,
+                    "sample_age_s": age})  # fmt: skip
+    return out
+
+
+def _remote_row(gateway: Gateway, inst: EngineInstance, row: dict[str, Any]) -> None:
+    """What an instance's host last reported of it, and how old that is."""
+    machines = gateway.machines
+    assert machines is not None and inst.remote is not None
+    row["session"] = machines.session_state(inst.remote)
+    sample = machines.samples.get(inst.key)
+    if sample is None:
+        return
+    r = sample.report
+    loop_now = asyncio.get_running_loop().time()
+    row["state"] = "ready" if r.gate is not None and row["session"] == "live" else r.state
+    row["report_age_s"] = round(loop_now - sample.received_at, 3)
+    fresh = machines.fresh(inst, loop_now)
+    if fresh is not None:
+        row["running"], row["waiting"] = fresh.running, fresh.waiting
+        row["snapshot_age_s"] = round(loop_now - sample.received_at + (fresh.age_s or 0.0), 3)
+    row["ingress_in_flight"] = r.ingress_in_flight
+    if r.pid is not None and r.command is not None:
+        row["process"] = {"pid": r.pid, "port": r.port, "command": shown(r.command)}
+    if r.failure is not None:
+        row["failure"] = r.failure
 
 
 _SECRET_FLAG = ("key", "token", "secret", "password")
