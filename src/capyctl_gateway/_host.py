@@ -297,7 +297,7 @@ class Placement:
                 usage=usage if usage is not None or m is None else m.slot_usage_ratio,
                 age_s=max(now - snap.requested_at, 0.0) if snap is not None else None,
                 ingress_in_flight=self.gates[key].in_flight,
-                pid=proc.proc.pid if proc is not None and proc.proc is not None else None,
+                pid=proc.pid if proc is not None else None,
                 port=proc.port if proc is not None else None,
                 command=proc.argv if proc is not None else None,
                 failure=lc.failure if lc is not None else None,

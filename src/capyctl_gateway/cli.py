@@ -237,7 +237,13 @@ def _call(method: str, path: str, state_dir: Path | None, management: str | None
     """One call to the running gateway's management API; its JSON answer."""
     try:
         host, port = _management(management)
-        key = read_api_key(_state(state_dir))
+        state = _state(state_dir)
+        try:
+            key = read_api_key(state)
+        except FileNotFoundError:  # a server's key, if this is a server's state
+            if not server_credentials_path(state).exists():
+                raise
+            key = load_or_create_server_key(state)
     except FileNotFoundError as exc:
         raise _fail(
             f"no credentials at {exc.filename}: is this the gateway's --state-dir?"

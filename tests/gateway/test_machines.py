@@ -92,11 +92,15 @@ class Cluster:
 async def cluster(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
     made: list[Cluster] = []
 
-    async def make(deployments: list[dict[str, Any]], **queue: Any) -> Cluster:
+    async def make(
+        deployments: list[dict[str, Any]], resources: dict[str, Any] | None = None, **queue: Any
+    ) -> Cluster:
         state = tmp_path / "server"
         identity = ServerIdentity(state / "identity")
         identity.ensure()
-        config = GatewayConfig.model_validate({"deployments": deployments, "queue": queue})
+        config = GatewayConfig.model_validate(
+            {"deployments": deployments, "queue": queue, "resources": resources or {}}
+        )
         app = create_app(
             config, KEY, env={}, collector_options=COLLECTOR, state_dir=state, server=identity
         )
@@ -359,3 +363,31 @@ async def test_a_host_launches_and_stops_a_deployment_on_the_servers_orders(
     async with c.client() as client:
         r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 409 and r.json()["code"] == "deployment_stopped"
+
+
+async def test_the_memory_budget_is_each_machines_own(
+    cluster: Callable[..., Awaitable[Cluster]],
+) -> None:
+    from tests.gateway.test_lifecycle import ENGINE
+
+    def on(host: str, name: str) -> dict[str, Any]:
+        launch = {"command": [*ENGINE, "--served", "tiny"], "startup_timeout": "60s"}
+        return {**dep({"host": host, "launch": launch}, name=name), "memory": {"ready": "10GiB"}}
+
+    config = [on("box-a", "a1"), on("box-a", "a2"), on("box-b", "b1")]
+    c = await cluster(config, resources={"memory_budget": "16GiB"})
+    await c.start_host("box-a")
+    await c.start_host("box-b")
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    lives = gw.lifecycle.lives
+    async with c.client() as client:
+        for name in ("a1", "b1"):  # one on each machine: both fit
+            body = {"model": name, "messages": [{"role": "user", "content": "x"}]}
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        assert lives["a1"].state == "ready" and lives["b1"].state == "ready"
+        body = {"model": "a2", "messages": [{"role": "user", "content": "x"}]}
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    # a2 needed box-a's room: a1 was switched out there; b1 on box-b was left alone.
+    assert lives["a1"].state == "stopped" and lives["b1"].state == "ready"
+    assert gw.lifecycle.budget.held_on("box-a") == 10 * 2**30

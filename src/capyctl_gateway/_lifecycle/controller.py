@@ -120,7 +120,7 @@ class Lifecycle:
         name = life.deployment.name
         todo = [lc for lc in life.launched if lc.state in STARTABLE]
         parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
-        await self.budget.make_room(life, len(todo), len(parked))
+        await self.budget.make_room(life, todo, parked)
         jobs = [*(self.engines.start(lc) for lc in todo), *(self.engines.wake(lc) for lc in parked)]
         results = await asyncio.gather(*jobs, return_exceptions=True)
         if not life.ready:
@@ -187,8 +187,14 @@ class Lifecycle:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Engines on hosts keep running: a server that comes back finds them as they were.
         await asyncio.gather(
-            *(self.engines.stop(life, "the gateway is stopping") for life in self.lives.values())
+            *(
+                self.engines.stop_one(lc, "the gateway is stopping")
+                for life in self.lives.values()
+                for lc in life.launched
+                if lc.inst.remote is None
+            )
         )
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
