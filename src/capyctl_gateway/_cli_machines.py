@@ -20,6 +20,7 @@ from ._cli_common import address, bind
 from ._config import ConfigError
 from ._gateway import Gateway
 from ._host import Host, join
+from ._identity import CredentialsError
 from ._log import configure_logging
 from ._machines import pki
 from ._machines.enroll import DEFAULT_INVITE_S, Invites, JoinError, JoinFile, ServerIdentity
@@ -145,7 +146,7 @@ def register(
             _private(ihost)
             sock = bind(ihost, iport)
             host = Host(state, f"http://{ihost}:{sock.getsockname()[1]}")
-        except (ConfigError, JoinError) as exc:
+        except (ConfigError, JoinError, CredentialsError) as exc:
             raise fail(str(exc)) from None
         try:
             import uvloop

@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 
 from ._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
+from ._identity import check_private
 from ._lifecycle.states import STARTABLE, InstanceState, Launched
 from ._log import event
 from ._machines import pki
@@ -90,6 +91,7 @@ class Host:
         if about is None:
             raise JoinError(f"{state_dir} is not enrolled: run `capyctl-gateway host join` first")
         self.name, self.control = about
+        check_private(self.identity.key)
         self.state_dir = state_dir
         self.ingress_url = ingress_url
         self.placed = Placement(state_dir / "logs")

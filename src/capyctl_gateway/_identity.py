@@ -12,6 +12,7 @@ from pathlib import Path
 
 __all__ = [
     "CredentialsError",
+    "check_private",
     "credentials_path",
     "load_or_create_api_key",
     "load_or_create_server_key",
@@ -88,6 +89,12 @@ def read_api_key(state_dir: Path) -> str:
                 return key
             raise CredentialsError(f"the api_key in {path} is too short to be a real key")
     raise CredentialsError(f"the credentials file {path} has no 'api_key: ' line")
+
+
+def check_private(path: Path) -> None:
+    """Refuse a private key or credentials file others could read or replace
+    (CredentialsError, with the ``chmod`` that fixes it)."""
+    _check_private(path)
 
 
 def _check_private(path: Path) -> None:

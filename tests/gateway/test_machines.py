@@ -391,3 +391,18 @@ async def test_the_memory_budget_is_each_machines_own(
     # a2 needed box-a's room: a1 was switched out there; b1 on box-b was left alone.
     assert lives["a1"].state == "stopped" and lives["b1"].state == "ready"
     assert gw.lifecycle.budget.held_on("box-a") == 10 * 2**30
+
+
+async def test_a_host_whose_key_others_can_read_does_not_start(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    from capyctl_gateway._identity import CredentialsError
+
+    engine = await engines()
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    state = c.tmp / "loose"
+    await join(c.join_file("gpu-box"), state)
+    key = state / "identity" / "host.key"
+    key.chmod(0o644)
+    with pytest.raises(CredentialsError, match="chmod 600"):
+        Host(state, "http://127.0.0.1:1")

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._identity import check_private
 from . import pki
 
 __all__ = [
@@ -85,6 +86,8 @@ class ServerIdentity:
             key, cert = pki.issue_server_cert(self.ca_key.read_bytes(), self.ca_cert.read_bytes())
             pki.write_private(self.key, key)
             pki.write_private(self.cert, cert)
+        check_private(self.ca_key)
+        check_private(self.key)
 
     def sign(self, csr_pem: bytes, host: str) -> bytes:
         return pki.sign_host_csr(self.ca_key.read_bytes(), self.ca_cert.read_bytes(), csr_pem, host)
