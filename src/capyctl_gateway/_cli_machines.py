@@ -145,7 +145,8 @@ def register(
             ihost, iport = address(ingress, "--ingress")
             _private(ihost)
             sock = bind(ihost, iport)
-            host = Host(state, f"http://{ihost}:{sock.getsockname()[1]}")
+            shown = f"[{ihost}]" if ":" in ihost else ihost
+            host = Host(state, f"http://{shown}:{sock.getsockname()[1]}")
         except (ConfigError, JoinError, CredentialsError) as exc:
             raise fail(str(exc)) from None
         try:

@@ -17,7 +17,6 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -30,7 +29,7 @@ from ._deployments.queue import BodyBudget
 from ._deployments.routes import EngineInstance, Route, build_routes, usage_penalty
 from ._deployments.settle import CutRequest, Settlement
 from ._lifecycle.controller import Lifecycle
-from ._lifecycle.states import InstanceState, Launched
+from ._lifecycle.states import STARTABLE, InstanceState, Launched
 from ._machines.enroll import Invites, ServerIdentity
 from ._machines.protocol import InstanceReport
 from ._machines.server import Machines
@@ -43,9 +42,7 @@ __all__ = [
     "engine_collector",
     "engine_lifecycle",
     "engine_session",
-    "candidates",
     "remote_report",
-    "skipped",
 ]
 
 IDLE_CONNECTION_S = 4.0
@@ -212,80 +209,31 @@ class Gateway:
 
 
 # -- several machines ----------------------------------------------------------------------
-def skipped(gw: Gateway, route: Route) -> list[str]:
-    """Why each instance of ``route`` that takes no request now is skipped."""
-    out = []
-    for i in route.instances:
-        if i.unusable:
-            out.append(f"{i.where}: {i.unusable}")
-        elif i.remote is not None and gw.machines is not None:
-            if i.remote not in gw.machines.sessions:
-                out.append(f"{i.where}: host_session_lost")
-            elif not i.available:
-                out.append(f"{i.where}: dispatch_closed")
-        elif not i.available:
-            out.append(f"{i.where}: not ready")
-    return out
-
-
-def candidates(
-    gw: Gateway, route: Route, exclude: set[int]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """What a ``router_selection`` event shows: each instance that could take the request with
-    its score and the sample it came from, and each one skipped with the reason."""
-    loop_now, wall_now = asyncio.get_running_loop().time(), gw.clock()
-    chosen: list[dict[str, Any]] = []
-    skipped_: list[dict[str, Any]] = []
-    machines = gw.machines
-    for i in route.instances:
-        reason = None
-        if i.index in exclude:
-            reason = "not_accepted"
-        elif i.unusable:
-            reason = "failed_checks"
-        elif i.remote is not None and machines is not None and i.remote not in machines.sessions:
-            reason = "host_session_lost"
-        elif not i.available:
-            reason = "dispatch_closed"
-        if reason is not None:
-            skipped_.append({"instance": i.index, "host": i.host, "reason": reason})
-            continue
-        row: dict[str, Any] = {"instance": i.index, "host": i.host,
-                               "router_in_flight": i.ledger.running}  # fmt: skip
-        running = waiting = usage = age = None
-        if i.remote is not None and machines is not None:
-            r = machines.fresh(i, loop_now)
-            sample = machines.samples.get(i.key)
-            if r is not None and sample is not None:
-                running, waiting, usage = r.running, r.waiting, r.usage
-                age = loop_now - sample.received_at + (r.age_s or 0.0)
-        elif gw.collector is not None:
-            snap = gw.collector.snapshot(i.key)
-            if snap is not None:
-                m = snap.metrics
-                running, waiting, age = m.running_requests, m.waiting_requests, None
-                usage = m.kv_cache_usage_ratio or m.slot_usage_ratio
-                age = wall_now - snap.requested_at
-        engine = running is not None and waiting is not None
-        row.update(
-            engine_running=running, engine_waiting=waiting, usage=usage,
-            sample_age_ms=None if age is None else round(age * 1000),
-            load_source="engine" if engine else "router_in_flight", score=gw.load(i),
-        )  # fmt: skip
-        chosen.append(row)
-    return chosen, skipped_
-
-
 def remote_report(gw: Gateway, inst: EngineInstance, report: InstanceReport) -> None:
-    """A host says its engine exited: the server's state follows (its next request
-    starts it again)."""
+    """Keep the server's lifecycle state of a launched remote instance true to its host's
+    report: an engine that exited there is failed here (its next request starts it again); one
+    found running or parked there (a server that restarted, an answer lost with a session) is
+    taken up as such, and stopped if an operator stopped its deployment."""
     life = gw.lifecycle.lives.get(inst.deployment)
     lc = next((x for x in life.launched if x.inst is inst), None) if life else None
-    if lc is None or lc.state not in (InstanceState.READY, InstanceState.PARKED):
+    if life is None or lc is None:
         return
-    if report.state in ("stopped", "failed"):
-        lc.failure = report.failure or "the engine exited on its host"
-        gw.lifecycle.engines.move(lc, InstanceState.FAILED, lc.failure)
+    if lc.state in (InstanceState.READY, InstanceState.PARKED):
+        if report.state in ("stopped", "failed"):
+            lc.failure = report.failure or "the engine exited on its host"
+            gw.lifecycle.engines.move(lc, InstanceState.FAILED, lc.failure)
+        return
+    busy = life.closing is not None or (life.activation is not None and not life.activation.done())
+    if busy or lc.state not in STARTABLE or report.state not in ("ready", "parked"):
+        return
+    found = InstanceState.READY if report.state == "ready" else InstanceState.PARKED
+    lc.failure = None
+    gw.lifecycle.engines.move(lc, found, f"found {report.state} on host {inst.remote}")
+    if found is InstanceState.READY:
+        inst.available = inst.gate_open
+        life.route.notify()
+    if life.operator_stopped:
+        gw.lifecycle.rest(life, "stopped by an operator", may_park=False)
 
 
 # -- lifetimes (aiohttp cleanup contexts, in this order; they end in the reverse one) ------

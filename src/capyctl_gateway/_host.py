@@ -15,18 +15,23 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
+from canopyx_provider import EngineRestarted, Event
+
 from ._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
 from ._identity import check_private
 from ._lifecycle.states import STARTABLE, InstanceState, Launched
 from ._log import event
 from ._machines import pki
+from ._machines.control import PINGS_KEPT
 from ._machines.enroll import HostIdentity, JoinError, read_join_file
 from ._machines.ingress import Gate, close_all
 from ._machines.protocol import (
@@ -97,6 +102,8 @@ class Host:
         self.placed = Placement(state_dir / "logs")
         self._tasks: set[asyncio.Task[None]] = set()
         self.connected = asyncio.Event()
+        self.pings: deque[tuple[int, float]] = deque(maxlen=PINGS_KEPT)
+        """The server's latest pings and when each arrived (wall clock, as the samples')."""
 
     def gate(self, tag: str, index: int) -> Gate | None:
         return self.placed.gates.get((tag, index))
@@ -126,6 +133,8 @@ class Host:
                             await self._converse(ws)
                     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                         logger.warning("no session with the server at %s: %s", self.control, exc)
+                    except Exception:  # a message it could not use: say so, and connect again
+                        logger.exception("the session with the server at %s failed", self.control)
                     self._lost()
                     await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
                     attempt += 1
@@ -140,6 +149,7 @@ class Host:
         setup = await ws.receive(timeout=LOST_AFTER_S)
         if setup.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
             return
+        self.pings.clear()
         await self.placed.setup(orjson.loads(setup.data).get("deployments", []))
         event("host_session", "host %s: session with %s up", self.name, self.control,
               host=self.name, state="live")  # fmt: skip
@@ -152,10 +162,14 @@ class Host:
                 except TimeoutError:
                     logger.warning("nothing heard from the server for %.0f s", LOST_AFTER_S)
                     return
+                if reporter.done():  # reports are the session's worth: without them, end it
+                    reporter.result()
+                    return
                 if msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
                     return
                 doc = orjson.loads(msg.data)
                 if doc.get("t") == "ping":
+                    self.pings.append((int(doc["n"]), time.time()))
                     await ws.send_bytes(orjson.dumps({"t": "pong", "n": doc.get("n")}))
                 elif doc.get("t") == "order":
                     self._spawn(self._carry_out(ws, doc))
@@ -173,19 +187,20 @@ class Host:
 
     async def _report(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         while True:
-            reports = [r.to_json() for r in self.placed.reports()]
+            reports = [r.to_json() for r in self.placed.reports(self.pings)]
             await ws.send_bytes(orjson.dumps({"t": "report", "instances": reports}))
             await asyncio.sleep(REPORT_EVERY_S)
 
     # -- orders -------------------------------------------------------------------------------
     async def _carry_out(self, ws: aiohttp.ClientWebSocketResponse, doc: dict[str, Any]) -> None:
-        key = (deployment_tag(str(doc["deployment"])), int(doc["instance"]))
         error = None
+        key = ("", -1)
         try:
+            key = (deployment_tag(str(doc["deployment"])), int(doc["instance"]))
             await self.placed.do(key, str(doc["op"]), str(doc.get("reason", "the server asked")))
         except Exception as exc:  # the server hears the host's words
             error = str(exc) or type(exc).__name__
-        report = next((r.to_json() for r in self.placed.reports() if (
+        report = next((r.to_json() for r in self.placed.reports(self.pings) if (
             deployment_tag(r.deployment), r.instance) == key), None)  # fmt: skip
         answer = {"t": "done", "id": doc.get("id"), "ok": error is None, "error": error,
                   "report": report}  # fmt: skip
@@ -249,6 +264,7 @@ class Placement:
         for lifetime in (engine_session, engine_collector, engine_lifecycle):
             await stack.enter_async_context(contextlib.asynccontextmanager(_life(lifetime))(gw))
         self.gw, self._stack = gw, stack
+        gw.settlement.observers.append(self._restarted)
         for route in gw.routes.values():
             lives = gw.lifecycle.lives.get(route.deployment.name)
             for inst in route.instances:
@@ -260,6 +276,14 @@ class Placement:
                 self._generation[key] = 0
                 self.gates[key] = Gate(url=inst.url, headers=dict(inst.headers), key=None)
         self.refresh()
+
+    def _restarted(self, e: Event) -> None:
+        """An engine someone else runs restarted (its collector saw a new process): a new
+        generation, which settles the requests cut before it on the server."""
+        if isinstance(e, EngineRestarted):
+            for key, (inst, _) in self._engine.items():
+                if inst.key == e.key and self._launched[key] is None:
+                    self._generation[key] += 1
 
     def refresh(self) -> None:
         """Open, close or renew each gate to match its engine."""
@@ -277,7 +301,8 @@ class Placement:
             elif gate.key is None:
                 gate.key = secrets.token_bytes(32).hex()
 
-    def reports(self) -> list[InstanceReport]:
+    def reports(self, pings: Sequence[tuple[int, float]] = ()) -> list[InstanceReport]:
+        """Each instance's report; ``pings``: the server's pings and when each arrived."""
         self.refresh()
         gw = self.gw
         out = []
@@ -299,6 +324,7 @@ class Placement:
                 usage=usage if usage is not None or m is None else m.slot_usage_ratio,
                 age_s=max(now - snap.requested_at, 0.0) if snap is not None else None,
                 ingress_in_flight=self.gates[key].in_flight,
+                quiet_ping=_quiet_ping(self.gates[key], snap, pings),
                 pid=proc.pid if proc is not None else None,
                 port=proc.port if proc is not None else None,
                 command=proc.argv if proc is not None else None,
@@ -314,6 +340,15 @@ class Placement:
         self.gates.clear()
         self._launched.clear()
         self._engine.clear()
+
+
+def _quiet_ping(gate: Gate, snap: Any, pings: Sequence[tuple[int, float]]) -> int | None:
+    """The latest ping received before ``snap`` was requested, if the ingress has nothing in
+    flight for the instance and its last forward there ended before that request too."""
+    if snap is None or gate.in_flight or gate.last_end >= snap.requested_at:
+        return None
+    before = [n for n, at in pings if at < snap.requested_at]
+    return max(before) if before else None
 
 
 def _life(lifetime: Any) -> Any:

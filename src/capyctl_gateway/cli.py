@@ -225,11 +225,11 @@ async def _run(
             err=True,
         )
     finally:
-        for erunner, _, _ in extra or []:
-            await erunner.cleanup()
         await xrunner.cleanup()
         await mrunner.cleanup()
-        await runner.cleanup()
+        await runner.cleanup()  # requests through hosts finish first: their sessions stay up
+        for erunner, _, _ in extra or []:
+            await erunner.cleanup()
     typer.echo("capyctl-gateway: stopped", err=True)
 
 

@@ -16,6 +16,7 @@ FORBIDDEN = {
     "_deployments": {"_http", "_relay", "_management", "_gateway", "_lifecycle", "cli"},
     "_lifecycle": {"_http", "_relay", "_management", "_gateway", "cli"},
     "_gateway": {"_http", "_relay", "_management", "cli"},
+    "_routing": {"_http", "_relay", "_management", "cli"},
     "_http": {"_management", "cli"},
     "_management": {"cli"},
     "_machines": {"_http", "_management", "_lifecycle", "_gateway", "cli"},

@@ -6,6 +6,7 @@ llama.cpp engines.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,15 +25,16 @@ from capyctl_gateway._machines.ingress import create_ingress_app
 from capyctl_gateway._machines.protocol import NOT_FORWARDED, ingress_path
 from tests.gateway.conftest import COLLECTOR, KEY
 from tests.gateway.fake_engine import FakeEngine, Hold, vllm_stream
+from tests.gateway.freezer import Freezer
 
 pytestmark = pytest.mark.anyio
 
 
 async def _site(
-    runner: web.AppRunner, ssl_context: Any = None, host: str = "127.0.0.1"
+    runner: web.AppRunner, ssl_context: Any = None, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[web.AppRunner, str]:
     await runner.setup()
-    site = web.TCPSite(runner, host, 0, ssl_context=ssl_context)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     addr = runner.addresses[0]
     return runner, f"{addr[0]}:{addr[1]}"
@@ -47,25 +49,57 @@ class Cluster:
     runners: list[web.AppRunner] = field(default_factory=list)
     hosts: dict[str, tuple[Host, asyncio.Task[None], web.AppRunner]] = field(default_factory=dict)
     app: web.Application | None = None
+    config: GatewayConfig | None = None
+    _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+    async def start_server(self) -> None:
+        """Serve the server (again, on the same ports when it ran before)."""
+        assert self.config is not None
+        identity = ServerIdentity(self.server_state / "identity")
+        identity.ensure()
+        app = create_app(self.config, KEY, env={}, collector_options=COLLECTOR,
+                         state_dir=self.server_state, server=identity)  # fmt: skip
+        port = int(self.url.rsplit(":", 1)[1]) if self.url else 0
+        runner, addr = await _site(GatewayRunner(app), port=port)
+        gw = app[GATEWAY_KEY]
+        assert gw.machines is not None
+        context = pki.server_context(identity.cert, identity.key, identity.ca_cert)
+        cport = int(self.control.rsplit(":", 1)[1]) if self.control else 0
+        crunner, control = await _site(web.AppRunner(gw.machines.app()), context, port=cport)
+        self.url, self.control, self.app = f"http://{addr}", control, app
+        self.runners = [runner, crunner]
+
+    async def stop_server(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
+        self.runners = []
 
     def client(self, **kw: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(
             base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30, **kw
         )
 
-    def join_file(self, host: str, valid_s: float = 3600) -> Path:
+    def join_file(self, host: str, valid_s: float = 3600, control: str | None = None) -> Path:
         identity = ServerIdentity(self.server_state / "identity")
         invites = Invites(self.server_state / "machines.sqlite3")
         token, expires = invites.create(host, valid_s)
         invites.close()
         ca = identity.ca_cert.read_bytes()
         path = self.tmp / f"{host}-{token[:6]}.join"
-        JoinFile(host, self.control, ca, pki.fingerprint(ca), token, expires).write(path)
+        where = control or self.control
+        JoinFile(host, where, ca, pki.fingerprint(ca), token, expires).write(path)
         return path
 
-    async def start_host(self, name: str) -> Host:
+    async def start_host(self, name: str, links: list[Freezer] | None = None) -> Host:
+        """Enroll and run host ``name``; with ``links``, its control session and its ingress
+        are reached through two `Freezer` proxies appended to it (control, then ingress)."""
         state = self.tmp / f"host-{name}"
-        await join(self.join_file(name), state)
+        control = self.control
+        if links is not None:
+            chost, cport = self.control.rsplit(":", 1)
+            links.append(await self._stack.enter_async_context(Freezer(chost, int(cport))))
+            control = f"127.0.0.1:{links[-1].port}"
+        await join(self.join_file(name, control=control), state)
         holder: list[Host] = []
         app = create_ingress_app(lambda tag, i: holder[0].gate(tag, i), lambda: holder[0].session())
         # A short shutdown: stopping it ends its forwards at once, as a killed process would.
@@ -73,6 +107,10 @@ class Cluster:
             app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1
         )
         runner, addr = await _site(runner)
+        if links is not None:
+            ihost, iport = addr.rsplit(":", 1)
+            links.append(await self._stack.enter_async_context(Freezer(ihost, int(iport))))
+            addr = f"127.0.0.1:{links[-1].port}"
         host = Host(state, f"http://{addr}")
         holder.append(host)
         task = asyncio.get_running_loop().create_task(host.run())
@@ -95,21 +133,11 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Clust
     async def make(
         deployments: list[dict[str, Any]], resources: dict[str, Any] | None = None, **queue: Any
     ) -> Cluster:
-        state = tmp_path / "server"
-        identity = ServerIdentity(state / "identity")
-        identity.ensure()
         config = GatewayConfig.model_validate(
             {"deployments": deployments, "queue": queue, "resources": resources or {}}
         )
-        app = create_app(
-            config, KEY, env={}, collector_options=COLLECTOR, state_dir=state, server=identity
-        )
-        runner, addr = await _site(GatewayRunner(app))
-        gw = app[GATEWAY_KEY]
-        assert gw.machines is not None
-        context = pki.server_context(identity.cert, identity.key, identity.ca_cert)
-        crunner, control = await _site(web.AppRunner(gw.machines.app()), context)
-        c = Cluster(f"http://{addr}", state, control, tmp_path, [runner, crunner], app=app)
+        c = Cluster("", tmp_path / "server", "", tmp_path, config=config)
+        await c.start_server()
         made.append(c)
         return c
 
@@ -121,6 +149,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Clust
                 await c.kill_host(name)
             for runner in reversed(c.runners):
                 await runner.cleanup()
+            await c._stack.aclose()
 
 
 @pytest.fixture
@@ -234,7 +263,9 @@ async def test_a_host_that_goes_away_ends_its_streams_in_band_and_then_requests_
 
 
 async def test_requests_fail_over_to_the_other_host_when_one_refuses_connections(
-    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+    cluster: Callable[..., Awaitable[Cluster]],
+    engines: Callable[[], Awaitable[FakeEngine]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     a, b = await engines(), await engines()
     a.script = b.script = stream("ok")
@@ -242,14 +273,47 @@ async def test_requests_fail_over_to_the_other_host_when_one_refuses_connections
     await c.start_host("box-a")
     await c.start_host("box-b")
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    caplog.set_level("INFO", "capyctl_gateway")
     async with c.client() as client:
         for _ in range(4):
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         assert len(a.received) == 2 and len(b.received) == 2  # an idle pair: turns rotate
-        await c.kill_host("box-a")
-        for _ in range(3):
-            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    assert len(a.received) == 2 and len(b.received) == 5
+        # box-a's ingress goes down; its session is still live, so it is still offered requests
+        await c.hosts["box-a"][2].cleanup()
+        for _ in range(4):
+            r = await client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "f"})
+            assert r.status_code == 200
+    assert len(a.received) == 2 and len(b.received) == 6
+    failovers = [getattr(r, "fields", {}) for r in caplog.records
+                 if getattr(r, "event", "") == "router_failover"]  # fmt: skip
+    assert failovers and all(f["host"] == "box-a" for f in failovers)
+    assert all(f["caller_request_id"] == "f" for f in failovers)
+
+
+async def test_a_network_cut_ends_streams_through_the_host_in_band_within_seconds(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    engine = await engines()
+    engine.script = [*vllm_stream(["part"])[:2], Hold()]
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    links: list[Freezer] = []
+    await c.start_host("gpu-box", links)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    loop = asyncio.get_running_loop()
+    async with c.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.aiter_lines()
+        async for line in lines:
+            if "part" in line:
+                break
+        for link in links:  # the link goes down: no reset, no close, just silence
+            link.freeze()
+        cut_at = loop.time()
+        rest = [line async for line in lines]
+        noticed = loop.time() - cut_at
+    assert any('"error"' in line for line in rest) and "data: [DONE]" not in rest, rest
+    assert noticed < 6, noticed  # the session's silence, then the stream is ended
+    # The host, hearing nothing either, closed its forward: the engine connection is closed.
+    await asyncio.wait_for(engine.hung_up.wait(), 10)
 
 
 async def test_a_hang_up_closes_the_engine_connection_on_the_host_and_settles_on_its_report(
@@ -263,17 +327,27 @@ async def test_a_hang_up_closes_the_engine_connection_on_the_host_and_settles_on
     gw = c.app[GATEWAY_KEY] if c.app else None
     assert gw is not None
     ledger = gw.settlement.ledgers["m/0"]
+    engine.running = 1  # the engine counts the request as running, and goes on doing so
     async with c.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
             if "part" in line:
                 break
     await asyncio.wait_for(engine.hung_up.wait(), 5)  # the ingress closed its engine connection
+    assert len(ledger.cut) == 1 and ledger.running == 0
+    cut_at = ledger.cut[0].cut_at
+    # Reports taken after the cut, with nothing in flight at the ingress but the engine still
+    # busy, settle nothing.
+    await reported(c, lambda i, r: r.quiet_ping is not None and r.running == 1)
+    await reported(c, lambda i, r: r.quiet_ping is not None and r.running == 1)
+    assert len(ledger.cut) == 1
     settled = asyncio.Event()
     gw.settlement.settled_observers.append(lambda key, cuts, why: settled.set())
-    if ledger.cut:
-        await asyncio.wait_for(settled.wait(), 10)  # the host reports every second
-    assert ledger.cut == [] and ledger.running == 0
-    assert gw.settlement.recent[-1].why == "engine and ingress idle on its host"
+    engine.running = 0
+    await asyncio.wait_for(settled.wait(), 10)  # the next quiet report settles it
+    assert ledger.cut == []
+    last = gw.settlement.recent[-1]
+    assert last.why == "engine and ingress idle on its host"
+    assert last.sample_requested_at is not None and last.sample_requested_at > cut_at
 
 
 async def test_a_body_over_8_mib_for_a_remote_deployment_is_refused_before_it_leaves(
@@ -406,3 +480,36 @@ async def test_a_host_whose_key_others_can_read_does_not_start(
     key.chmod(0o644)
     with pytest.raises(CredentialsError, match="chmod 600"):
         Host(state, "http://127.0.0.1:1")
+
+
+async def test_a_restarted_server_takes_up_the_engines_its_hosts_kept_running(
+    cluster: Callable[..., Awaitable[Cluster]],
+) -> None:
+    from capyctl_gateway._management.status import deployment_status
+    from tests.gateway.test_lifecycle import ENGINE
+
+    launch = {"command": [*ENGINE, "--served", "tiny"], "startup_timeout": "60s"}
+    c = await cluster([dep({"host": "gpu-box", "launch": launch})])
+    host = await c.start_host("gpu-box")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with c.client() as client:
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    before = deployment_status(gw, "m")
+    assert before is not None
+    pid = before["instances"][0]["process"]["pid"]
+    await c.stop_server()
+    assert gw.lifecycle.lives["m"].launched[0].state.value == "ready"  # left running
+    host.connected.clear()
+    await c.start_server()
+    old, gw = gw, c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None and gw is not old
+    await asyncio.wait_for(host.connected.wait(), 15)  # the host connects again
+    await reported(c, lambda i, r: r.state == "ready" and r.gate is not None)
+    life = gw.lifecycle.lives["m"]
+    assert life.launched[0].state.value == "ready"  # taken up, not started afresh
+    async with c.client() as client:
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    after = deployment_status(gw, "m")
+    assert after is not None and after["instances"][0]["process"]["pid"] == pid

@@ -56,8 +56,8 @@ class EngineInstance:
     index: int
     url: str | None
     """None while a launched engine has no process (its address comes with its port)."""
-    headers: dict[str, str]
-    engine_key: str | None
+    headers: dict[str, str] = field(repr=False)
+    engine_key: str | None = field(repr=False)
     ledger: InstanceLedger
     launch: Launch | None = None
     """How the gateway runs it; None for an engine someone else runs."""
@@ -74,6 +74,8 @@ class EngineInstance:
     one: while its host's session is live and its gate open)."""
     remote: str | None = None
     """The host machine it runs on (the server role); None when this process reaches it."""
+    gate_open: bool = field(init=False, default=False)
+    """A remote instance's host reported it taking requests (its gate key in the headers)."""
     exchanges: set[Any] = field(init=False, default_factory=set)
     """A remote instance's exchanges in progress (ended at once when its host goes away)."""
 

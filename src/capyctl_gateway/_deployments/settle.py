@@ -102,6 +102,10 @@ class Settlement:
         self.settled_observers: list[Callable[[str, list[CutRequest], str], None]] = []
         """Called with each batch of settled cut requests (tests)."""
 
+    def now(self) -> float:
+        """The settlement's clock (cut times are on it)."""
+        return self._clock()
+
     def ledger(self, key: str) -> InstanceLedger:
         return self.ledgers.setdefault(key, InstanceLedger(key))
 

@@ -25,11 +25,12 @@ from .._errors import (
     UnauthorizedError,
     UnavailableError,
 )
-from .._gateway import Gateway, candidates, skipped
+from .._gateway import Gateway
 from .._log import event
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange, Outcome
+from .._routing import candidates, skipped
 from .._ulid import new_ulid
 from .answers import answer, error_response
 from .body import Body
@@ -84,17 +85,17 @@ class Inference:
                 raw = await held.read(request, limit, limits.body_read_timeout)
                 body, dep = resolve(raw, config, api)
                 name = dep.name  # known from here on: the refusals below count under it
-                if dep.remote and len(raw) > REMOTE_MAX_BODY_BYTES:
-                    raise TooLargeError(
-                        f"deployment {name} runs on another machine: its requests must fit in "
-                        f"{REMOTE_MAX_BODY_BYTES} bytes"
-                    )
                 if chat_api:
                     stream = check_chat(body, dep).stream
                 else:
                     check_decision(body, dep)
                     stream = False
                 payload = engine_payload(body, dep, chat=api is Api.CHAT, stream=stream)
+                if dep.remote and len(payload) > REMOTE_MAX_BODY_BYTES:
+                    raise TooLargeError(
+                        f"deployment {name} runs on another machine: its requests must fit in "
+                        f"{REMOTE_MAX_BODY_BYTES} bytes"
+                    )
                 del raw, body
                 route = self.gw.routes[dep.name]
                 await route.queue.acquire(deadline)

@@ -35,8 +35,7 @@ class Transitions:
         log_dir: Path,
         remote: Callable[[EngineInstance, str, str, float], Awaitable[None]] | None = None,
     ) -> None:
-        """``remote(inst, op, reason, timeout)``: has an instance's host carry out ``op``
-        (start, park, wake, stop); raises with the host's words when it could not."""
+        """``remote(inst, op, reason, timeout)``: has an instance's host carry out ``op``."""
         self.remote = remote
         self.lives = lives
         self._settlement = settlement
@@ -86,6 +85,7 @@ class Transitions:
         inst.bind(proc.url)
         self._on_ready(inst)
         inst.available = True
+        life.route.notify()
         self.move(lc, InstanceState.READY, f"answered on port {port}")
 
     async def park(self, lc: Launched, reason: str) -> None:
@@ -142,6 +142,7 @@ class Transitions:
             self.move(lc, InstanceState.FAILED, f"could not wake: {exc}")
             raise StartFailedError(f"the engine did not wake: {exc}") from None
         inst.available = True
+        self.lives[inst.deployment].route.notify()
         self.move(lc, InstanceState.READY, "woke")
 
     async def stop(self, life: DeploymentLife, reason: str) -> None:
@@ -197,6 +198,9 @@ async def _order(engines: Transitions, lc: Launched, op: str, reason: str, withi
             engines.move(lc, InstanceState.FAILED, f"{op} on its host failed: {exc}")
         raise StartFailedError(str(exc)) from None
     lc.failure = None
+    if goal is InstanceState.READY:  # its host reported it with its gate open
+        lc.inst.available = lc.inst.gate_open
+        engines.lives[lc.inst.deployment].route.notify()
     engines.move(lc, goal, f"{reason} (on host {lc.inst.remote})")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
 from collections import deque
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import WSMsgType, web
+from yarl import URL
 
 from .._log import event
 from . import pki
@@ -25,7 +27,10 @@ from .protocol import LOST_AFTER_S, MAX_MESSAGE_BYTES, REPORT_EVERY_S, InstanceR
 if TYPE_CHECKING:
     from .server import Machines
 
-__all__ = ["HostSession", "control_app"]
+__all__ = ["PINGS_KEPT", "HostSession", "control_app", "ingress_origin"]
+
+PINGS_KEPT = 32
+"""Pings whose send time is remembered: a report naming an older one settles nothing."""
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -35,15 +40,11 @@ class HostSession:
     name: str
     ws: web.WebSocketResponse
     ingress: str = ""
-    rtts: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
     pinged: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def rtt(self) -> float:
-        """The worst recent round trip (1 s before the first is measured)."""
-        return max(self.rtts) if self.rtts else 1.0
+    """When each recent ping was sent, on the settlement's clock (the last `PINGS_KEPT`)."""
+    rtts: deque[float] = field(default_factory=lambda: deque(maxlen=16))
 
 
 def control_app(machines: Machines) -> web.Application:
@@ -68,7 +69,8 @@ class _Control:
             self.m.invites.spend(token, host)
             cert = self.m.identity.sign(csr, host)
         except (JoinError, pki.PkiError) as exc:
-            logger.warning("an enrollment as host %s was refused: %s", host, exc)
+            shown = host if pki.valid_host_name(host) else "(an invalid name)"
+            logger.warning("an enrollment as host %s was refused: %s", shown, exc)
             return _refuse(403, "join_refused", str(exc))
         logger.info("host %s enrolled", host)
         return web.json_response({"certificate": cert.decode()})
@@ -83,8 +85,8 @@ class _Control:
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
         await ws.prepare(request)
         old = self.m.sessions.get(host)
-        if old is not None:
-            await old.ws.close()  # the newer session wins (a host that reconnected)
+        if old is not None:  # the newer session wins (a host that reconnected)
+            self.m.lost(old, "replaced by a new session")
         session = HostSession(host, ws)
         try:
             await self._converse(session)
@@ -98,7 +100,11 @@ class _Control:
         hello = await ws.receive(timeout=LOST_AFTER_S)
         if hello.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
             return
-        session.ingress = str(orjson.loads(hello.data).get("ingress", ""))
+        ingress = ingress_origin(orjson.loads(hello.data).get("ingress"))
+        if ingress is None:
+            logger.warning("host %s: its hello names no usable ingress; session refused", host)
+            return
+        session.ingress = ingress
         await ws.send_bytes(
             orjson.dumps({"t": "setup", "deployments": host_view(self.m.config, host)})
         )
@@ -122,8 +128,8 @@ class _Control:
 
     async def _ping(self, session: HostSession) -> None:
         for n in itertools.count():
-            session.pinged[n] = asyncio.get_running_loop().time()
-            if len(session.pinged) > 16:
+            session.pinged[n] = self.m.clock()
+            if len(session.pinged) > PINGS_KEPT:
                 session.pinged.pop(min(session.pinged))
             with contextlib.suppress(ConnectionError):
                 await session.ws.send_bytes(orjson.dumps({"t": "ping", "n": n}))
@@ -136,13 +142,29 @@ class _Control:
             for doc in msg.get("instances", []):
                 self.m.apply(session, InstanceReport.from_json(doc), now)
         elif kind == "pong":
-            sent = session.pinged.pop(int(msg.get("n", -1)), None)
+            sent = session.pinged.get(int(msg.get("n", -1)))
             if sent is not None:
-                session.rtts.append(now - sent)
+                session.rtts.append(self.m.clock() - sent)
         elif kind == "done":
             fut = session.pending.get(int(msg.get("id", -1)))
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+
+
+def ingress_origin(value: object) -> str | None:
+    """A host's ingress as it announced it: ``http://<IP>:<port>`` and nothing more."""
+    if not isinstance(value, str):
+        return None
+    try:
+        url = URL(value)
+        ip = ipaddress.ip_address(url.host or "")
+    except ValueError:
+        return None
+    if url.scheme != "http" or url.explicit_port is None or url.path not in ("", "/"):
+        return None
+    if url.query_string or url.fragment or url.user or ip.is_unspecified:
+        return None
+    return str(url.origin())
 
 
 def _refuse(status: int, code: str, message: str) -> web.Response:

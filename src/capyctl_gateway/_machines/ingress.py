@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,11 +42,13 @@ class Gate:
 
     url: str | None
     """The engine's origin on this host (None while it has no process)."""
-    headers: dict[str, str]
+    headers: dict[str, str] = field(repr=False)
     """Sent to the engine (its own key among them)."""
-    key: str | None
+    key: str | None = field(repr=False)
     """The gate key while the gate is open; None while it is closed."""
     in_flight: int = 0
+    last_end: float = 0.0
+    """When its latest forward ended (wall clock, as the collector's samples)."""
     forwards: set[asyncio.Task[object]] = field(default_factory=set)
 
 
@@ -92,19 +95,20 @@ def create_ingress_app(
         client = session()
         if client is None:
             return _refuse(503, "shutting_down", "the host is stopping")
-        body = await request.content.read(REMOTE_MAX_BODY_BYTES + 1)
-        if len(body) > REMOTE_MAX_BODY_BYTES:
-            return _refuse(413, "request_too_large", "over the ingress's body limit")
         busy[0] += 1
         gate.in_flight += 1
         task = asyncio.current_task()
         assert task is not None
         gate.forwards.add(task)
         try:
+            body = await request.content.read(REMOTE_MAX_BODY_BYTES + 1)
+            if len(body) > REMOTE_MAX_BODY_BYTES:
+                return _refuse(413, "request_too_large", "over the ingress's body limit")
             return await _relay(request, client, f"{gate.url}/{tail}", gate.headers, body)
         finally:
             gate.forwards.discard(task)
             gate.in_flight -= 1
+            gate.last_end = time.time()
             busy[0] -= 1
 
     app = web.Application(client_max_size=REMOTE_MAX_BODY_BYTES)

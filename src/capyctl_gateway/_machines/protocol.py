@@ -19,7 +19,7 @@ the host's instances and ends the streams through it; the host closes its ingres
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._config import Deployment, GatewayConfig
@@ -68,7 +68,7 @@ class InstanceReport:
     """The server's index of the instance in its deployment."""
     state: str
     """A lifecycle state, or ``external`` for an engine someone else runs on the host."""
-    gate: str | None
+    gate: str | None = field(repr=False)
     """The key the ingress wants for it (64 hex characters) while it takes requests."""
     generation: int
     """Counts the engine processes the host started for it (a new one: a restart)."""
@@ -79,6 +79,10 @@ class InstanceReport:
     age_s: float | None
     """Age of the engine sample when the report left the host (None: no sample)."""
     ingress_in_flight: int
+    quiet_ping: int | None = None
+    """Set when the engine sample was taken after the host received this ping and after its
+    ingress's last forward to the instance ended, with nothing in flight there: the evidence
+    that settles a cut request (see `Machines`)."""
     pid: int | None = None
     port: int | None = None
     command: list[str] | None = None
@@ -96,6 +100,7 @@ class InstanceReport:
             "usage": self.usage,
             "age_s": self.age_s,
             "ingress_in_flight": self.ingress_in_flight,
+            "quiet_ping": self.quiet_ping,
             "pid": self.pid,
             "port": self.port,
             "command": self.command,
@@ -126,6 +131,7 @@ class InstanceReport:
             usage=opt_float("usage"),
             age_s=opt_float("age_s"),
             ingress_in_flight=int(doc["ingress_in_flight"]),
+            quiet_ping=opt_int("quiet_ping"),
             pid=opt_int("pid"),
             port=opt_int("port"),
             command=[str(a) for a in command] if isinstance(command, list) else None,

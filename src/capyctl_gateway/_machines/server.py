@@ -48,7 +48,9 @@ class HostGoneError(Exception):
 class RemoteSample:
     report: InstanceReport
     received_at: float
-    """Monotonic time the report arrived."""
+    """Loop time the report arrived."""
+    received_wall: float
+    """The same on the settlement's clock."""
 
 
 class Machines:
@@ -69,7 +71,7 @@ class Machines:
         self._settlement = settlement
         self.identity = identity
         self.invites = invites
-        self._clock = clock
+        self.clock = clock
         self._on_report = on_report
         self.instances: dict[tuple[str, int], EngineInstance] = {
             (i.deployment, i.index): i for r in routes.values() for i in r.instances if i.remote
@@ -78,6 +80,7 @@ class Machines:
         self.sessions: dict[str, HostSession] = {}
         self.samples: dict[str, RemoteSample] = {}
         self._up: dict[str, asyncio.Event] = {h: asyncio.Event() for h in config.hosts}
+        self._closing: set[asyncio.Task[bool]] = set()
         self.observers: list[Callable[[EngineInstance, InstanceReport], None]] = []
         """Called with each instance report once applied (tests)."""
 
@@ -118,7 +121,9 @@ class Machines:
                 await asyncio.wait_for(self._up[host].wait(), within)
             except TimeoutError:
                 raise HostGoneError(f"host {host} has no session with this server") from None
-            session = self.sessions[host]
+            session = self.sessions.get(host)
+            if session is None:
+                raise HostGoneError(f"host {host} lost its session")
         n = next(session.ids)
         done: asyncio.Future[dict[str, Any]] = loop.create_future()
         session.pending[n] = done
@@ -140,50 +145,33 @@ class Machines:
             raise RuntimeError(str(answer.get("error") or f"{op} failed"))
 
     def apply(self, session: HostSession, report: InstanceReport, now: float) -> None:
+        """Take in one instance's report from ``session`` (ignored once it is not the host's
+        current session): its address and gate, its load, the evidence it brings."""
         inst = self.instances.get((report.deployment, report.instance))
-        if inst is None or inst.remote != session.name:
+        if (
+            inst is None
+            or inst.remote != session.name
+            or self.sessions.get(inst.remote) is not session
+        ):
             return
         before = self.samples.get(inst.key)
-        self.samples[inst.key] = RemoteSample(report, now)
-        if report.gate is not None and session.ingress:
+        self.samples[inst.key] = RemoteSample(report, now, self.clock())
+        inst.gate_open = report.gate is not None
+        if report.gate is not None:
             inst.bind(session.ingress + ingress_path(inst.deployment, inst.index))
             inst.headers["Authorization"] = f"Bearer {report.gate}"
-            if not inst.available:
+            # An engine someone else runs takes requests while its gate is open; a launched
+            # one when the lifecycle says so too (a report never reopens one being drained).
+            if inst.launch is None and not inst.available:
                 inst.available = True
                 self._routes[inst.deployment].notify()
         else:
             inst.available = False
-        self._settle(inst, before, report, session)
+        _settle(self._settlement, inst, before, report, session)
         if self._on_report is not None:
             self._on_report(inst, report)
         for observe in self.observers:
             observe(inst, report)
-
-    def _settle(
-        self,
-        inst: EngineInstance,
-        before: RemoteSample | None,
-        report: InstanceReport,
-        session: HostSession,
-    ) -> None:
-        if not inst.ledger.cut:
-            return
-        # On the settlement's clock: the latest moment the sample can have been taken at.
-        earliest = self._clock() - session.rtt - (report.age_s or 0.0)
-        restarted = (
-            before is not None and before.report.generation != report.generation
-        ) or report.state in ("stopped", "failed")
-        idle = (
-            report.age_s is not None
-            and report.ingress_in_flight == 0
-            and report.running == 0
-            and report.waiting == 0
-        )
-        self._settlement.remote(
-            inst.ledger,
-            idle_after=earliest if idle else None,
-            restarted_before=self._clock() - session.rtt if restarted else None,
-        )
 
     def lost(self, session: HostSession, why: str) -> None:
         host = session.name
@@ -201,7 +189,34 @@ class Machines:
                     ex.abort(f"host {host} lost its session")
         event("host_session", "host %s: session lost (%s)", host, why, host=host,
               state="lost", reason=why)  # fmt: skip
-        asyncio.get_running_loop().create_task(session.ws.close())
+        closing = asyncio.get_running_loop().create_task(session.ws.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
+
+def _settle(
+    settlement: Settlement,
+    inst: EngineInstance,
+    before: RemoteSample | None,
+    report: InstanceReport,
+    session: HostSession,
+) -> None:
+    """Settle what the report proves done: with its engine stopped or replaced since the
+    report before, every request sent before that report; with a quiet sample taken after
+    the host received ping n, every request that had answered and was cut before the
+    server sent ping n."""
+    if not inst.ledger.cut:
+        return
+    restarted_before = None
+    if report.state in ("stopped", "failed"):
+        restarted_before = settlement.now()
+    elif before is not None and before.report.generation != report.generation:
+        restarted_before = before.received_wall
+    idle_after = None
+    quiet = report.quiet_ping
+    if quiet is not None and report.running == 0 and report.waiting == 0:
+        idle_after = session.pinged.get(quiet)
+    settlement.remote(inst.ledger, idle_after=idle_after, restarted_before=restarted_before)
 
 
 def _refuse(status: int, code: str, message: str) -> web.Response:

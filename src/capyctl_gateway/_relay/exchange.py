@@ -149,6 +149,9 @@ class Exchange:
         else:  # a remote instance: the POST runs as a task that abort() can cancel
             self._posting = task = asyncio.ensure_future(posting)
             self.response = await _aborted_or(self, task)
+            if self._aborted is not None:  # aborted as the head arrived: too late to cancel
+                self.response.close()
+                raise aiohttp.ServerDisconnectedError(self._aborted)
         self.outcome.head_at = asyncio.get_running_loop().time()
         return self.response
 
