@@ -50,6 +50,10 @@ def wait_for(path: Path, found: Callable[[str], bool], within: float = 30) -> st
         time.sleep(0.1)
 
 
+def _settled_lines(cluster: Cluster) -> list[str]:
+    return [line for line in _lines(cluster.server_log) if "engine and ingress idle" in line]
+
+
 def drain(proc: Any, within: float = 180) -> list[str]:
     """What a client printed, once it has exited."""
     out: list[str] = proc.stdout.read().splitlines()
@@ -211,6 +215,7 @@ def test_a_spent_join_file_and_a_request_without_the_gate_key_are_refused(
 
 
 def test_a_hang_up_closes_the_engine_connection_on_the_host(cluster: Cluster) -> None:
+    settled_before = len(_settled_lines(cluster))
     client = cluster.chat_pipe("--stream", "--max-tokens", "2000", "--hang-up-after-content")
     out = drain(client)
     assert out[-1] == "HUNG UP", out[-3:]
@@ -224,25 +229,32 @@ def test_a_hang_up_closes_the_engine_connection_on_the_host(cluster: Cluster) ->
             break
         time.sleep(0.25)
     assert cut == []
-    settled = [line for line in _lines(cluster.server_log) if "engine and ingress idle" in line]
-    assert settled, "the cut request was not settled on its host's report"
+    assert len(_settled_lines(cluster)) == settled_before + 1, "not settled on its host's report"
     for row in doc["instances"]:
         assert row["ingress_in_flight"] == 0 and row["running"] == 0
 
 
-def test_a_network_cut_is_noticed_within_seconds_and_requests_go_to_the_other_host(
+def test_a_network_cut_is_noticed_within_seconds_and_ends_the_stream_through_it(
     cluster: Cluster,
 ) -> None:
+    # One long stream on each host (the second goes where nothing runs yet).
+    clients = [cluster.chat_pipe("--stream", "--max-tokens", "1500") for _ in range(2)]
+    for c in clients:
+        assert c.stdout.readline().strip() == "HEAD 200"
+        assert c.stdout.readline().startswith("DATA ")
     lost_before = cluster.sessions("box-b", "lost")
-    cluster.net.link_down("box-b")
+    cluster.net.link_down("box-b")  # no reset, no close: the link just goes silent
     cut_at = time.monotonic()
     wait_for(cluster.server_log, lambda _: cluster.sessions("box-b", "lost") > lost_before, 10)
     noticed = time.monotonic() - cut_at
     assert noticed < 6, f"noticed after {noticed:.1f} s"
+    outs = [drain(c) for c in clients]
+    ended_in_band = [o for o in outs if any('"error"' in line for line in o[-3:])]
+    finished = [o for o in outs if any("[DONE]" in line for line in o)]
+    assert len(ended_in_band) == 1 and len(finished) == 1, [o[-3:] for o in outs]
     for _ in range(3):
         assert cluster.chat("--max-tokens", "4")[0] == "HEAD 200"
-    doc = cluster.status()
-    b = next(i for i in doc["instances"] if i["host"] == "box-b")
+    b = next(i for i in cluster.status()["instances"] if i["host"] == "box-b")
     assert b["session"] == "lost"
     live_before = cluster.sessions("box-b", "live")
     cluster.net.link_up("box-b")

@@ -222,6 +222,15 @@ def remote_report(gw: Gateway, inst: EngineInstance, report: InstanceReport) -> 
         if report.state in ("stopped", "failed"):
             lc.failure = report.failure or "the engine exited on its host"
             gw.lifecycle.engines.move(lc, InstanceState.FAILED, lc.failure)
+        elif (
+            lc.state is InstanceState.READY
+            and inst.gate_open
+            and not inst.available
+            and life.closing is None
+            and not life.draining
+        ):  # back after its host's session was lost (not closed to be drained): open again
+            inst.available = True
+            life.route.notify()
         return
     busy = life.closing is not None or (life.activation is not None and not life.activation.done())
     if busy or lc.state not in STARTABLE or report.state not in ("ready", "parked"):

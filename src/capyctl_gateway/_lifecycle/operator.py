@@ -67,12 +67,16 @@ async def operator_park(lifecycle: Lifecycle, name: str, *, known: bool) -> None
 async def _drain_and_rest(
     lifecycle: Lifecycle, life: DeploymentLife, reason: str, *, may_park: bool
 ) -> None:
-    for lc in life.launched:
-        lc.inst.available = False
-    if life.activation is not None and not life.activation.done():
-        await asyncio.gather(asyncio.shield(life.activation), return_exceptions=True)
-    await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
-    await put_to_rest(lifecycle.engines, life, reason, may_park=may_park)
+    life.draining = True
+    try:
+        for lc in life.launched:
+            lc.inst.available = False
+        if life.activation is not None and not life.activation.done():
+            await asyncio.gather(asyncio.shield(life.activation), return_exceptions=True)
+        await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
+        await put_to_rest(lifecycle.engines, life, reason, may_park=may_park)
+    finally:
+        life.draining = False
 
 
 def deployments_list(

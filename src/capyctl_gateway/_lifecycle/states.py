@@ -56,6 +56,8 @@ class DeploymentLife:
     last_used: float = field(default_factory=time.monotonic)
     activation: asyncio.Task[None] | None = None
     closing: asyncio.Task[None] | None = None
+    draining: bool = False
+    """An operator's stop or park is letting its running requests finish."""
     operator_stopped: bool = False
     """An operator stopped it: requests get 409 deployment_stopped until an operator starts it."""
     operator_started: bool = False
