@@ -513,3 +513,39 @@ async def test_a_restarted_server_takes_up_the_engines_its_hosts_kept_running(
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     after = deployment_status(gw, "m")
     assert after is not None and after["instances"][0]["process"]["pid"] == pid
+
+
+async def test_an_idle_deployment_on_a_host_is_parked_and_woken_on_the_servers_orders(
+    cluster: Callable[..., Awaitable[Cluster]],
+) -> None:
+    from capyctl_gateway._management.status import deployment_status
+    from tests.gateway.test_lifecycle import ENGINE
+
+    launch = {"command": [*ENGINE, "--served", "tiny"], "startup_timeout": "60s"}
+    d = {**dep({"host": "gpu-box", "launch": launch}),
+         "lifecycle": {"park": "sleep", "ready_idle_timeout": "300ms"}}  # fmt: skip
+    c = await cluster([d])
+    host = await c.start_host("gpu-box")
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    parked = asyncio.Event()
+    gw.lifecycle.engines.observers.append(
+        lambda lc: parked.set() if lc.state.value == "parked" else None
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with c.client() as client:
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        doc = deployment_status(gw, "m")
+        assert doc is not None
+        pid = doc["instances"][0]["process"]["pid"]
+        await asyncio.wait_for(parked.wait(), 15)
+        # On the host, the engine was put to sleep, its process kept, and its gate closed.
+        assert host.placed.gw is not None
+        host_lc = host.placed.gw.lifecycle.lives["m"].launched[0]
+        assert host_lc.state.value == "parked" and host_lc.process is not None
+        assert not gw.routes["m"].instances[0].available
+        r = await client.post("/v1/chat/completions", json=body)  # asleep, it would answer 503
+        assert r.status_code == 200, r.text
+    assert host_lc.state.value == "ready"
+    doc = deployment_status(gw, "m")
+    assert doc is not None and doc["instances"][0]["process"]["pid"] == pid  # woken, not restarted
