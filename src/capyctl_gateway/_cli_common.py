@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import typer
 
 from ._config import ConfigError
 
-__all__ = ["address", "bind", "enough_files"]
+__all__ = ["address", "bind", "enough_files", "use_uvloop"]
 
 
 def address(value: str, flag: str) -> tuple[str, int]:
@@ -48,3 +49,12 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     return sock
+
+
+def use_uvloop() -> None:
+    """Run the event loop on uvloop where it is installed (it is, on Linux and macOS)."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 from aiohttp import web
 
-from ._cli_common import address, bind
+from ._cli_common import address, bind, use_uvloop
 from ._config import ConfigError
 from ._gateway import Gateway
 from ._host import Host, join
@@ -149,12 +149,7 @@ def register(
             host = Host(state, f"http://{shown}:{sock.getsockname()[1]}")
         except (ConfigError, JoinError, CredentialsError) as exc:
             raise fail(str(exc)) from None
-        try:
-            import uvloop
-
-            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        except ImportError:
-            pass
+        use_uvloop()
         asyncio.run(_serve_host(host, sock))
 
 

@@ -18,7 +18,7 @@ import typer
 from aiohttp import web
 from rich.console import Console
 
-from ._cli_common import address, bind, enough_files
+from ._cli_common import address, bind, enough_files, use_uvloop
 from ._config import ConfigError, load_config
 from ._http.app import GATEWAY_KEY, GatewayRunner, create_app
 from ._identity import (
@@ -164,12 +164,7 @@ def serve(
         xsock = bind(*address(metrics, "--metrics")) if metrics else None
     except (ConfigError, CredentialsError, JoinError) as exc:
         raise _fail(str(exc)) from None
-    try:
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    except ImportError:
-        pass
+    use_uvloop()
     keyfile = credentials_path(state) if role == "single" else server_credentials_path(state)
     listening = (
         f"capyctl-gateway listening on http://{host}:{sock.getsockname()[1]}/v1 "
