@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
@@ -236,7 +237,7 @@ class Deployment(BaseModel):
             )
         return self
 
-    @property
+    @cached_property
     def router(self) -> bool:
         """A llama.cpp server in router mode (``--models-dir``), serving many models."""
         return self.engine.value == "llamacpp" and any(
@@ -247,18 +248,18 @@ class Deployment(BaseModel):
     def can_park(self) -> bool:
         return FACTS[self.engine].can_sleep or self.router
 
-    @property
+    @cached_property
     def parks(self) -> bool:
         """A park keeps the process up: asked (sleep), or where it always works (auto on a
         llama.cpp router; vLLM's sleep needs a GPU, so auto never asks it)."""
         park = self.lifecycle.park
         return park == "sleep" or (park == "auto" and self.router)
 
-    @property
+    @cached_property
     def launched(self) -> bool:
         return any(i.launch is not None for i in self.instances)
 
-    @property
+    @cached_property
     def remote(self) -> bool:
         """Its instances run on host machines (the server role)."""
         return any(i.host is not None for i in self.instances)
@@ -271,7 +272,7 @@ class Deployment(BaseModel):
             raise ValueError(f"the gateway serves {kinds}; {v.value} has a health-only adapter")
         return v
 
-    @property
+    @cached_property
     def engine_model(self) -> str:
         return self.served_model or self.name
 
@@ -299,7 +300,11 @@ class GatewayConfig(BaseModel):
         return self
 
     def deployment(self, name: str) -> Deployment | None:
-        return next((d for d in self.deployments if d.name == name), None)
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, Deployment]:
+        return {d.name: d for d in self.deployments}
 
     @property
     def hosts(self) -> set[str]:
