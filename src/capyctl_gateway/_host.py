@@ -80,6 +80,8 @@ async def join(join_file: Path, state_dir: Path) -> str:
             answer = await resp.json(loads=orjson.loads, content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise JoinError(f"cannot enroll with the server at {joining.control}: {exc}") from None
+    if not isinstance(answer, dict):
+        raise JoinError(f"the server at {joining.control} did not answer as a capyctl server")
     if resp.status != 200:
         raise JoinError(f"the server refused this host: {answer.get('message', resp.status)}")
     pki.write_private(identity.key, key)
@@ -227,12 +229,24 @@ class Placement:
         self._engine: dict[tuple[str, int], Any] = {}
         self._generation: dict[tuple[str, int], int] = {}
         self._procs: dict[tuple[str, int], object] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
 
     async def do(self, key: tuple[str, int], op: str, reason: str) -> None:
-        """Carry out the server's order ``op`` on one launched instance."""
+        """Carry out the server's order ``op`` on one launched instance, after any order
+        still running on it; raise unless it reached the state the order asks for."""
         lc = self._launched.get(key)
         if self.gw is None or lc is None:
             raise RuntimeError("no such launched instance on this host")
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            await self._do(lc, op, reason)
+        wanted = {"start": "ready", "wake": "ready", "park": "parked", "stop": "stopped"}
+        if lc.state.value != wanted.get(op):
+            raise RuntimeError(
+                lc.failure or f"the engine is {lc.state.value}, not {wanted.get(op)}"
+            )
+
+    async def _do(self, lc: Launched, op: str, reason: str) -> None:
+        assert self.gw is not None
         engines = self.gw.lifecycle.engines
         if op == "start" and lc.state is InstanceState.PARKED:
             op = "wake"
@@ -242,8 +256,6 @@ class Placement:
             await engines.wake(lc)
         elif op == "park":
             await engines.park(lc, reason)
-            if lc.state is not InstanceState.PARKED:
-                raise RuntimeError(lc.failure or "the engine did not park")
         elif op == "stop":
             await engines.stop_one(lc, reason)
         elif op != "start":

@@ -66,8 +66,8 @@ class _Control:
         except (ValueError, KeyError, TypeError):
             return _refuse(400, "bad_request", "an enrollment is JSON with host, token and csr")
         try:
+            cert = self.m.identity.sign(csr, host)  # a request it cannot sign spends nothing
             self.m.invites.spend(token, host)
-            cert = self.m.identity.sign(csr, host)
         except (JoinError, pki.PkiError) as exc:
             shown = host if pki.valid_host_name(host) else "(an invalid name)"
             logger.warning("an enrollment as host %s was refused: %s", shown, exc)

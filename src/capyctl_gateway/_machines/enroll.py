@@ -17,7 +17,7 @@ import json
 import secrets
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._identity import check_private
@@ -108,7 +108,10 @@ class Invites:
     def create(self, host: str, valid_s: float, now: float | None = None) -> tuple[str, float]:
         """A new token for ``host``; returns (token, expires_at)."""
         token = secrets.token_urlsafe(32)
-        expires = (time.time() if now is None else now) + valid_s
+        now = time.time() if now is None else now
+        expires = now + valid_s
+        # Invitations spent or expired for a day are no use to anyone: the table stays small.
+        self._db.execute("DELETE FROM invite WHERE expires_at < ?", (now - 86400,))
         self._db.execute(
             "INSERT INTO invite VALUES (?, ?, ?, NULL)", (_digest(token), host, expires)
         )
@@ -149,7 +152,7 @@ class JoinFile:
     """The server's control address as the host reaches it (HOST:PORT)."""
     ca_pem: bytes
     ca_fingerprint: str
-    token: str
+    token: str = field(repr=False)
     expires_at: float
 
     def write(self, path: Path) -> None:
@@ -190,7 +193,7 @@ def read_join_file(path: Path, now: float | None = None) -> JoinFile:
     )
     try:
         found = pki.fingerprint(join.ca_pem)
-    except ValueError:
+    except (ValueError, pki.PkiError):
         raise JoinError(f"{path}: its CA certificate cannot be read") from None
     if found != join.ca_fingerprint:
         raise JoinError(f"{path}: its CA certificate does not match its fingerprint")
