@@ -282,6 +282,8 @@ class GatewayConfig(BaseModel):
 
     queue: QueueConfig = QueueConfig()
     limits: Limits = Limits()
+    engine_client: Literal["lean", "aiohttp"] = "lean"
+    """The HTTP client of engine requests: the gateway's own (httptools), or aiohttp's."""
     resources: Resources = Resources()
     deployments: list[Deployment] = Field(min_length=1)
 

@@ -28,6 +28,7 @@ from ._deployments.checks import CheckWatch
 from ._deployments.queue import BodyBudget
 from ._deployments.routes import EngineInstance, Route, build_routes, usage_penalty
 from ._deployments.settle import CutRequest, Settlement
+from ._engine_client import EngineClient
 from ._lifecycle.controller import Lifecycle
 from ._lifecycle.states import STARTABLE, InstanceState, Launched
 from ._machines.enroll import Invites, ServerIdentity
@@ -132,6 +133,9 @@ class Gateway:
             restore(store, self.routes, self.settlement, self.lifecycle)
         self.started_at = int(clock())
         self.session: aiohttp.ClientSession | None = None
+        """For the engines' other routes (health checks, sleep and wake, the router's loads)."""
+        self.engines: EngineClient | aiohttp.ClientSession | None = None
+        """What sends requests to the engines (``engine_client``)."""
         self.drains: set[asyncio.Task[None]] = set()
         """Engine connections waiting for the end of a finished answer's body."""
         self.models_document = orjson.dumps(
@@ -269,13 +273,16 @@ async def engine_session(gw: Gateway) -> AsyncIterator[None]:
         cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar
     ) as session:
         gw.session = session
+        lean = EngineClient(connect_timeout=gw.config.queue.connect_timeout)
+        gw.engines = lean if gw.config.engine_client == "lean" else session
         try:
             yield
         finally:
-            gw.session = None
+            gw.session = gw.engines = None
             for task in list(gw.drains):
                 task.cancel()  # each closes its connection
             await asyncio.gather(*gw.drains, return_exceptions=True)
+            await lean.close()
             if gw.store is not None:
                 gw.store.close()  # after the engines' stops have settled what they could
 

@@ -160,9 +160,9 @@ class Inference:
                            candidates=shown, skipped=skipped_)  # fmt: skip
             else:
                 _log_route("router_selection", call, instance.index, instance.host)
-            assert self.gw.session is not None
+            assert self.gw.engines is not None
             ex = Exchange(
-                self.gw.session,
+                self.gw.engines,
                 instance.chat_url if call.api is Api.CHAT else instance.decision_url,
                 instance.headers,
                 where=instance.where,

@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
+import orjson
+
 from .._identity import check_private
 from . import pki
 
@@ -29,6 +32,7 @@ __all__ = [
     "Invites",
     "JoinError",
     "JoinFile",
+    "join",
     "ServerIdentity",
     "read_join_file",
 ]
@@ -237,3 +241,43 @@ class HostIdentity:
         pki.write_private(self.ca, join.ca_pem)
         about = {"host": join.host, "control": join.control}
         pki.write_private(self.about, json.dumps(about).encode() + b"\n")
+
+
+async def join(join_file: Path, state_dir: Path) -> str:
+    """Enroll this host with the join file's server; returns the host's name. Raises
+    JoinError with what to do."""
+    identity = HostIdentity(state_dir / "identity")
+    done = identity.enrolled()
+    if done is not None:
+        raise JoinError(
+            f"this state directory is enrolled already (host {done[0]}); use another "
+            "--state-dir, or remove its identity/ to join afresh"
+        )
+    joining = read_join_file(join_file)
+    if not pki.valid_host_name(joining.host):
+        raise JoinError(f"{joining.host!r} cannot name a host")
+    identity.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = pki.new_host_key()
+    csr = pki.host_csr(key, joining.host)
+    ctx = pki.client_context(joining.ca_pem)
+    body = {"host": joining.host, "token": joining.token, "csr": csr.decode()}
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+            http.post(
+                f"https://{joining.control}/v1/enroll",
+                json=body,
+                ssl=ctx,
+                server_hostname=pki.SERVER_NAME,
+            ) as resp,
+        ):
+            answer = await resp.json(loads=orjson.loads, content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise JoinError(f"cannot enroll with the server at {joining.control}: {exc}") from None
+    if not isinstance(answer, dict):
+        raise JoinError(f"the server at {joining.control} did not answer as a capyctl server")
+    if resp.status != 200:
+        raise JoinError(f"the server refused this host: {answer.get('message', resp.status)}")
+    pki.write_private(identity.key, key)
+    identity.save(joining, str(answer["certificate"]).encode())
+    return joining.host

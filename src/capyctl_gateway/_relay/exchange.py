@@ -23,12 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from types import TracebackType
 
 import aiohttp
 from yarl import URL
 
+from .._engine_client import (
+    Body,
+    EngineClient,
+    EngineConnectError,
+    EngineConnectionError,
+    EngineResponse,
+)
 from .._errors import (
     ClientGoneError,
     EngineError,
@@ -47,7 +55,13 @@ logger = logging.getLogger(__name__)
 
 DRAIN_S = 1.0
 """How long a finished exchange waits for the end of the engine's body to pool its connection."""
-_NEVER_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+_NEVER_CONNECTED = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ConnectionTimeoutError,
+    EngineConnectError,
+)
+_BROKEN = (aiohttp.ClientError, EngineConnectionError)
+Answer = aiohttp.ClientResponse | EngineResponse
 
 
 @dataclass(slots=True)
@@ -97,7 +111,7 @@ class Exchange:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        session: EngineClient | aiohttp.ClientSession,
         url: URL,
         headers: dict[str, str],
         *,
@@ -120,13 +134,13 @@ class Exchange:
         self._started = False
         self._clean = False
         self.outcome = Outcome()
-        self.response: aiohttp.ClientResponse | None = None
+        self.response: Answer | None = None
         # Set while the caller writes to its client: a deadline that passes then means the
         # client stopped reading (a write that cannot drain), which is a hang-up.
         self.writing = False
         self._aborted: str | None = None
         self._abortable = False
-        self._posting: asyncio.Task[aiohttp.ClientResponse] | None = None
+        self._posting: asyncio.Task[Answer] | None = None
 
     def abort(self, why: str) -> None:
         """End the exchange now from outside (its engine's host went away): the engine
@@ -138,10 +152,10 @@ class Exchange:
             self._posting.cancel()
 
     # -- the exchange ------------------------------------------------------------------
-    async def post(self, payload: bytes) -> aiohttp.ClientResponse:
+    async def post(self, payload: bytes) -> Answer:
         """Send the request; return the answer's head, whatever its status."""
         self.outcome.sent = True
-        posting = self._session.post(
+        posting: Awaitable[Answer] = self._session.post(
             self._url, data=payload, headers=self._headers, allow_redirects=False
         )
         if not self._abortable:
@@ -159,7 +173,7 @@ class Exchange:
         """Let `abort` end this exchange before the engine's answer has a head too."""
         self._abortable = True
 
-    async def open_stream(self, payload: bytes) -> aiohttp.StreamReader:
+    async def open_stream(self, payload: bytes) -> aiohttp.StreamReader | Body:
         """Send the request and return the engine's event stream; a refusal or an answer that
         is not a stream raises here."""
         resp = await self.post(payload)
@@ -221,15 +235,13 @@ def _failure(ex: Exchange, exc: BaseException) -> BaseException:
     out = ex.outcome
     # A write to the client that failed (aiohttp's ClientConnectionResetError is a
     # ClientError too, though the engine's connection is not the one that broke).
-    if isinstance(exc, ConnectionResetError) and (
-        ex.writing or not isinstance(exc, aiohttp.ClientError)
-    ):
+    if isinstance(exc, ConnectionResetError) and (ex.writing or not isinstance(exc, _BROKEN)):
         out.cut = "hang_up"
         return ClientGoneError()
     if isinstance(exc, _NEVER_CONNECTED) and ex.response is None:
         out.sent = False
         return NotAcceptedError(f"{ex.where} could not be reached", detail=str(exc))
-    if isinstance(exc, aiohttp.ClientError):
+    if isinstance(exc, _BROKEN):
         out.error = str(exc) or type(exc).__name__
         out.kind = "engine_error"
         return EngineError(f"{ex.where}: the engine connection failed", detail=out.error)
@@ -263,9 +275,7 @@ def _failure(ex: Exchange, exc: BaseException) -> BaseException:
     return exc
 
 
-async def _aborted_or(
-    ex: Exchange, task: asyncio.Task[aiohttp.ClientResponse]
-) -> aiohttp.ClientResponse:
+async def _aborted_or(ex: Exchange, task: asyncio.Task[Answer]) -> Answer:
     try:
         return await task
     except asyncio.CancelledError:
@@ -275,9 +285,7 @@ async def _aborted_or(
         raise aiohttp.ServerDisconnectedError(ex._aborted) from None
 
 
-def _finish(
-    resp: aiohttp.ClientResponse | None, clean: bool, drains: set[asyncio.Task[None]]
-) -> None:
+def _finish(resp: Answer | None, clean: bool, drains: set[asyncio.Task[None]]) -> None:
     """The engine connection's fate: pooled after a whole answer, else closed (the close is
     what tells the engine to stop)."""
     if resp is None:
@@ -292,7 +300,7 @@ def _finish(
         task.add_done_callback(drains.discard)
 
 
-async def _release_when_ended(resp: aiohttp.ClientResponse) -> None:
+async def _release_when_ended(resp: Answer) -> None:
     """Pool the engine connection once its chunked body has ended after ``[DONE]``.
 
     uvicorn (vLLM, SGLang) writes that end on its own, after ``[DONE]``; a connection released
@@ -303,7 +311,7 @@ async def _release_when_ended(resp: aiohttp.ClientResponse) -> None:
     try:
         with Deadline(asyncio.get_running_loop().time() + DRAIN_S):
             ended = not await resp.content.readany() and resp.content.is_eof()
-    except (TimeoutError, aiohttp.ClientError):
+    except (TimeoutError, *_BROKEN):
         pass
     finally:
         if ended:

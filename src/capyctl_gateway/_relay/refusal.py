@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 
+from .._engine_client import EngineConnectionError
 from .._errors import EngineError, EngineRejectedError, NotAcceptedError
 
 if TYPE_CHECKING:
-    from .exchange import Exchange
+    from .exchange import Answer, Exchange
 
 __all__ = [
     "MAX_ERROR_BODY",
@@ -30,7 +31,7 @@ NOT_FORWARDED = "X-CapyCTL-Not-Forwarded"
 """The header a host's ingress sets when it answers without forwarding to its engine."""
 
 
-def forwarded(ex: Exchange, resp: aiohttp.ClientResponse) -> None:
+def forwarded(ex: Exchange, resp: Answer) -> None:
     """Raise NotAcceptedError for an answer a host's ingress gave without forwarding the
     request to its engine (another instance may take it)."""
     if NOT_FORWARDED in resp.headers:
@@ -40,15 +41,13 @@ def forwarded(ex: Exchange, resp: aiohttp.ClientResponse) -> None:
         raise NotAcceptedError(f"{ex.where} could not be reached", detail=detail)
 
 
-async def refusal(
-    resp: aiohttp.ClientResponse, where: str, raw: bytes | None = None
-) -> EngineError:
+async def refusal(resp: Answer, where: str, raw: bytes | None = None) -> EngineError:
     """The error for an engine's non-200 answer: its own refusals keep their status."""
     if resp.status in REJECTION_STATUSES and "json" in resp.headers.get("Content-Type", ""):
         if raw is None:
             try:
                 raw = await asyncio.wait_for(resp.content.read(MAX_ERROR_BODY), 5)
-            except (TimeoutError, aiohttp.ClientError):
+            except (TimeoutError, aiohttp.ClientError, EngineConnectionError):
                 raw = b""
         if raw:
             return EngineRejectedError(resp.status, engine_message(raw))

@@ -1,0 +1,333 @@
+"""A lean HTTP/1.1 client for the gateway's engine requests (hot path).
+
+It speaks only to the engines the configuration names, and only what the gateway asks of them:
+one POST with a body, an answer read as it comes. Keep-alive connections are pooled per engine
+(idle ones for at most `IDLE_S`, under the engines' own 5 s), parsed by httptools (llhttp, the
+parser Node.js uses). What it guarantees, each held by a test over real sockets:
+
+* a request cancelled before the answer's head closes its connection at once (the engine's
+  signal to stop), as does `EngineResponse.close`;
+* at most `HIGH_WATER` bytes of an answer are buffered: past it the socket is not read until
+  the caller reads (the engine feels the back-pressure);
+* chunked and content-length answers; redirects are answers like any other (never followed);
+* a connection the engine closed, or that ended an answer early, or that said
+  ``Connection: close``, is never used again;
+* connecting is bounded by ``connect_timeout``; reading is bounded by the caller's deadline.
+
+A connection that was never established raises `EngineConnectError` (the engine never got the
+request); any later failure, `EngineConnectionError`. aiohttp's client stays available
+(``engine_client: aiohttp``) behind the same exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+__all__ = [
+    "HIGH_WATER",
+    "Body",
+    "IDLE_S",
+    "EngineClient",
+    "EngineConnectError",
+    "EngineConnectionError",
+    "EngineResponse",
+]
+
+IDLE_S = 4.0
+"""How long an idle connection is kept (llama-server and uvicorn close theirs after 5 s)."""
+HIGH_WATER = 256 * 1024
+"""Answer bytes buffered before the socket stops being read."""
+MAX_IDLE_PER_ENGINE = 256
+
+
+class EngineConnectError(OSError):
+    """The connection to the engine was never established: it never got the request."""
+
+
+class EngineConnectionError(ConnectionError):
+    """The connection failed after it was established (closed early, not HTTP)."""
+
+
+class Body:
+    """An answer's body as it arrives: `readany`, `read`, `is_eof` (as aiohttp's reader)."""
+
+    __slots__ = ("_buffer", "_conn", "_eof", "_error", "_size", "_waiter")
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self._buffer: collections.deque[bytes] = collections.deque()
+        self._size = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def feed(self, data: bytes) -> None:
+        self._buffer.append(data)
+        self._size += len(data)
+        if self._size > HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self._eof:
+            self._error = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def is_eof(self) -> bool:
+        return self._eof and not self._buffer
+
+    async def _wait(self) -> None:
+        while not self._buffer and not self._eof:
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    async def readany(self) -> bytes:
+        """What has arrived (waiting for something); b"" at the end."""
+        await self._wait()
+        if not self._buffer:
+            return b""
+        data = self._buffer.popleft() if len(self._buffer) == 1 else b"".join(self._buffer)
+        self._buffer.clear()
+        self._size = 0
+        self._conn.resume()
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (all of it with ``n`` < 0), waiting for some."""
+        if n < 0:
+            parts = []
+            while chunk := await self.readany():
+                parts.append(chunk)
+            return b"".join(parts)
+        data = await self.readany()
+        if len(data) > n:
+            self._buffer.appendleft(data[n:])
+            self._size = len(data) - n
+            data = data[:n]
+        return data
+
+
+class EngineResponse:
+    """An engine's answer: its status and headers, its body as it comes."""
+
+    __slots__ = ("_conn", "content", "headers", "status")
+
+    def __init__(self, conn: _Connection, status: int, headers: CIMultiDictProxy[str]) -> None:
+        self._conn = conn
+        self.status = status
+        self.headers = headers
+        self.content = conn.body
+
+    def release(self) -> None:
+        """Pool the connection if the answer ended whole and the engine keeps it open."""
+        self._conn.done(reuse=True)
+
+    def close(self) -> None:
+        """Close the connection (an engine reads that as the end of the request)."""
+        self._conn.done(reuse=False)
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, pool: EngineClient, key: tuple[str, int]) -> None:
+        self._pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._head: asyncio.Future[EngineResponse] | None = None
+        self._headers: CIMultiDict[str] = CIMultiDict()
+        self.body = Body(self)
+        self._complete = False
+        self._keep = False
+        self._paused = False
+
+    # -- asyncio ---------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._complete:  # nothing was asked: an engine that says more is not trusted
+            self._broken(EngineConnectionError("the engine sent data nobody asked for"))
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._broken(EngineConnectionError(f"the engine's answer is not HTTP: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self._complete:
+            self._broken(EngineConnectionError("the engine closed the connection"))
+
+    def eof_received(self) -> bool | None:
+        with contextlib.suppress(httptools.HttpParserError):
+            self._parser.feed_data(b"")  # an answer that ends with the connection
+        return None
+
+    # -- httptools callbacks ------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        head = self._head
+        if head is not None and not head.done():
+            head.set_result(EngineResponse(self, status, CIMultiDictProxy(self._headers)))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.feed(body)
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._keep = self._parser.should_keep_alive()
+        self.body.feed_eof()
+
+    # -- ours ---------------------------------------------------------------------------------
+    def _broken(self, exc: EngineConnectionError) -> None:
+        head = self._head
+        if head is not None and not head.done():
+            head.set_exception(exc)
+        self.body.fail(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def send(self, request: bytes) -> asyncio.Future[EngineResponse]:
+        assert self.transport is not None
+        self._head = asyncio.get_running_loop().create_future()
+        self._headers = CIMultiDict()
+        self.body = Body(self)
+        self._complete = self._keep = False
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport.write(request)
+        return self._head
+
+    def done(self, *, reuse: bool) -> None:
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        if reuse and self._complete and self._keep and not transport.is_closing():
+            self.resume()
+            self.idle_since = time.monotonic()
+            self._pool.put(self)
+        else:
+            self.closed = True
+            if self._complete:
+                transport.close()
+            else:
+                transport.abort()  # cut short: at once, whatever is still to be written
+
+
+class EngineClient:
+    """Pooled keep-alive connections to the engines; `post` is all it does."""
+
+    def __init__(self, *, connect_timeout: float) -> None:
+        self._connect_timeout = connect_timeout
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._closed = False
+
+    async def post(
+        self,
+        url: URL,
+        *,
+        data: bytes,
+        headers: dict[str, str],
+        allow_redirects: bool = False,
+    ) -> EngineResponse:
+        """Send ``data`` to ``url``; return once the answer's head has arrived."""
+        host, port = url.raw_host or "", url.port or 80
+        key = (host, port)
+        conn = self._take(key) or await self._connect(key)
+        lines = [f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {host}:{port}\r\n"]
+        lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
+        lines.append(f"Content-Length: {len(data)}\r\n\r\n")
+        head = "".join(lines)
+        if "\n" in head.replace("\r\n", ""):
+            conn.done(reuse=False)
+            raise ValueError("a header names a line break")
+        waiting = conn.send(head.encode("latin-1") + data)
+        try:
+            return await waiting
+        except BaseException:
+            conn.done(reuse=False)  # cancelled or broken before the head: the engine stops
+            raise
+
+    def _take(self, key: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            transport = conn.transport
+            if conn.closed or transport is None or transport.is_closing():
+                continue
+            if now - conn.idle_since > IDLE_S:
+                conn.done(reuse=False)
+                continue
+            return conn
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        conn = _Connection(self, key)
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                await loop.create_connection(lambda: conn, key[0], key[1])
+        except TimeoutError:
+            raise EngineConnectError(f"connecting to {key[0]}:{key[1]} timed out") from None
+        except OSError as exc:
+            raise EngineConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from None
+        return conn
+
+    def put(self, conn: _Connection) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if self._closed or len(idle) >= MAX_IDLE_PER_ENGINE:
+            conn.done(reuse=False)
+            return
+        idle.append(conn)
+        since = conn.idle_since
+        asyncio.get_running_loop().call_later(IDLE_S, self._expire, conn, since)
+
+    def _expire(self, conn: _Connection, since: float) -> None:
+        """Close ``conn`` if it has been idle since ``since``: an idle connection lives
+        `IDLE_S`, and is never held open longer by nobody asking."""
+        idle = self._idle.get(conn.key)
+        if idle is not None and conn in idle and conn.idle_since == since:
+            idle.remove(conn)
+            conn.done(reuse=False)
+
+    async def close(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.done(reuse=False)
+        self._idle.clear()
