@@ -45,6 +45,8 @@ IDLE_S = 4.0
 HIGH_WATER = 256 * 1024
 """Answer bytes buffered before the socket stops being read."""
 MAX_IDLE_PER_ENGINE = 256
+SWEEP_S = 0.5
+"""How often idle connections are looked at (so none lives much past `IDLE_S`)."""
 
 
 class EngineConnectError(OSError):
@@ -227,8 +229,7 @@ class _Connection(asyncio.Protocol):
         self._head = asyncio.get_running_loop().create_future()
         self._headers = CIMultiDict()
         self.body = Body(self)
-        self._complete = self._keep = False
-        self._parser = httptools.HttpResponseParser(self)
+        self._complete = self._keep = False  # one parser a connection: it reads answer after answer
         self.transport.write(request)
         return self._head
 
@@ -255,6 +256,7 @@ class EngineClient:
         self._connect_timeout = connect_timeout
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def post(
         self,
@@ -314,19 +316,25 @@ class EngineClient:
             conn.done(reuse=False)
             return
         idle.append(conn)
-        since = conn.idle_since
-        asyncio.get_running_loop().call_later(IDLE_S, self._expire, conn, since)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
-    def _expire(self, conn: _Connection, since: float) -> None:
-        """Close ``conn`` if it has been idle since ``since``: an idle connection lives
-        `IDLE_S`, and is never held open longer by nobody asking."""
-        idle = self._idle.get(conn.key)
-        if idle is not None and conn in idle and conn.idle_since == since:
-            idle.remove(conn)
-            conn.done(reuse=False)
+    def _sweep(self) -> None:
+        """Close the connections idle for longer than `IDLE_S` (every `SWEEP_S` while any is
+        pooled): an idle connection is not held open by nobody asking."""
+        self._sweeper = None
+        limit = time.monotonic() - IDLE_S
+        for idle in self._idle.values():
+            for conn in [c for c in idle if c.idle_since < limit or c.closed]:
+                idle.remove(conn)
+                conn.done(reuse=False)
+        if any(self._idle.values()) and not self._closed:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
     async def close(self) -> None:
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for idle in self._idle.values():
             for conn in idle:
                 conn.done(reuse=False)
