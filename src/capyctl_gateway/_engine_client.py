@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 
 import httptools
@@ -179,13 +178,24 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if not self._complete and exc is None and self._until_close():
+            self.on_message_complete()  # a body that ends with its connection has ended
+            self._keep = False
         if not self._complete:
             self._broken(EngineConnectionError("the engine closed the connection"))
 
+    def _until_close(self) -> bool:
+        """Whether the answer's head came and its body has no length of its own (neither
+        Content-Length nor chunked): then the connection's end is the body's."""
+        head = self._head
+        if head is None or not head.done() or head.cancelled() or head.exception() is not None:
+            return False
+        h = self._headers
+        chunked = "chunked" in h.get("Transfer-Encoding", "").lower()
+        return "Content-Length" not in h and not chunked
+
     def eof_received(self) -> bool | None:
-        with contextlib.suppress(httptools.HttpParserError):
-            self._parser.feed_data(b"")  # an answer that ends with the connection
-        return None
+        return None  # close our side too; connection_lost decides what the end means
 
     # -- httptools callbacks ------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -268,15 +278,15 @@ class EngineClient:
     ) -> EngineResponse:
         """Send ``data`` to ``url``; return once the answer's head has arrived."""
         host, port = url.raw_host or "", url.port or 80
+        fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        if fields.count("\n") != len(headers) or fields.count("\r") != len(headers):
+            raise ValueError("a header's name or value holds a line break")  # nothing sent
         key = (host, port)
         conn = self._take(key) or await self._connect(key)
-        lines = [f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {host}:{port}\r\n"]
-        lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
-        lines.append(f"Content-Length: {len(data)}\r\n\r\n")
-        head = "".join(lines)
-        if "\n" in head.replace("\r\n", ""):
-            conn.done(reuse=False)
-            raise ValueError("a header names a line break")
+        head = (
+            f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {host}:{port}\r\n{fields}"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        )
         waiting = conn.send(head.encode("latin-1") + data)
         try:
             return await waiting
