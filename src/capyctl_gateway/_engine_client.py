@@ -284,7 +284,7 @@ class EngineClient:
         key = (host, port)
         conn = self._take(key) or await self._connect(key)
         head = (
-            f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {host}:{port}\r\n{fields}"
+            f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {_host(host)}:{port}\r\n{fields}"
             f"Content-Length: {len(data)}\r\n\r\n"
         )
         waiting = conn.send(head.encode("latin-1") + data)
@@ -349,3 +349,7 @@ class EngineClient:
             for conn in idle:
                 conn.done(reuse=False)
         self._idle.clear()
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # an IPv6 address, as a Host header writes it
