@@ -29,3 +29,29 @@ async def test_either_engine_client_relays_and_collects_the_same(
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         assert '"Hel"' in r.text and '"model":"my-model"' in r.text
     assert len(engine.received) == 2
+
+
+async def test_the_lean_client_keeps_at_most_its_bound_of_idle_connections(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from yarl import URL
+
+    from capyctl_gateway import _engine_client
+
+    monkeypatch.setattr(_engine_client, "MAX_IDLE_PER_ENGINE", 2)
+    engine.script = vllm_stream(["x"])
+    client = _engine_client.EngineClient(connect_timeout=5)
+    url = URL(engine.url + "/v1/chat/completions")
+
+    async def one() -> None:
+        resp = await client.post(url, data=b'{"model":"tiny","messages":[]}', headers={})
+        await resp.content.read()
+        resp.release()
+
+    await asyncio.gather(*(one() for _ in range(5)))  # five connections at once
+    idle = [c for conns in client._idle.values() for c in conns]  # private: the pool itself
+    assert len(idle) == 2 and all(not c.closed for c in idle)
+    await client.close()
+    assert all(c.closed for c in idle)

@@ -549,3 +549,31 @@ async def test_an_idle_deployment_on_a_host_is_parked_and_woken_on_the_servers_o
     assert host_lc.state.value == "ready"
     doc = deployment_status(gw, "m")
     assert doc is not None and doc["instances"][0]["process"]["pid"] == pid  # woken, not restarted
+
+
+async def test_the_ingress_bounds_its_bodies_and_its_forwards(
+    cluster: Callable[..., Awaitable[Cluster]],
+    engines: Callable[[], Awaitable[FakeEngine]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from capyctl_gateway._machines import ingress as ingress_module
+
+    engine = await engines()
+    engine.script = [*vllm_stream(["part"])[:2], Hold()]
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    host = await c.start_host("gpu-box")
+    await reported(c, lambda i, r: r.gate is not None)
+    gate = host.gate(ingress_path("m", 0).split("/")[2], 0)
+    assert gate is not None and gate.key is not None
+    url = host.ingress_url + ingress_path("m", 0) + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {gate.key}"}
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(url, content=b"x" * (8 * 1024 * 1024 + 1), headers=auth)
+        assert r.status_code == 413 and r.headers[NOT_FORWARDED] == "request_too_large"
+        monkeypatch.setattr(ingress_module, "MAX_FORWARDS", 1)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        async with client.stream("POST", url, json=body, headers=auth) as held:
+            assert held.status_code == 200  # one forward in flight: the bound is reached
+            r = await client.post(url, json=body, headers=auth)
+            assert r.status_code == 503 and r.headers[NOT_FORWARDED] == "shutting_down"
+    assert len(engine.received) == 1  # neither refusal reached the engine
