@@ -577,3 +577,55 @@ async def test_the_ingress_bounds_its_bodies_and_its_forwards(
             r = await client.post(url, json=body, headers=auth)
             assert r.status_code == 503 and r.headers[NOT_FORWARDED] == "shutting_down"
     assert len(engine.received) == 1  # neither refusal reached the engine
+
+
+def test_each_role_takes_only_the_configurations_it_can_serve() -> None:
+    one = GatewayConfig.model_validate({"deployments": [dep({"url": "http://127.0.0.1:1"})]})
+    two = GatewayConfig.model_validate(
+        {"deployments": [dep({"host": "gpu-box", "url": "http://127.0.0.1:1"})]}
+    )
+    assert one.role_problem(server=False) is None and two.role_problem(server=True) is None
+    assert "name its host" in (one.role_problem(server=True) or "")
+    assert "--role server" in (two.role_problem(server=False) or "")
+    with pytest.raises(ValueError, match="not a host name"):
+        GatewayConfig.model_validate(
+            {"deployments": [dep({"host": "Bad_Name", "url": "http://127.0.0.1:1"})]}
+        )
+
+
+@pytest.mark.parametrize(
+    ("announced", "kept"),
+    [
+        ("http://10.0.0.21:8444", "http://10.0.0.21:8444"),
+        ("http://[fd00::5]:8444", "http://[fd00::5]:8444"),
+        ("http://10.0.0.21:8444/elsewhere", None),
+        ("http://gpu-box:8444", None),
+        ("https://10.0.0.21:8444", None),
+        ("http://10.0.0.21", None),
+        ("http://0.0.0.0:8444", None),
+        ("http://u:p@10.0.0.21:8444", None),
+        (42, None),
+    ],
+)
+def test_the_server_uses_only_an_ingress_announced_as_an_address_and_port(
+    announced: object, kept: str | None
+) -> None:
+    from capyctl_gateway._machines.control import ingress_origin
+
+    assert ingress_origin(announced) == kept
+
+
+@pytest.mark.parametrize(
+    ("address", "ok"),
+    [("10.0.0.21", True), ("100.64.0.21", True), ("127.0.0.1", True), ("fd00::5", True),
+     ("0.0.0.0", False), ("8.8.8.8", False), ("gpu-box", False)],  # noqa: S104 - refused
+)  # fmt: skip
+def test_host_serve_binds_its_ingress_to_private_addresses_only(address: str, ok: bool) -> None:
+    from capyctl_gateway._cli_machines import _private
+    from capyctl_gateway._config import ConfigError
+
+    if ok:
+        _private(address)
+    else:
+        with pytest.raises(ConfigError):
+            _private(address)
