@@ -173,7 +173,9 @@ def cluster(
 def test_requests_spread_over_both_hosts_and_the_callers_id_stays_on_the_server(
     cluster: Cluster,
 ) -> None:
-    clients = [cluster.chat_pipe("--stream", "--max-tokens", "48", "--caller", CALLER)
+    # Streams long enough to overlap (the tiny model writes hundreds of tokens a second), so
+    # that the server's own in-flight count spreads them.
+    clients = [cluster.chat_pipe("--stream", "--max-tokens", "1500", "--caller", CALLER)
                for _ in range(4)]  # fmt: skip
     outputs = [drain(c) for c in clients]
     for out in outputs:
