@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,25 @@ def tmp_config(tmp_path: Path) -> Callable[[str], Path]:
         return p
 
     return write
+
+
+@pytest.fixture
+def unresponsive() -> Iterator[str]:
+    """A loopback port whose listen queue is full: a connection to it is never established
+    (the kernel drops the SYN), as with an engine host that has stopped answering."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(4):  # fill the accept queue; the rest of the connects stay pending
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(server.getsockname())
+        fillers.append(s)
+    host, port = server.getsockname()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        for s in fillers:
+            s.close()
+        server.close()

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -16,28 +15,6 @@ from tests.gateway.fake_engine import FakeEngine, vllm_stream
 pytestmark = pytest.mark.anyio
 CHAT: dict[str, Any] = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
 MakeGateway = Callable[..., Awaitable[Gw]]
-
-
-@pytest.fixture
-def unresponsive() -> Iterator[str]:
-    """A loopback port whose listen queue is full: a connection to it is never established
-    (the kernel drops the SYN), as with an engine host that has stopped answering."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(0)
-    fillers = []
-    for _ in range(4):  # fill the accept queue; the rest of the connects stay pending
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex(server.getsockname())
-        fillers.append(s)
-    host, port = server.getsockname()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        for s in fillers:
-            s.close()
-        server.close()
 
 
 async def test_a_connect_timeout_offers_the_request_to_the_next_instance_and_charges_nothing(
