@@ -15,15 +15,16 @@ from typing import Annotated
 
 import typer
 from aiohttp import web
+from pydantic import TypeAdapter, ValidationError
 
 from ._cli_common import address, bind, use_uvloop
-from ._config import ConfigError
+from ._config import ConfigError, Seconds
 from ._gateway import Gateway
 from ._host import Host, join
 from ._identity import CredentialsError
 from ._log import configure_logging
 from ._machines import pki
-from ._machines.enroll import DEFAULT_INVITE_S, Invites, JoinError, JoinFile, ServerIdentity
+from ._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
 from ._machines.ingress import create_ingress_app
 
 __all__ = ["control_runner", "register", "server_control"]
@@ -46,25 +47,24 @@ def control_runner(gw: Gateway) -> web.AppRunner:
 
 
 def _duration(value: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:
-        return float(value[:-1]) * units[value[-1]] if value[-1] in units else float(value)
-    except (ValueError, IndexError):
+        return float(TypeAdapter(Seconds).validate_python(value))
+    except ValidationError:
         raise ConfigError(f"--valid takes a duration such as 1h or 30m, got {value!r}") from None
 
 
 def _private(host: str) -> None:
+    """Refuse an ingress address that is not private (RFC 1918, loopback, ULA, 100.64/10)."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
         raise ConfigError(f"--ingress takes a private IP address, not {host!r}") from None
-    if ip.is_unspecified or not (ip.is_private or ip.is_loopback) or ip in _CGNAT:
-        if ip in _CGNAT:
-            return
-        raise ConfigError(
-            f"--ingress {host}: bind the ingress to a private address only the server reaches "
-            "(docs/gateway/machines.md)"
-        )
+    if ip in _CGNAT or (ip.is_private or ip.is_loopback) and not ip.is_unspecified:
+        return
+    raise ConfigError(
+        f"--ingress {host}: bind the ingress to a private address only the server reaches "
+        "(docs/gateway/machines.md)"
+    )
 
 
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
@@ -102,11 +102,11 @@ def register(
                 raise ConfigError(f"no server state in {state}: start `serve --role server` once")
             control = server or identity.address_file.read_text(encoding="utf-8").strip()
             chost, _ = address(control, "--server")
-            if ipaddress.ip_address(chost).is_unspecified if _is_ip(chost) else False:
+            if chost in ("0.0.0.0", "::"):  # noqa: S104 - what hosts cannot be sent to
                 raise ConfigError(
                     f"the server listens on {control}: say how the host reaches it with --server"
                 )
-            seconds = _duration(valid) if valid else DEFAULT_INVITE_S
+            seconds = _duration(valid)
             invites = Invites(state / "machines.sqlite3")
             token, expires = invites.create(name, seconds)
             invites.close()
@@ -151,14 +151,6 @@ def register(
             raise fail(str(exc)) from None
         use_uvloop()
         asyncio.run(_serve_host(host, sock))
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 async def _serve_host(host: Host, sock: socket.socket) -> None:

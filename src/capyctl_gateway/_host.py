@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import orjson
 
 from canopyx_provider import EngineRestarted, Event
 
+from ._deployments.routes import EngineInstance
 from ._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
 from ._identity import check_private
 from ._lifecycle.states import STARTABLE, InstanceState, Launched
@@ -186,7 +187,8 @@ class Placement:
         self._stack: contextlib.AsyncExitStack | None = None
         self.gates: dict[tuple[str, int], Gate] = {}
         self._launched: dict[tuple[str, int], Launched | None] = {}
-        self._engine: dict[tuple[str, int], Any] = {}
+        self._engine: dict[tuple[str, int], tuple[EngineInstance, int]] = {}
+        """Each instance by (deployment tag, server index): it and its server index."""
         self._generation: dict[tuple[str, int], int] = {}
         self._procs: dict[tuple[str, int], object] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
@@ -234,7 +236,7 @@ class Placement:
         gw = Gateway(config, secrets.token_urlsafe(32), engine_logs=self._logs)
         stack = contextlib.AsyncExitStack()
         for lifetime in (engine_session, engine_collector, engine_lifecycle):
-            await stack.enter_async_context(contextlib.asynccontextmanager(_life(lifetime))(gw))
+            await stack.enter_async_context(contextlib.asynccontextmanager(lifetime)(gw))
         self.gw, self._stack = gw, stack
         gw.settlement.observers.append(self._restarted)
         for route in gw.routes.values():
@@ -321,10 +323,3 @@ def _quiet_ping(gate: Gate, snap: Any, pings: Sequence[tuple[int, float]]) -> in
         return None
     before = [n for n, at in pings if at < snap.requested_at]
     return max(before) if before else None
-
-
-def _life(lifetime: Any) -> Any:
-    def make(gw: Gateway) -> AsyncIterator[None]:
-        return lifetime(gw)  # type: ignore[no-any-return]
-
-    return make

@@ -18,7 +18,14 @@ from typing import Any, BinaryIO
 
 import orjson
 
-__all__ = ["JsonFormatter", "JsonLines", "TextFormatter", "configure_logging", "event"]
+__all__ = [
+    "JsonFormatter",
+    "JsonLines",
+    "SparseLog",
+    "TextFormatter",
+    "configure_logging",
+    "event",
+]
 
 logger = logging.getLogger("capyctl_gateway")
 _root = logging.getLogger()
@@ -38,6 +45,26 @@ def event(name: str, message: str, /, *args: object, **fields: Any) -> None:
         handlers[0].add(orjson.dumps(line))
         return
     logger.info(message, *args, extra={"event": name, "fields": fields})
+
+
+class SparseLog:
+    """At most one line per ``every_s`` for a kind of event; the next line counts the rest."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self._last = -float("inf")
+        self._skipped = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._skipped += 1
+            return
+        if self._skipped:
+            message += f" ({self._skipped} more like it not logged)"
+            self._skipped = 0
+        self._last = now
+        logger.warning(message, *args)
 
 
 class TextFormatter(logging.Formatter):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 from aiohttp import web
@@ -22,7 +23,7 @@ from capyctl_gateway._host import Host, join
 from capyctl_gateway._machines import pki
 from capyctl_gateway._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
 from capyctl_gateway._machines.ingress import create_ingress_app
-from capyctl_gateway._machines.protocol import NOT_FORWARDED, ingress_path
+from capyctl_gateway._machines.protocol import NOT_FORWARDED, deployment_tag, ingress_path
 from tests.gateway.conftest import COLLECTOR, KEY
 from tests.gateway.fake_engine import FakeEngine, Hold, vllm_stream
 from tests.gateway.freezer import Freezer
@@ -563,7 +564,7 @@ async def test_the_ingress_bounds_its_bodies_and_its_forwards(
     c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
     host = await c.start_host("gpu-box")
     await reported(c, lambda i, r: r.gate is not None)
-    gate = host.gate(ingress_path("m", 0).split("/")[2], 0)
+    gate = host.gate(deployment_tag("m"), 0)
     assert gate is not None and gate.key is not None
     url = host.ingress_url + ingress_path("m", 0) + "/v1/chat/completions"
     auth = {"Authorization": f"Bearer {gate.key}"}
@@ -629,3 +630,28 @@ def test_host_serve_binds_its_ingress_to_private_addresses_only(address: str, ok
     else:
         with pytest.raises(ConfigError):
             _private(address)
+
+
+async def test_refusals_on_the_control_port_are_logged_at_most_once_a_second(
+    cluster: Callable[..., Awaitable[Cluster]],
+    engines: Callable[[], Awaitable[FakeEngine]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = await engines()
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    ca = (c.server_state / "identity" / "control-ca.pem").read_bytes()
+    caplog.set_level("INFO", "capyctl_gateway")
+    body = {
+        "host": "gpu-box",
+        "token": "not-a-token",
+        "csr": pki.host_csr(pki.new_host_key(), "gpu-box").decode(),
+    }
+    async with aiohttp.ClientSession() as client:
+        for _ in range(50):  # anyone who reaches the port can try
+            async with client.post(
+                f"https://{c.control}/v1/enroll", json=body, ssl=pki.client_context(ca),
+                server_hostname=pki.SERVER_NAME,
+            ) as r:  # fmt: skip
+                assert r.status == 403 and (await r.json())["code"] == "join_refused"
+    refused = [r for r in caplog.records if "was refused" in r.getMessage()]
+    assert 1 <= len(refused) <= 2  # 50 refusals within about a second: one line, two at most

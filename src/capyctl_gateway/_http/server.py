@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import orjson
@@ -25,32 +24,13 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from .._errors import GatewayError
+from .._log import SparseLog
 from .._ulid import new_ulid
 from .answers import error_response
 
-__all__ = ["HANGUPS_SEEN", "LIMITS", "GatewayRunner", "Limits", "SparseLog"]
+__all__ = ["HANGUPS_SEEN", "LIMITS", "GatewayRunner", "Limits"]
 
 logger = logging.getLogger("capyctl_gateway")
-
-
-class SparseLog:
-    """At most one line per ``every_s`` for a kind of event; the next line counts the rest."""
-
-    def __init__(self, every_s: float = 1.0) -> None:
-        self.every_s = every_s
-        self._last = -float("inf")
-        self._skipped = 0
-
-    def warning(self, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self._skipped += 1
-            return
-        if self._skipped:
-            message += f" ({self._skipped} more like it not logged)"
-            self._skipped = 0
-        self._last = now
-        logger.warning(message, *args)
 
 
 class Limits:

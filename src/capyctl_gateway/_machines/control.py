@@ -19,7 +19,7 @@ import orjson
 from aiohttp import WSMsgType, web
 from yarl import URL
 
-from .._log import event
+from .._log import SparseLog, event
 from . import pki
 from .enroll import JoinError
 from .protocol import LOST_AFTER_S, MAX_MESSAGE_BYTES, REPORT_EVERY_S, InstanceReport, host_view
@@ -58,6 +58,8 @@ def control_app(machines: Machines) -> web.Application:
 class _Control:
     def __init__(self, machines: Machines) -> None:
         self.m = machines
+        self.refusals = SparseLog()
+        """Whoever reaches the control port can be refused: at most a line a second of it."""
 
     async def enroll(self, request: web.Request) -> web.Response:
         try:
@@ -70,7 +72,7 @@ class _Control:
             self.m.invites.spend(token, host)
         except (JoinError, pki.PkiError) as exc:
             shown = host if pki.valid_host_name(host) else "(an invalid name)"
-            logger.warning("an enrollment as host %s was refused: %s", shown, exc)
+            self.refusals.warning("an enrollment as host %s was refused: %s", shown, exc)
             return _refuse(403, "join_refused", str(exc))
         logger.info("host %s enrolled", host)
         return web.json_response({"certificate": cert.decode()})
@@ -81,6 +83,7 @@ class _Control:
         peer = transport.get_extra_info("peercert") if transport is not None else None
         host = pki.peer_host(peer)
         if host is None:
+            self.refusals.warning("a session without a host's certificate was refused")
             return _refuse(401, "unauthorized", "a session needs the host's certificate")
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
         await ws.prepare(request)

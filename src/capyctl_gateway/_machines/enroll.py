@@ -27,7 +27,6 @@ from .._identity import check_private
 from . import pki
 
 __all__ = [
-    "DEFAULT_INVITE_S",
     "HostIdentity",
     "Invites",
     "JoinError",
@@ -37,8 +36,6 @@ __all__ = [
     "read_join_file",
 ]
 
-DEFAULT_INVITE_S = 3600.0
-"""How long a join file is valid unless ``invite host --valid`` says otherwise."""
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS invite (
     token_sha256 TEXT PRIMARY KEY,

@@ -158,7 +158,9 @@ class Machines:
         self.samples[inst.key] = RemoteSample(report, now, self.clock())
         inst.gate_open = report.gate is not None
         if report.gate is not None:
-            inst.bind(session.ingress + ingress_path(inst.deployment, inst.index))
+            url = session.ingress + ingress_path(inst.deployment, inst.index)
+            if inst.url != url:
+                inst.bind(url)  # once per session, not once per report
             inst.headers["Authorization"] = f"Bearer {report.gate}"
             # An engine someone else runs takes requests while its gate is open; a launched
             # one when the lifecycle says so too (a report never reopens one being drained).
