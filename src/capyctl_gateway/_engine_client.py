@@ -29,6 +29,8 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from ._loop import running_loop
+
 __all__ = [
     "HIGH_WATER",
     "Body",
@@ -99,7 +101,7 @@ class Body:
         while not self._buffer and not self._eof:
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = running_loop().create_future()
             await self._waiter
 
     async def readany(self) -> bytes:
@@ -236,7 +238,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, request: bytes) -> asyncio.Future[EngineResponse]:
         assert self.transport is not None
-        self._head = asyncio.get_running_loop().create_future()
+        self._head = running_loop().create_future()
         self._headers = CIMultiDict()
         self.body = Body(self)
         self._complete = self._keep = False  # one parser a connection: it reads answer after answer
@@ -309,7 +311,7 @@ class EngineClient:
         return None
 
     async def _connect(self, key: tuple[str, int]) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         conn = _Connection(self, key)
         try:
             async with asyncio.timeout(self._connect_timeout):
@@ -327,7 +329,7 @@ class EngineClient:
             return
         idle.append(conn)
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+            self._sweeper = running_loop().call_later(SWEEP_S, self._sweep)
 
     def _sweep(self) -> None:
         """Close the connections idle for longer than `IDLE_S` (every `SWEEP_S` while any is
@@ -339,7 +341,7 @@ class EngineClient:
                 idle.remove(conn)
                 conn.done(reuse=False)
         if any(self._idle.values()) and not self._closed:
-            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+            self._sweeper = running_loop().call_later(SWEEP_S, self._sweep)
 
     async def close(self) -> None:
         self._closed = True

@@ -31,6 +31,7 @@ from ._deployments.settle import CutRequest, Settlement
 from ._engine_client import EngineClient
 from ._lifecycle.controller import Lifecycle
 from ._lifecycle.states import STARTABLE, InstanceState, Launched
+from ._loop import running_loop
 from ._machines.enroll import Invites, ServerIdentity
 from ._machines.protocol import InstanceReport
 from ._machines.server import Machines
@@ -172,7 +173,7 @@ class Gateway:
         running = instance.ledger.running
         if instance.remote is not None:
             machines = self.machines
-            r = machines.fresh(instance, asyncio.get_running_loop().time()) if machines else None
+            r = machines.fresh(instance, running_loop().time()) if machines else None
             if r is None or r.running is None or r.waiting is None:
                 return running
             return max(running, r.running + r.waiting) + usage_penalty(r.usage)
@@ -253,7 +254,7 @@ def remote_report(gw: Gateway, inst: EngineInstance, report: InstanceReport) -> 
 async def engine_lifecycle(gw: Gateway) -> AsyncIterator[None]:
     """Launched engines: the idle watch runs while the app serves; at the end every
     engine the gateway started is stopped (before the collector and the session)."""
-    watch = asyncio.get_running_loop().create_task(gw.lifecycle.run())
+    watch = running_loop().create_task(gw.lifecycle.run())
     try:
         yield
     finally:

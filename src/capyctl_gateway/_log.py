@@ -18,6 +18,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from ._loop import running_loop
+
 __all__ = [
     "JsonFormatter",
     "JsonLines",
@@ -123,7 +125,7 @@ class JsonLines(logging.Handler):
         with self.lock:  # type: ignore[union-attr]
             self._lines.append(line)
             try:
-                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+                loop: asyncio.AbstractEventLoop | None = running_loop()
             except RuntimeError:
                 loop = None
             if loop is not None and loop is self._flush_on:

@@ -3,11 +3,11 @@ score and the sample it came from, and why each other instance was skipped."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from ._deployments.routes import Route
 from ._gateway import Gateway
+from ._loop import running_loop
 
 __all__ = ["candidates", "skipped"]
 
@@ -33,7 +33,7 @@ def candidates(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """What a ``router_selection`` event shows: each instance that could take the request with
     its score and the sample it came from, and each one skipped with the reason."""
-    loop_now, wall_now = asyncio.get_running_loop().time(), gw.clock()
+    loop_now, wall_now = running_loop().time(), gw.clock()
     chosen: list[dict[str, Any]] = []
     skipped_: list[dict[str, Any]] = []
     machines = gw.machines

@@ -8,6 +8,7 @@ import contextlib
 from collections import deque
 
 from .._errors import QueueFullError, UnavailableError
+from .._loop import running_loop
 
 __all__ = ["Admission", "BodyBudget", "DeploymentQueue"]
 
@@ -49,7 +50,7 @@ class DeploymentQueue:
             raise QueueFullError("this model's waiting queue is full; retry shortly")
         if self._admission.waiting >= self._admission.max_waiting_total:
             raise QueueFullError("the gateway's waiting queue is full; retry shortly")
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[None] = running_loop().create_future()
         self._waiters.append(waiter)
         self._admission.waiting += 1
         try:

@@ -9,7 +9,6 @@ settled if it may still run there.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,6 +26,7 @@ from .._errors import (
 )
 from .._gateway import Gateway
 from .._log import event
+from .._loop import running_loop
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange, Outcome
@@ -67,7 +67,7 @@ class Inference:
         return await self._serve(request, Api.DECISIONS)
 
     async def _serve(self, request: web.Request, api: Api) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         times = Times(loop.time())
         rid = new_ulid()
         headers = {"X-CapyCTL-Request-Id": rid}
@@ -139,7 +139,7 @@ class Inference:
             )
         refused: set[int] = set()
         details: list[str] = []
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         deadline = call.arrival + self.gw.config.queue.request_deadline
         while len(refused) < MAX_OFFERS:
             instance = route.choose(self.gw.load, refused)

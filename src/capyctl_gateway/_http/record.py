@@ -4,9 +4,8 @@ its phases, all counted from its arrival."""
 
 from __future__ import annotations
 
-import asyncio
-
 from .._errors import BusyError, EngineError, GatewayError, RefusedError
+from .._loop import running_loop
 from .._relay.exchange import Exchange
 from .._telemetry import Telemetry
 
@@ -74,7 +73,7 @@ def record(
             content.observe(out.first_content_at - arrival)
         if out.last_at is not None:
             last.observe(out.last_at - arrival)
-    total.observe(asyncio.get_running_loop().time() - arrival)
+    total.observe(running_loop().time() - arrival)
 
 
 _INDEX = {i: str(i) for i in range(64)}

@@ -9,7 +9,6 @@ error while nothing was written, else one in-band error event.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import orjson
@@ -24,6 +23,7 @@ from .._errors import (
     UnverifiedError,
     error_event,
 )
+from .._loop import running_loop
 from .assemble import Assembler
 from .exchange import Exchange
 from .figures import Figures, chat_figures
@@ -46,7 +46,7 @@ async def relay_chat(
     headers: dict[str, str],
 ) -> web.StreamResponse:
     """Relay the engine's stream to a streaming client, chunk by verified chunk."""
-    loop = asyncio.get_running_loop()
+    loop = running_loop()
     verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
     decoder = SSEDecoder()
     out: web.StreamResponse | None = None
@@ -102,7 +102,7 @@ async def relay_chat(
 async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_bytes: int) -> bytes:
     """Collect the engine's stream into one chat answer for a client that asked for none;
     returns the answer's JSON bytes. An answer whose chunks pass ``max_bytes`` is refused."""
-    loop = asyncio.get_running_loop()
+    loop = running_loop()
     verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
     decoder = SSEDecoder()
     assembler = Assembler()

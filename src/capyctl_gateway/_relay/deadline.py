@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
+from .._loop import running_loop
+
 __all__ = ["Deadline"]
 
 
@@ -31,8 +33,8 @@ class Deadline:
         self._handle: asyncio.TimerHandle | None = None
 
     def __enter__(self) -> Deadline:
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
+        self._loop = loop = running_loop()
+        task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("Deadline needs a task")
         self._task = task

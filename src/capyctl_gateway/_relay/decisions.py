@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
 
 from .._errors import EngineError
+from .._loop import running_loop
 from .exchange import Exchange
 from .figures import Figures, num, put
 from .refusal import forwarded, refusal
@@ -46,7 +46,7 @@ async def relay_decision(
     ex: Exchange, payload: bytes, *, public: str, arrival: float, max_bytes: int = MAX_ANSWER_BYTES
 ) -> bytes:
     """Forward ``payload`` (addressed to the engine); return the client's answer's bytes."""
-    loop = asyncio.get_running_loop()
+    loop = running_loop()
     sent_at = loop.time()
     async with ex:
         resp = await ex.post(payload)

@@ -46,6 +46,7 @@ from .._errors import (
     UnavailableError,
     UnverifiedError,
 )
+from .._loop import running_loop
 from .deadline import Deadline
 from .refusal import forwarded, refusal
 
@@ -161,12 +162,12 @@ class Exchange:
         if not self._abortable:
             self.response = await posting
         else:  # a remote instance: the POST runs as a task that abort() can cancel
-            self._posting = task = asyncio.ensure_future(posting)
+            self._posting = task = asyncio.ensure_future(posting, loop=running_loop())
             self.response = await _aborted_or(self, task)
             if self._aborted is not None:  # aborted as the head arrived: too late to cancel
                 self.response.close()
                 raise aiohttp.ServerDisconnectedError(self._aborted)
-        self.outcome.head_at = asyncio.get_running_loop().time()
+        self.outcome.head_at = running_loop().time()
         return self.response
 
     def abortable(self) -> None:
@@ -201,7 +202,7 @@ class Exchange:
     async def __aenter__(self) -> Exchange:
         # Armed first for the idle timeout, which output starting will move it to: one re-arm
         # saved on most requests (see Deadline).
-        first = asyncio.get_running_loop().time() + self._idle_timeout
+        first = running_loop().time() + self._idle_timeout
         self._bound = Deadline(self._deadline, first_check=first)
         self._bound.__enter__()
         return self
@@ -279,7 +280,7 @@ async def _aborted_or(ex: Exchange, task: asyncio.Task[Answer]) -> Answer:
     try:
         return await task
     except asyncio.CancelledError:
-        current = asyncio.current_task()
+        current = asyncio.current_task(running_loop())
         if ex._aborted is None or (current is not None and current.cancelling()):
             raise
         raise aiohttp.ServerDisconnectedError(ex._aborted) from None
@@ -295,7 +296,7 @@ def _finish(resp: Answer | None, clean: bool, drains: set[asyncio.Task[None]]) -
     elif resp.content.is_eof():
         resp.release()
     else:  # the answer is complete; wait for the body's end without holding it up
-        task = asyncio.get_running_loop().create_task(_release_when_ended(resp))
+        task = running_loop().create_task(_release_when_ended(resp))
         drains.add(task)
         task.add_done_callback(drains.discard)
 
@@ -309,7 +310,7 @@ async def _release_when_ended(resp: Answer) -> None:
     """
     ended = False
     try:
-        with Deadline(asyncio.get_running_loop().time() + DRAIN_S):
+        with Deadline(running_loop().time() + DRAIN_S):
             ended = not await resp.content.readany() and resp.content.is_eof()
     except (TimeoutError, *_BROKEN):
         pass
