@@ -229,7 +229,7 @@ def test_template_chunks_keep_the_engine_s_bytes_too() -> None:
     v = verifier(LLAMA)
     raws = [chunk(t) for t in (b"Hel", b"lo", b" w\\u00f6rld", b"!")]
     assert relay_all(v, raws) == [renamed(raw) for raw in raws]
-    assert v._template.head_len > 0 and v.chunks == 4  # the template was learned and used
+    assert v.template.head_len > 0 and v.chunks == 4  # the template was learned and used
 
 
 def test_a_repeated_key_is_still_refused_however_the_chunk_is_written() -> None:

@@ -187,9 +187,9 @@ def test_the_template_path_gives_the_full_check_s_verdicts(
 
 def test_text_chunks_after_the_first_take_the_template_path() -> None:
     verifier = ChunkVerifier(EngineKind.VLLM, served="tiny", public="my-model")
-    assert verifier._template.head_len < 0
+    assert verifier.template.head_len < 0
     verifier.relay(orjson.dumps(vllm_chunk("Hel")), 0.0)
-    assert verifier._template.head_len > 0  # learned
+    assert verifier.template.head_len > 0  # learned
     event = verifier.relay(orjson.dumps(vllm_chunk('lo "world"\\')), 1.0)
     doc = orjson.loads(event[6:-2])
     assert doc["model"] == "my-model"
@@ -236,7 +236,7 @@ def test_reasoning_chunks_take_the_template_path_too() -> None:
     for chunk, text in zip(thinking, ("Let", " me", ' "think"'), strict=True):
         chunk["choices"][0]["delta"] = {"reasoning": text}
     events = [verifier.relay(orjson.dumps(c), float(i)) for i, c in enumerate(thinking)]
-    assert verifier._template.head.endswith(b'"reasoning":"')
+    assert verifier.template.head.endswith(b'"reasoning":"')
     assert [orjson.loads(e[6:-2])["choices"][0]["delta"] for e in events] == [
         {"reasoning": "Let"},
         {"reasoning": " me"},

@@ -69,6 +69,15 @@ class Assembler:
             if finish is not None:
                 self.finish = finish  # as sent: the verifier does not judge it
 
+    def add_texts(self, key: str, texts: list[str], extra: dict[str, Any]) -> None:
+        """Fold in template chunks (the verifier's template but for their ``texts``)."""
+        if key == "content":
+            self._content += filter(None, texts)
+        else:
+            self._reasoning.setdefault(key, []).extend(texts)
+        if extra:
+            self._chunk_extra.update(extra)
+
     def _fold_call(self, call: dict[str, Any]) -> None:
         slot = self._calls.setdefault(call["index"], {"function": {"arguments": ""}})
         if call.get("id") and "id" not in slot:

@@ -25,9 +25,9 @@ from .._errors import (
 )
 from .._loop import running_loop
 from .assemble import Assembler
+from .blocks import BlockReader
 from .exchange import Exchange
 from .figures import Figures, chat_figures
-from .sse import DONE, SSEDecoder
 from .verify import ChunkVerifier
 
 __all__ = ["SSE_HEADERS", "collect_chat", "relay_chat", "start_stream", "stream_error"]
@@ -48,7 +48,7 @@ async def relay_chat(
     """Relay the engine's stream to a streaming client, chunk by verified chunk."""
     loop = running_loop()
     verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
-    decoder = SSEDecoder()
+    reader = BlockReader(verifier)
     out: web.StreamResponse | None = None
     sent_at = loop.time()
     try:
@@ -57,12 +57,7 @@ async def relay_chat(
             done = False
             while not done and (block := await content.readany()):
                 now = loop.time()
-                parts: list[bytes] = []
-                for data in decoder.feed(block):
-                    if data == DONE:
-                        done = True
-                        break
-                    parts.append(verifier.relay(data, now))
+                parts, done = reader.relay(block, now)
                 if parts:
                     if verifier.first_output_at is not None:
                         ex.output(now)  # only relayed output keeps a stream alive, not pings
@@ -104,7 +99,7 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_byt
     returns the answer's JSON bytes. An answer whose chunks pass ``max_bytes`` is refused."""
     loop = running_loop()
     verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
-    decoder = SSEDecoder()
+    reader = BlockReader(verifier)
     assembler = Assembler()
     sent_at = loop.time()
     try:
@@ -117,13 +112,9 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_byt
                 size += len(block)
                 if size > max_bytes:
                     raise EngineError(f"{ex.where}: the engine's answer is over {max_bytes} bytes")
-                events = decoder.feed(block)
-                for data in events:
-                    if data == DONE:
-                        done = True
-                        break
-                    assembler.add(verifier.collect(data, now))
-                if events and verifier.first_output_at is not None:
+                chunks = verifier.chunks
+                done = reader.collect(block, now, assembler)
+                if verifier.chunks != chunks and verifier.first_output_at is not None:
                     ex.output(now)
             verifier.verify_end(done)
             ex.complete()

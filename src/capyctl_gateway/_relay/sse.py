@@ -52,6 +52,11 @@ class SSEDecoder:
         return events
 
     @property
+    def idle(self) -> bool:
+        """Nothing of an event held: the next block starts at a line's start, in no event."""
+        return not self._buf and not self._data
+
+    @property
     def pending(self) -> bool:
         """Bytes or data lines of an event not yet terminated."""
         return bool(self._buf.strip() or self._data)

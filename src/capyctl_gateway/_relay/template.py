@@ -35,10 +35,22 @@ class Template:
     """An engine chunk is ``head + text + tail``; the client gets ``out_head + text +
     out_tail`` (framed as an SSE event, model renamed)."""
 
-    __slots__ = ("extra", "head", "head_len", "key", "out_head", "out_tail", "tail", "tail_len")
+    __slots__ = (
+        "data_head",
+        "extra",
+        "head",
+        "head_len",
+        "key",
+        "out_head",
+        "out_tail",
+        "tail",
+        "tail_len",
+    )
 
     def __init__(self) -> None:
         self.head = self.tail = self.out_head = self.out_tail = b""
+        self.data_head = b""
+        """The head as an SSE event starts: ``data: `` and the head."""
         self.head_len = self.tail_len = -1
         self.extra: dict[str, Any] = {}
         """The template's non-null chunk-level fields (system_fingerprint, ...)."""
@@ -93,6 +105,7 @@ class Template:
         cut = len(name) + 1  # past the opening quote of the text
         back = len(needle) - 1  # to its closing quote
         self.head = raw[: at + cut]
+        self.data_head = b"data: " + self.head
         self.tail = raw[at + back :]
         self.out_head = b"data: " + out[: out_at + cut]
         self.out_tail = out[out_at + back :] + b"\n\n"

@@ -41,10 +41,10 @@ class ChunkVerifier:
         "last_at",
         "_model_raw",
         "_public_json",
-        "_template",
         "_text_keys",
         "public",
         "served",
+        "template",
         "usage",
     )
 
@@ -70,11 +70,12 @@ class ChunkVerifier:
         self.last_at: float | None = None
         self.usage: dict[str, Any] | None = None
         self.engine_objects: dict[str, Any] = {}
-        self._template = Template()
+        self.template = Template()
+        """The latest text chunk that passed the full check (read by the block reader)."""
 
     def relay(self, raw: bytes, now: float) -> bytes:
         """Verify one chunk of a stream that goes to the client; return its SSE event."""
-        t = self._template
+        t = self.template
         found = None if self.finished else t.match(raw)
         if found is not None:
             self._text_chunk(found[1], now)
@@ -86,7 +87,7 @@ class ChunkVerifier:
     def collect(self, raw: bytes, now: float) -> dict[str, Any] | TemplateText:
         """Verify one chunk of a stream the gateway assembles: the chunk, or, when it matches
         the template, its text and the template's chunk-level fields."""
-        t = self._template
+        t = self.template
         found = None if self.finished else t.match(raw)
         if found is not None:
             self._text_chunk(found[1], now)
@@ -96,11 +97,16 @@ class ChunkVerifier:
         return chunk
 
     def _learn(self, raw: bytes, chunk: dict[str, Any], out: bytes) -> None:
-        self._template.learn(raw, chunk, out, finished=self.finished)
+        self.template.learn(raw, chunk, out, finished=self.finished)
 
     def _text_chunk(self, text: str, now: float) -> None:
         """The full check's bookkeeping for a template chunk carrying ``text``."""
-        self.chunks += 1
+        self.text_chunks(1, bool(text), now)
+
+    def text_chunks(self, n: int, text: bool, now: float) -> None:
+        """The full check's bookkeeping for ``n`` template chunks, all at ``now``; ``text``:
+        whether any of them carried text."""
+        self.chunks += n
         self.last_at = now
         if text:
             if self.first_text_at is None:

@@ -1,0 +1,156 @@
+"""One block of an engine's stream at a time: decoded and verified in one pass (hot path).
+
+Engines write whole events, one ``data:`` line each, and most of them are text chunks that
+match the verifier's template (``template.py``). For a block made only of whole events, the
+reader splits it at the blank lines and matches each event against the template in place,
+without first copying out its data; text chunks are counted once per run of them. Any event
+it cannot take that way (the opening role, the finish, usage, a comment, a changed field)
+goes through `ChunkVerifier.relay` or `collect` as before, and the first one that is not a
+single ``data:`` line sends the rest of the block through the line-by-line `SSEDecoder`. A
+block that does not end at an event's end, or has a carriage return, takes the decoder whole.
+
+The verdicts, the bytes for the client, the assembled answer and the verifier's bookkeeping
+are those of decoding and verifying event by event (a property test holds them to it), but in
+a block with bytes that are not SSE: the decoder, reading the whole block first, refuses it
+before any of its chunks is checked; the reader checks the chunks before those bytes first, so
+a chunk there that fails is the fault reported, and those that pass are counted as read.
+Either way the stream ends unverified and nothing of that block reaches the client.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from .assemble import Assembler
+from .sse import DONE, SSEDecoder
+from .verify import ChunkVerifier
+
+__all__ = ["BlockReader"]
+
+_DATA = b"data: "
+_DONE_EVENT = b"data: [DONE]"
+_loads = orjson.loads
+_JSONError = orjson.JSONDecodeError
+
+
+class BlockReader:
+    """Decodes and verifies an engine's stream block by block."""
+
+    __slots__ = ("decoder", "verifier")
+
+    def __init__(self, verifier: ChunkVerifier, decoder: SSEDecoder | None = None) -> None:
+        self.verifier = verifier
+        self.decoder = decoder or SSEDecoder()
+
+    def relay(self, block: bytes, now: float) -> tuple[list[bytes], bool]:
+        """The SSE events for the client from ``block``, and whether ``[DONE]`` came."""
+        out: list[bytes] = []
+        rest = self._whole_events(block)
+        if rest is not None:
+            v = self.verifier
+            t = v.template
+            texts = 0  # template chunks not yet counted, and whether one carried text
+            seen_text = False
+            for i, part in enumerate(rest):
+                head_len = t.head_len
+                if (
+                    head_len >= 0
+                    and part.startswith(t.data_head)
+                    and part.endswith(t.tail)
+                    and len(part) >= head_len + 6 + t.tail_len
+                    and not v.finished
+                ):
+                    written = part[head_len + 6 : len(part) - t.tail_len]
+                    try:
+                        text = _loads(b'"' + written + b'"')
+                    except _JSONError:
+                        pass  # the full check says what is wrong with it
+                    else:
+                        texts += 1
+                        seen_text = seen_text or bool(text)
+                        out += (t.out_head, written, t.out_tail)
+                        continue
+                if texts:
+                    v.text_chunks(texts, seen_text, now)
+                    texts, seen_text = 0, False
+                if part.startswith(_DATA) and b"\n" not in part:
+                    if part == _DONE_EVENT:
+                        self._after_done(rest, i)
+                        return out, True
+                    out.append(v.relay(part[6:], now))
+                    continue
+                block = b"\n\n".join(rest[i:]) + b"\n\n"  # the decoder takes the rest
+                break
+            else:
+                if texts:
+                    v.text_chunks(texts, seen_text, now)
+                return out, False
+        for data in self.decoder.feed(block):
+            if data == DONE:
+                return out, True
+            out.append(self.verifier.relay(data, now))
+        return out, False
+
+    def collect(self, block: bytes, now: float, into: Assembler) -> bool:
+        """Fold ``block``'s chunks into ``into``; whether ``[DONE]`` came."""
+        rest = self._whole_events(block)
+        if rest is not None:
+            v = self.verifier
+            t = v.template
+            texts: list[str] = []  # template texts not yet folded in
+            seen_text = False
+            for i, part in enumerate(rest):
+                head_len = t.head_len
+                if (
+                    head_len >= 0
+                    and part.startswith(t.data_head)
+                    and part.endswith(t.tail)
+                    and len(part) >= head_len + 6 + t.tail_len
+                    and not v.finished
+                ):
+                    try:
+                        text = _loads(b'"' + part[head_len + 6 : len(part) - t.tail_len] + b'"')
+                    except _JSONError:
+                        pass
+                    else:
+                        texts.append(text)
+                        seen_text = seen_text or bool(text)
+                        continue
+                if texts:
+                    v.text_chunks(len(texts), seen_text, now)
+                    into.add_texts(t.key, texts, t.extra)
+                    texts, seen_text = [], False
+                if part.startswith(_DATA) and b"\n" not in part:
+                    if part == _DONE_EVENT:
+                        self._after_done(rest, i)
+                        return True
+                    into.add(v.collect(part[6:], now))
+                    continue
+                block = b"\n\n".join(rest[i:]) + b"\n\n"
+                break
+            else:
+                if texts:
+                    v.text_chunks(len(texts), seen_text, now)
+                    into.add_texts(t.key, texts, t.extra)
+                return False
+        for data in self.decoder.feed(block):
+            if data == DONE:
+                return True
+            into.add(self.verifier.collect(data, now))
+        return False
+
+    def _after_done(self, events: list[bytes], at: int) -> None:
+        """What follows ``[DONE]`` in its block is read but not verified, as the decoder
+        would: bytes there that are not SSE still fail the stream."""
+        if at + 1 < len(events):
+            self.decoder.feed(b"\n\n".join(events[at + 1 :]) + b"\n\n")
+
+    def _whole_events(self, block: bytes) -> list[bytes] | None:
+        """``block``'s events when it holds whole events only and the decoder holds nothing
+        (each still with its ``data: ``, if it has one); else None."""
+        if not self.decoder.idle or b"\r" in block:
+            return None
+        parts = block.split(b"\n\n")
+        if parts.pop():  # the block ends inside an event
+            return None
+        return parts
