@@ -55,12 +55,16 @@ async def relay_chat(
         async with ex:
             content = await ex.open_stream(payload)
             done = False
+            last: list[bytes] = []
             while not done and (block := await content.readany()):
                 now = loop.time()
                 parts, done = reader.relay(block, now)
                 if parts:
                     if verifier.first_output_at is not None:
                         ex.output(now)  # only relayed output keeps a stream alive, not pings
+                    if done and verifier.finished:
+                        last = parts  # the answer is whole: these leave with its end
+                        break
                     ex.writing = True  # bounded by the idle deadline, like the engine's output
                     if out is None:
                         out = await start_stream(request, headers)
@@ -68,13 +72,18 @@ async def relay_chat(
                     ex.writing = False
             verifier.verify_end(done)
             ex.complete()
-        if out is None:
-            out = await start_stream(request, headers)
-        # The figures, [DONE] and the end of the chunked body leave in one write.
-        figures = _figures(dep, verifier, sent_at)
-        await out.write_eof(
-            b": x-capyctl-metrics " + orjson.dumps(figures) + b"\n\ndata: [DONE]\n\n"
-        )
+            if out is None:
+                out = await start_stream(request, headers)
+            # The last chunks, the figures, [DONE] and the end of the chunked body leave in
+            # one write (with the head too when the whole answer came in one read).
+            last += (
+                b": x-capyctl-metrics ",
+                orjson.dumps(_figures(dep, verifier, sent_at)),
+                b"\n\ndata: [DONE]\n\n",
+            )
+            ex.writing = True
+            await out.write_eof(b"".join(last))
+            ex.writing = False
         return out
     except (ClientGoneError, ConnectionResetError):
         if ex.writing and request.transport is not None:
@@ -150,8 +159,19 @@ def _figures(dep: Deployment, verifier: ChunkVerifier, sent_at: float) -> Figure
     )
 
 
+class _EventStream(web.StreamResponse):
+    """A stream whose head leaves with its first write: every caller of `start_stream` writes
+    at once, and one ``send`` for the head and the first events is one less per stream (a
+    whole short answer is then a single write). aiohttp's ``web.Response`` does the same; a
+    StreamResponse opts in with this attribute (should aiohttp drop it, heads go alone)."""
+
+    _send_headers_immediately = False
+
+
 async def start_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    """Start the client's event stream; its head leaves with the first write, which the
+    caller makes next."""
+    out = _EventStream(status=200, headers={**SSE_HEADERS, **headers})
     await out.prepare(request)
     return out
 
