@@ -1,22 +1,17 @@
 """A lean HTTP/1.1 client for the gateway's engine requests (hot path).
 
 It speaks only to the engines the configuration names, and only what the gateway asks of them:
-one POST with a body, an answer read as it comes. Keep-alive connections are pooled per engine
-(idle ones for at most `IDLE_S`, under the engines' own 5 s), parsed by httptools (llhttp, the
-parser Node.js uses). What it guarantees, each held by a test over real sockets:
+one POST with a body, an answer read as it comes, over keep-alive connections pooled per engine
+(idle ones for at most `IDLE_S`, under the engines' own 5 s) and parsed by httptools (llhttp).
+Guaranteed, each by a test over real sockets: a request cancelled before the answer's head
+closes its connection at once (the engine's signal to stop), as does `EngineResponse.close`; at
+most `HIGH_WATER` bytes of an answer are buffered, past which the socket is not read until the
+caller reads; chunked and content-length answers; redirects are answers (never followed); a
+connection the engine closed, ended early or marked ``Connection: close`` is never reused;
+connecting is bounded by ``connect_timeout``, reading by the caller's deadline.
 
-* a request cancelled before the answer's head closes its connection at once (the engine's
-  signal to stop), as does `EngineResponse.close`;
-* at most `HIGH_WATER` bytes of an answer are buffered: past it the socket is not read until
-  the caller reads (the engine feels the back-pressure);
-* chunked and content-length answers; redirects are answers like any other (never followed);
-* a connection the engine closed, or that ended an answer early, or that said
-  ``Connection: close``, is never used again;
-* connecting is bounded by ``connect_timeout``; reading is bounded by the caller's deadline.
-
-A connection that was never established raises `EngineConnectError` (the engine never got the
-request); any later failure, `EngineConnectionError`. aiohttp's client stays available
-(``engine_client: aiohttp``) behind the same exchange.
+A connection never established raises `EngineConnectError` (the engine never got the request);
+any later failure, `EngineConnectionError`. ``engine_client: aiohttp`` keeps aiohttp's client.
 """
 
 from __future__ import annotations
@@ -71,9 +66,10 @@ class Body:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
 
-    def feed(self, data: bytes) -> None:
-        self._buffer.append(data)
-        self._size += len(data)
+    def feed_all(self, parts: list[bytes]) -> None:
+        """What one read of the socket brought (the parser's body pieces, in order)."""
+        self._buffer.extend(parts)
+        self._size += sum(map(len, parts))
         if self._size > HIGH_WATER:
             self._conn.pause()
         self._wake()
@@ -157,6 +153,10 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        # httptools looks its callbacks up once, here: each body piece (one per event of a
+        # chunked answer) goes to this list's C append, without a Python frame.
+        self._arrived: list[bytes] = []
+        self.on_body = self._arrived.append
         self._parser = httptools.HttpResponseParser(self)
         self._head: asyncio.Future[EngineResponse] | None = None
         self._headers: CIMultiDict[str] = CIMultiDict()
@@ -177,6 +177,13 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._broken(EngineConnectionError(f"the engine's answer is not HTTP: {exc}"))
+        else:
+            self._hand_on()
+
+    def _hand_on(self) -> None:  # the body pieces of one read, to the reader at once
+        if self._arrived:
+            self.body.feed_all(self._arrived)
+            self._arrived.clear()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -187,8 +194,8 @@ class _Connection(asyncio.Protocol):
             self._broken(EngineConnectionError("the engine closed the connection"))
 
     def _until_close(self) -> bool:
-        """Whether the answer's head came and its body has no length of its own (neither
-        Content-Length nor chunked): then the connection's end is the body's."""
+        """Whether the head came and the body has no length (no Content-Length, not chunked):
+        then the connection's end is the body's."""
         head = self._head
         if head is None or not head.done() or head.cancelled() or head.exception() is not None:
             return False
@@ -209,16 +216,15 @@ class _Connection(asyncio.Protocol):
         if head is not None and not head.done():
             head.set_result(EngineResponse(self, status, CIMultiDictProxy(self._headers)))
 
-    def on_body(self, body: bytes) -> None:
-        self.body.feed(body)
-
     def on_message_complete(self) -> None:
+        self._hand_on()
         self._complete = True
         self._keep = self._parser.should_keep_alive()
         self.body.feed_eof()
 
     # -- ours ---------------------------------------------------------------------------------
     def _broken(self, exc: EngineConnectionError) -> None:
+        self._hand_on()  # what came before the fault is read first
         head = self._head
         if head is not None and not head.done():
             head.set_exception(exc)
@@ -271,12 +277,7 @@ class EngineClient:
         self._sweeper: asyncio.TimerHandle | None = None
 
     async def post(
-        self,
-        url: URL,
-        *,
-        data: bytes,
-        headers: dict[str, str],
-        allow_redirects: bool = False,
+        self, url: URL, *, data: bytes, headers: dict[str, str], allow_redirects: bool = False
     ) -> EngineResponse:
         """Send ``data`` to ``url``; return once the answer's head has arrived."""
         host, port = url.raw_host or "", url.port or 80
@@ -332,8 +333,7 @@ class EngineClient:
             self._sweeper = running_loop().call_later(SWEEP_S, self._sweep)
 
     def _sweep(self) -> None:
-        """Close the connections idle for longer than `IDLE_S` (every `SWEEP_S` while any is
-        pooled): an idle connection is not held open by nobody asking."""
+        """Close the connections idle for over `IDLE_S` (every `SWEEP_S` while any is pooled)."""
         self._sweeper = None
         limit = time.monotonic() - IDLE_S
         for idle in self._idle.values():
