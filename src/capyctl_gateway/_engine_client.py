@@ -17,13 +17,19 @@ any later failure, `EngineConnectionError`. ``engine_client: aiohttp`` keeps aio
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from ._engine_answer import (
+    HIGH_WATER,
+    Body,
+    EngineConnectError,
+    EngineConnectionError,
+    EngineResponse,
+)
 from ._loop import running_loop
 
 __all__ = [
@@ -38,112 +44,9 @@ __all__ = [
 
 IDLE_S = 4.0
 """How long an idle connection is kept (llama-server and uvicorn close theirs after 5 s)."""
-HIGH_WATER = 256 * 1024
-"""Answer bytes buffered before the socket stops being read."""
 MAX_IDLE_PER_ENGINE = 256
 SWEEP_S = 0.5
 """How often idle connections are looked at (so none lives much past `IDLE_S`)."""
-
-
-class EngineConnectError(OSError):
-    """The connection to the engine was never established: it never got the request."""
-
-
-class EngineConnectionError(ConnectionError):
-    """The connection failed after it was established (closed early, not HTTP)."""
-
-
-class Body:
-    """An answer's body as it arrives: `readany`, `read`, `is_eof` (as aiohttp's reader)."""
-
-    __slots__ = ("_buffer", "_conn", "_eof", "_error", "_size", "_waiter")
-
-    def __init__(self, conn: _Connection) -> None:
-        self._conn = conn
-        self._buffer: collections.deque[bytes] = collections.deque()
-        self._size = 0
-        self._eof = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    def feed_all(self, parts: list[bytes]) -> None:
-        """What one read of the socket brought (the parser's body pieces, in order)."""
-        self._buffer.extend(parts)
-        self._size += sum(map(len, parts))
-        if self._size > HIGH_WATER:
-            self._conn.pause()
-        self._wake()
-
-    def feed_eof(self) -> None:
-        self._eof = True
-        self._wake()
-
-    def fail(self, exc: BaseException) -> None:
-        if not self._eof:
-            self._error = exc
-            self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    def is_eof(self) -> bool:
-        return self._eof and not self._buffer
-
-    async def _wait(self) -> None:
-        while not self._buffer and not self._eof:
-            if self._error is not None:
-                raise self._error
-            self._waiter = running_loop().create_future()
-            await self._waiter
-
-    async def readany(self) -> bytes:
-        """What has arrived (waiting for something); b"" at the end."""
-        await self._wait()
-        if not self._buffer:
-            return b""
-        data = self._buffer.popleft() if len(self._buffer) == 1 else b"".join(self._buffer)
-        self._buffer.clear()
-        self._size = 0
-        self._conn.resume()
-        return data
-
-    async def read(self, n: int = -1) -> bytes:
-        """Up to ``n`` bytes (all of it with ``n`` < 0), waiting for some."""
-        if n < 0:
-            parts = []
-            while chunk := await self.readany():
-                parts.append(chunk)
-            return b"".join(parts)
-        data = await self.readany()
-        if len(data) > n:
-            self._buffer.appendleft(data[n:])
-            self._size = len(data) - n
-            data = data[:n]
-        return data
-
-
-class EngineResponse:
-    """An engine's answer: its status and headers, its body as it comes."""
-
-    __slots__ = ("_conn", "content", "headers", "status")
-
-    def __init__(self, conn: _Connection, status: int, headers: CIMultiDictProxy[str]) -> None:
-        self._conn = conn
-        self.status = status
-        self.headers = headers
-        self.content = conn.body
-
-    def release(self) -> None:
-        """Pool the connection if the answer ended whole and the engine keeps it open."""
-        self._conn.done(reuse=True)
-
-    def close(self) -> None:
-        """Close the connection (an engine reads that as the end of the request)."""
-        self._conn.done(reuse=False)
 
 
 class _Connection(asyncio.Protocol):
@@ -275,27 +178,40 @@ class EngineClient:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
         self._sweeper: asyncio.TimerHandle | None = None
+        self._heads: dict[tuple[int, int], tuple[URL, dict[str, str], bytes, tuple[str, int]]]
+        self._heads = {}
 
     async def post(
         self, url: URL, *, data: bytes, headers: dict[str, str], allow_redirects: bool = False
     ) -> EngineResponse:
         """Send ``data`` to ``url``; return once the answer's head has arrived."""
-        host, port = url.raw_host or "", url.port or 80
-        fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        if fields.count("\n") != len(headers) or fields.count("\r") != len(headers):
-            raise ValueError("a header's name or value holds a line break")  # nothing sent
-        key = (host, port)
+        head, key = self._head(url, headers)
         conn = self._take(key) or await self._connect(key)
-        head = (
-            f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {_host(host)}:{port}\r\n{fields}"
-            f"Content-Length: {len(data)}\r\n\r\n"
-        )
-        waiting = conn.send(head.encode("latin-1") + data)
+        waiting = conn.send(b"%s%d\r\n\r\n%s" % (head, len(data), data))
         try:
             return await waiting
         except BaseException:
             conn.done(reuse=False)  # cancelled or broken before the head: the engine stops
             raise
+
+    def _head(self, url: URL, headers: dict[str, str]) -> tuple[bytes, tuple[str, int]]:
+        """The request's head up to its length, and where it goes; kept per URL and headers
+        (an instance sends the same ones every time)."""
+        known = self._heads.get((id(url), id(headers)))
+        if known is not None and known[0] is url and known[1] == headers:
+            return known[2], known[3]
+        host, port = url.raw_host or "", url.port or 80
+        fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        if fields.count("\n") != len(headers) or fields.count("\r") != len(headers):
+            raise ValueError("a header's name or value holds a line break")  # nothing sent
+        head = (
+            f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {_host(host)}:{port}\r\n{fields}"
+            "Content-Length: "
+        ).encode("latin-1")
+        if len(self._heads) >= 64:
+            self._heads.clear()
+        self._heads[(id(url), id(headers))] = (url, dict(headers), head, (host, port))
+        return head, (host, port)
 
     def _take(self, key: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(key)

@@ -896,8 +896,24 @@ async def test_a_header_with_a_line_break_is_refused_and_nothing_is_sent(
             resp.close()
         await client.close()
         await asyncio.wait_for(asyncio.gather(*(c.lost.wait() for c in conns)), 5)
-        # What the engine got on each connection the client opened (today it opens one, then
-        # closes it unused: the check comes after the connect).
+        # What the engine got on each connection the client opened (none: the head is
+        # checked before a connection is taken).
         sent = [await asyncio.wait_for(received.get(), 5) for _ in conns]
         assert sent == [b""] * len(conns), f"the request went out: {sent!r}"
         assert refused is not None and "line break" in str(refused)
+
+
+async def test_headers_changed_in_place_between_requests_are_the_ones_sent(
+    client: EngineClient,
+) -> None:
+    async with serving(serve_each(OK)) as server:
+        headers = {**JSON, "X-A": "1"}
+        for value in ("1", "2"):
+            headers["X-A"] = value
+            (await client.post(server.url, data=BODY, headers=headers)).release()
+        assert [b"\r\nX-A: 1\r\n" in r for r in server.requests] == [True, False]
+        assert b"\r\nX-A: 2\r\n" in server.requests[1]
+        headers["X-A"] = "3\r\nX-Injected: 1"
+        with pytest.raises(ValueError, match="line break"):
+            await client.post(server.url, data=BODY, headers=headers)
+        assert len(server.requests) == 2

@@ -1,0 +1,128 @@
+"""An engine's answer as the lean client hands it over: its body as it arrives, with a bound
+on what is buffered, and the connection's two possible fates (`_engine_client.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Protocol
+
+from multidict import CIMultiDictProxy
+
+from ._loop import running_loop
+
+__all__ = ["HIGH_WATER", "Body", "EngineConnectError", "EngineConnectionError", "EngineResponse"]
+
+HIGH_WATER = 256 * 1024
+"""Answer bytes buffered before the socket stops being read."""
+
+
+class Reading(Protocol):
+    """What a body needs of its connection."""
+
+    body: Body
+
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def done(self, *, reuse: bool) -> None: ...
+
+
+class EngineConnectError(OSError):
+    """The connection to the engine was never established: it never got the request."""
+
+
+class EngineConnectionError(ConnectionError):
+    """The connection failed after it was established (closed early, not HTTP)."""
+
+
+class Body:
+    """An answer's body as it arrives: `readany`, `read`, `is_eof` (as aiohttp's reader)."""
+
+    __slots__ = ("_buffer", "_conn", "_eof", "_error", "_size", "_waiter")
+
+    def __init__(self, conn: Reading) -> None:
+        self._conn = conn
+        self._buffer: collections.deque[bytes] = collections.deque()
+        self._size = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def feed_all(self, parts: list[bytes]) -> None:
+        """What one read of the socket brought (the parser's body pieces, in order)."""
+        self._buffer.extend(parts)
+        self._size += sum(map(len, parts))
+        if self._size > HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self._eof:
+            self._error = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def is_eof(self) -> bool:
+        return self._eof and not self._buffer
+
+    async def _wait(self) -> None:
+        while not self._buffer and not self._eof:
+            if self._error is not None:
+                raise self._error
+            self._waiter = running_loop().create_future()
+            await self._waiter
+
+    async def readany(self) -> bytes:
+        """What has arrived (waiting for something); b"" at the end."""
+        await self._wait()
+        if not self._buffer:
+            return b""
+        data = self._buffer.popleft() if len(self._buffer) == 1 else b"".join(self._buffer)
+        self._buffer.clear()
+        self._size = 0
+        self._conn.resume()
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (all of it with ``n`` < 0), waiting for some."""
+        if n < 0:
+            parts = []
+            while chunk := await self.readany():
+                parts.append(chunk)
+            return b"".join(parts)
+        data = await self.readany()
+        if len(data) > n:
+            self._buffer.appendleft(data[n:])
+            self._size = len(data) - n
+            data = data[:n]
+        return data
+
+
+class EngineResponse:
+    """An engine's answer: its status and headers, its body as it comes."""
+
+    __slots__ = ("_conn", "content", "headers", "status")
+
+    def __init__(self, conn: Reading, status: int, headers: CIMultiDictProxy[str]) -> None:
+        self._conn = conn
+        self.status = status
+        self.headers = headers
+        self.content = conn.body
+
+    def release(self) -> None:
+        """Pool the connection if the answer ended whole and the engine keeps it open."""
+        self._conn.done(reuse=True)
+
+    def close(self) -> None:
+        """Close the connection (an engine reads that as the end of the request)."""
+        self._conn.done(reuse=False)
