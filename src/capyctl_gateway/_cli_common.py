@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 
 import typer
 
 from ._config import ConfigError
 
-__all__ = ["address", "bind", "enough_files", "use_uvloop"]
+__all__ = ["GC_THRESHOLDS", "address", "bind", "enough_files", "settle_heap", "use_uvloop"]
+
+GC_THRESHOLDS = (10_000, 50, 100)
+"""The cycle collector's generation thresholds once serving (Python's are 700, 10, 10)."""
 
 
 def address(value: str, flag: str) -> tuple[str, int]:
@@ -58,3 +62,15 @@ def use_uvloop() -> None:
     except ImportError:
         return
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def settle_heap() -> None:
+    """Once the process serves: what it allocated to start (modules, configuration, the apps)
+    lives as long as it does, so the cycle collector stops walking it (``gc.freeze``), and it
+    looks at young objects every 10,000 allocations instead of 700. Requests free their
+    objects by reference counting; the collector took 2.7% of the gateway's CPU under load
+    before, 0.9% after (``docs/performance.md``). At most the cycles of 10,000 allocations wait
+    for it (about a megabyte)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)

@@ -17,7 +17,7 @@ import typer
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from ._cli_common import address, bind, use_uvloop
+from ._cli_common import address, bind, settle_heap, use_uvloop
 from ._config import ConfigError, Seconds
 from ._gateway import Gateway
 from ._host import Host, join
@@ -165,6 +165,7 @@ async def _serve_host(host: Host, sock: socket.socket) -> None:
     session = loop.create_task(host.run())
     try:
         await web.SockSite(runner, sock).start()
+        settle_heap()
         typer.echo(
             f"capyctl-gateway host {host.name}: ingress on {host.ingress_url}, "
             f"server at {host.control}",

@@ -18,7 +18,7 @@ import typer
 from aiohttp import web
 from rich.console import Console
 
-from ._cli_common import address, bind, enough_files, use_uvloop
+from ._cli_common import address, bind, enough_files, settle_heap, use_uvloop
 from ._config import ConfigError, load_config
 from ._http.app import GATEWAY_KEY, GatewayRunner, create_app
 from ._identity import (
@@ -208,6 +208,7 @@ async def _run(
         for erunner, esock, context in extra or []:
             await erunner.setup()
             await web.SockSite(erunner, esock, ssl_context=context).start()
+        settle_heap()
         typer.echo(listening, err=True)  # once it is true, and signals are handled
         await stop.wait()
         gateway = application[GATEWAY_KEY]
