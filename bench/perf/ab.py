@@ -12,17 +12,23 @@ Run from the repository root, with a worktree of the commit to compare against::
 
 Each tree is put first on the gateway process's ``PYTHONPATH``; it prints one line per round and
 the ratios (new / base, CPU milliseconds per request).
+
+``--together`` loads both gateways at the same time instead (each with half the concurrency, its
+own load generator), so that whatever the machine does during a window it does to both: on a VM
+whose speed swings within seconds, the pairs' spread narrows from about +-20% to about +-8%.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ._loads import Load, Measure, Target, run_sse, run_wrk, wrk_path
+from ._loads import Load, Target, run_sse, run_wrk, wrk_path
 from ._procs import Proc, ProcessSet
 from .run import start_engine, start_gateway
 
@@ -50,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", required=True, help="the new tree's src/ directory")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=2.0, help="seconds per window")
+    p.add_argument("--together", action="store_true", help="load both gateways at once")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="capyctl-ab-"))
     procs = ProcessSet(work)
@@ -71,9 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             order = ("base", "new") if i % 2 == 0 else ("new", "base")
             for ld in loads:
-                for tag in order:
-                    run = run_wrk if ld.use_wrk else run_sse
-                    m: Measure = run(targets[tag], ld, engine.pid)
+                run = run_wrk if ld.use_wrk else run_sse
+                if args.together:
+                    half = dataclasses.replace(ld, concurrency=ld.concurrency // 2)
+                    with ThreadPoolExecutor(2) as pool:
+                        futures = {t: pool.submit(run, targets[t], half, engine.pid) for t in order}
+                    measured = [(t, futures[t].result()) for t in order]
+                else:
+                    measured = [(t, run(targets[t], ld, engine.pid)) for t in order]
+                for tag, m in measured:
                     if m.cpu_ms_per_req is not None:
                         cpu[(tag, ld.scenario)].append(m.cpu_ms_per_req)
             last = {f"{t}/{s}": round(v[-1], 3) for (t, s), v in cpu.items() if v}
