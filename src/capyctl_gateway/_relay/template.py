@@ -87,10 +87,11 @@ class Template:
         ((key, text),) = delta.items()
         if key not in TEXT_KEYS or type(text) is not str:
             return
-        if choice.get("logprobs") is not None or any(
-            chunk.get(key) is not None for key in ENGINE_OBJECTS
-        ):
+        if choice.get("logprobs") is not None:
             return
+        for name in ENGINE_OBJECTS:
+            if chunk.get(name) is not None:
+                return
         name = b'"' + key.encode() + b'":'
         needle = name + orjson.dumps(text)
         at = raw.find(needle)

@@ -14,6 +14,7 @@ may become the next template.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import orjson
@@ -49,15 +50,11 @@ class ChunkVerifier:
     )
 
     def __init__(self, kind: EngineKind, *, served: str, public: str) -> None:
-        self._delta_keys = facts(kind).delta_keys
-        self._text_keys = tuple(k for k in TEXT_KEYS if k in self._delta_keys)
+        self._delta_keys, self._text_keys, self._public_json, self._model_raw = _fixed(
+            kind, served, public
+        )
         self.served = served
         self.public = public
-        # A chunk written as orjson writes it (compact, keys once, numbers and strings in their
-        # shortest form, as the engines write them) re-serialises to its own bytes with only
-        # the model renamed.
-        self._public_json = orjson.dumps(public)
-        self._model_raw = b'"model":' + orjson.dumps(served)
         self.id: str | None = None
         self.finished = False
         self.chunks = 0
@@ -184,3 +181,17 @@ class ChunkVerifier:
             raise UnverifiedError("the engine stream ended without [DONE]")
         if not self.finished:
             raise UnverifiedError("the engine said [DONE] before any finish_reason")
+
+
+@functools.lru_cache(maxsize=256)
+def _fixed(
+    kind: EngineKind, served: str, public: str
+) -> tuple[frozenset[str], tuple[str, ...], bytes, bytes]:
+    """What a verifier of a deployment needs, the same for each of its requests: the delta keys
+    allowed, the text keys among them, and the public name and the engine's ``model`` member as
+    JSON. (A chunk written as orjson writes it, compact, keys once, numbers and strings in their
+    shortest form, as the engines write them, re-serialises to its own bytes with only the
+    model renamed.)"""
+    delta_keys = facts(kind).delta_keys
+    text_keys = tuple(k for k in TEXT_KEYS if k in delta_keys)
+    return delta_keys, text_keys, orjson.dumps(public), b'"model":' + orjson.dumps(served)
