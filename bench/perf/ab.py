@@ -16,6 +16,9 @@ the ratios (new / base, CPU milliseconds per request).
 ``--together`` loads both gateways at the same time instead (each with half the concurrency, its
 own load generator), so that whatever the machine does during a window it does to both: on a VM
 whose speed swings within seconds, the pairs' spread narrows from about +-20% to about +-8%.
+
+``--floor`` adds `floor_relay` to the non-streamed load (in turn with the gateways): what a
+gateway costs above it is its own work, and the report gives each tree's.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import argparse
 import dataclasses
 import os
 import statistics
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ._loads import Load, Target, run_sse, run_wrk, wrk_path
-from ._procs import Proc, ProcessSet
+from ._procs import Proc, ProcessSet, free_port
 from .run import start_engine, start_gateway
 
 __all__ = ["main"]
@@ -50,6 +54,14 @@ def _gateway(procs: ProcessSet, work: Path, engine_url: str, src: str) -> Target
         procs.start = start  # type: ignore[method-assign]
 
 
+def _floor(procs: ProcessSet, engine_url: str, model: str) -> Target:
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.perf.floor_relay", str(port), engine_url]
+    proc = procs.start("floor", argv)
+    proc.wait_http(f"http://127.0.0.1:{port}/health")
+    return Target("floor", f"http://127.0.0.1:{port}", model, None, (proc.pid,))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.perf.ab", description=__doc__)
     p.add_argument("--base", required=True, help="the base tree's src/ directory")
@@ -57,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=2.0, help="seconds per window")
     p.add_argument("--together", action="store_true", help="load both gateways at once")
+    p.add_argument("--floor", action="store_true", help="measure floor_relay on ns too")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="capyctl-ab-"))
     procs = ProcessSet(work)
@@ -72,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             "base": _gateway(procs, work / "base", url, args.base),
             "new": _gateway(procs, work / "new", url, args.new),
         }
+        if args.floor:
+            targets["floor"] = _floor(procs, url, targets["new"].model)
         cpu: dict[tuple[str, str], list[float]] = {
             (t, ld.scenario): [] for t in targets for ld in loads
         }
@@ -86,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                     measured = [(t, futures[t].result()) for t in order]
                 else:
                     measured = [(t, run(targets[t], ld, engine.pid)) for t in order]
+                if args.floor and ld.scenario == "ns":
+                    measured.append(("floor", run(targets["floor"], ld, engine.pid)))
                 for tag, m in measured:
                     if m.cpu_ms_per_req is not None:
                         cpu[(tag, ld.scenario)].append(m.cpu_ms_per_req)
@@ -98,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ld.scenario}: base {statistics.median(base):.3f} ms, new "
                 f"{statistics.median(new):.3f} ms CPU per request; new/base median of pairs "
                 f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+            )
+        floor = cpu.get(("floor", "ns"))
+        if floor:
+            f = statistics.median(floor)
+            own = {t: statistics.median(cpu[(t, "ns")]) - f for t in ("base", "new")}
+            print(
+                f"ns floor {f:.3f} ms; own work above it: base {own['base']:.3f} ms, new "
+                f"{own['new']:.3f} ms ({own['new'] / own['base']:.2f}x)"
             )
     finally:
         procs.stop_all()

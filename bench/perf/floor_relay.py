@@ -1,0 +1,62 @@
+"""The floor under the gateway: a relay that does only what no gateway can skip.
+
+``aiohttp.web`` for the client and the gateway's own engine client (`EngineClient`) for the
+engine, with uvloop: it reads the client's body, asks the engine for a stream (as the gateway
+does, usage included), reads that stream to its end without looking at it, and answers a fixed
+small JSON document. No key, no IDs, no validation, no verification, no assembling, no figures,
+no log line. What the gateway costs above it is its own work (``bench.perf.ab --floor``).
+
+Run: ``python -m bench.perf.floor_relay PORT ENGINE_URL``; ``GET /health`` answers 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import orjson
+from aiohttp import web
+from yarl import URL
+
+from capyctl_gateway._cli_common import use_uvloop
+from capyctl_gateway._engine_client import EngineClient
+
+__all__ = ["main"]
+
+_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+
+
+async def _serve(port: int, engine: URL) -> None:
+    client = EngineClient(connect_timeout=10)
+    chat_url = engine.with_path("/v1/chat/completions")
+
+    async def chat(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        answer = await client.post(chat_url, data=orjson.dumps(body), headers=_HEADERS)
+        while await answer.content.readany():
+            pass
+        answer.release()
+        return web.Response(body=b'{"relayed":true}', content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    use_uvloop()
+    asyncio.run(_serve(int(args[0]), URL(args[1])))
+
+
+if __name__ == "__main__":
+    main()
