@@ -22,6 +22,12 @@ FORBIDDEN = {
     "_machines": {"_http", "_management", "_lifecycle", "_gateway", "cli"},
     "_host": {"_http", "_management", "cli"},
 }
+_EVERY_ROOM = {
+    "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
+    "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
+}  # fmt: skip
+for _leaf in ("_loop", "_ulid", "_log", "_engine_answer", "_engine_client"):
+    FORBIDDEN[_leaf] = _EVERY_ROOM
 
 
 def _room(path: Path) -> str:
