@@ -12,7 +12,7 @@ from ._config import ConfigError
 
 __all__ = ["GC_THRESHOLDS", "address", "bind", "enough_files", "settle_heap", "use_uvloop"]
 
-GC_THRESHOLDS = (10_000, 50, 100)
+GC_THRESHOLDS = (10_000, 10, 10)
 """The cycle collector's generation thresholds once serving (Python's are 700, 10, 10)."""
 
 
@@ -67,10 +67,10 @@ def use_uvloop() -> None:
 def settle_heap() -> None:
     """Once the process serves: what it allocated to start (modules, configuration, the apps)
     lives as long as it does, so the cycle collector stops walking it (``gc.freeze``), and it
-    looks at young objects every 10,000 allocations instead of 700. Requests free their
-    objects by reference counting; the collector took 2.7% of the gateway's CPU under load
-    before, 0.9% after (``docs/performance.md``). At most the cycles of 10,000 allocations wait
-    for it (about a megabyte)."""
+    looks at young objects every 10,000 allocations instead of 700 (the older generations at
+    Python's own ratios). Requests free their objects by reference counting; the collector took
+    2.7% of the gateway's CPU under load before, about 1% after (``docs/performance.md``). At
+    most the cycles of 10,000 allocations wait for it (about a megabyte)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
