@@ -2,8 +2,9 @@
 
 ``aiohttp.web`` for the client and the gateway's own engine client (`EngineClient`) for the
 engine, with uvloop: it reads the client's body, asks the engine for a stream (as the gateway
-does, usage included), reads that stream to its end without looking at it, and answers a fixed
-small JSON document. No key, no IDs, no validation, no verification, no assembling, no figures,
+does, usage included), and reads that stream without looking at it: to its end, answering a
+fixed small JSON document, when the client asked for no stream; else writing each read to the
+client as it came. No key, no IDs, no validation, no verification, no assembling, no figures,
 no log line. What the gateway costs above it is its own work (``bench.perf.ab --floor``).
 
 Run: ``python -m bench.perf.floor_relay PORT ENGINE_URL``; ``GET /health`` answers 200.
@@ -30,15 +31,24 @@ async def _serve(port: int, engine: URL) -> None:
     client = EngineClient(connect_timeout=10)
     chat_url = engine.with_path("/v1/chat/completions")
 
-    async def chat(request: web.Request) -> web.Response:
+    async def chat(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
+        streamed = body.get("stream") is True
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         answer = await client.post(chat_url, data=orjson.dumps(body), headers=_HEADERS)
-        while await answer.content.readany():
-            pass
+        if not streamed:
+            while await answer.content.readany():
+                pass
+            answer.release()
+            return web.Response(body=b'{"relayed":true}', content_type="application/json")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        while block := await answer.content.readany():
+            await out.write(block)  # each read as it came, unlooked at
         answer.release()
-        return web.Response(body=b'{"relayed":true}', content_type="application/json")
+        await out.write_eof()
+        return out
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -75,16 +75,13 @@ class Body:
     def is_eof(self) -> bool:
         return self._eof and not self._buffer
 
-    async def _wait(self) -> None:
-        while not self._buffer and not self._eof:
+    async def readany(self) -> bytes:
+        """What has arrived (waiting for something); b"" at the end."""
+        while not self._buffer and not self._eof:  # waited for here: a frame less each wake
             if self._error is not None:
                 raise self._error
             self._waiter = running_loop().create_future()
             await self._waiter
-
-    async def readany(self) -> bytes:
-        """What has arrived (waiting for something); b"" at the end."""
-        await self._wait()
         if not self._buffer:
             return b""
         data = self._buffer.popleft() if len(self._buffer) == 1 else b"".join(self._buffer)

@@ -150,11 +150,28 @@ def test_a_chunk_that_is_the_template_s_head_and_tail_overlapping_is_checked_in_
     assert isinstance(got[0], UnverifiedError)
 
 
-def test_a_text_chunk_after_the_finish_in_the_same_read_is_refused() -> None:
+@pytest.mark.parametrize("reads", ["one", "each its own"])
+def test_a_text_chunk_after_the_finish_is_refused(reads: str) -> None:
     finish = b"data: " + orjson.dumps(vllm_chunk(None, finish="stop")) + b"\n\n"
     reader = BlockReader(ChunkVerifier(EngineKind.VLLM, served="tiny", public="m"))
+    stream = [text(""), text("a"), finish, text("b")]
     with pytest.raises(UnverifiedError, match="after the finish"):
-        reader.relay(text("") + text("a") + finish + text("b"), 0.0)
+        for block in [b"".join(stream)] if reads == "one" else stream:
+            reader.relay(block, 0.0)
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_one_event_reads_are_read_as_event_by_event(collect: bool) -> None:
+    cut = text("").replace(b'"},', b"},", 1)  # head and tail overlapping
+    for tricky in (
+        [cut],
+        [text("x") + text("y")],
+        [text("x").replace(b"x", b"x\r", 1)],
+        [text("x")[:-1], text("y")],  # an event not ended: the next read continues it
+        [text("x")[:20], text("y")],  # a line not ended
+    ):
+        reads = [text(""), text("a"), text("b"), *tricky, text("c")]
+        same(by_blocks(reads, collect), event_by_event(reads, collect))
 
 
 def test_bytes_after_done_in_its_read_are_still_read_as_sse() -> None:

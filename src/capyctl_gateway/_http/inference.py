@@ -9,6 +9,7 @@ settled if it may still run there.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -49,6 +50,9 @@ class Inference:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        # The routes' handlers are `_serve` itself (a coroutine frame less on every resume).
+        self.chat = functools.partial(self._serve, api=Api.CHAT)
+        self.decide = functools.partial(self._serve, api=Api.DECISIONS)
 
     async def models(self, request: web.Request) -> web.Response:
         headers = {"X-CapyCTL-Request-Id": new_ulid()}
@@ -59,12 +63,6 @@ class Inference:
         return web.Response(
             body=self.gw.models_document, headers=headers, content_type="application/json"
         )
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Api.CHAT)
-
-    async def decide(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Api.DECISIONS)
 
     async def _serve(self, request: web.Request, api: Api) -> web.StreamResponse:
         loop = running_loop()

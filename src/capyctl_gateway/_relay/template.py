@@ -44,12 +44,13 @@ class Template:
         "out_head",
         "out_tail",
         "tail",
+        "tail_event",
         "tail_len",
     )
 
     def __init__(self) -> None:
         self.head = self.tail = self.out_head = self.out_tail = b""
-        self.data_head = b""
+        self.data_head = self.tail_event = b""
         """The head as an SSE event starts: ``data: `` and the head."""
         self.head_len = self.tail_len = -1
         self.extra: dict[str, Any] = {}
@@ -108,6 +109,7 @@ class Template:
         self.head = raw[: at + cut]
         self.data_head = b"data: " + self.head
         self.tail = raw[at + back :]
+        self.tail_event = self.tail + b"\n\n"
         self.out_head = b"data: " + out[: out_at + cut]
         self.out_tail = out[out_at + back :] + b"\n\n"
         self.head_len, self.tail_len = len(self.head), len(self.tail)
