@@ -6,7 +6,8 @@ generating writes each token's chunk when it has it: every chunk is then its own
 wake-up of the relay and its own write to the client. This measures that: the fake engine paces
 its chunks (``--delay-ms`` apart), streams of 16 and 128 content chunks run at ``--concurrency``,
 and the CPU per extra chunk is (CPU per 128-chunk stream - CPU per 16-chunk stream) / 112,
-paired within each round, for the engine alone (direct), the gateway and vllm-router.
+paired within each round, for the engine alone (direct), the gateway and vllm-router, and with
+``--floor`` for `floor_relay`, which writes each read to the client as it came.
 
 Run from the repository root: ``.venv/bin/python -m bench.perf.paced [--rounds 3]`` (about
 1.5 min a round with vllm-router).
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from ._loads import Load, run_sse
 from ._procs import ProcessSet
+from .ab import _floor
 from .run import _serve
 
 __all__ = ["main"]
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     p.add_argument("--peer-bin", default=None)
+    p.add_argument("--floor", action="store_true", help="and floor_relay, streaming each read")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="capyctl-paced-"))
     procs = ProcessSet(work)
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     rps: dict[tuple[str, int], list[float]] = {}
     try:
         targets, engine_pid = _serve(args, procs, work)
+        if args.floor:
+            targets.append(_floor(procs, targets[0].url, targets[1].model))
         for i in range(args.rounds):
             for t in targets:
                 cpu = {}
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| target | CPU per extra chunk | 16-chunk streams | 128-chunk streams |")
     print("|---|---|---|---|")
     shown = {"direct": "the engine alone (direct)", "gateway": "capyctl-gateway",
-             "peer": "vllm-router"}  # fmt: skip
+             "peer": "vllm-router", "floor": "floor_relay"}  # fmt: skip
     for name, values in per_chunk.items():
         print(
             f"| {shown.get(name, name)} | {statistics.median(values):.1f} µs | "
