@@ -196,7 +196,7 @@ class EngineClient:
 
     def _head(self, url: URL, headers: dict[str, str]) -> tuple[bytes, tuple[str, int]]:
         """The request's head up to its length, and where it goes; kept per URL and headers
-        (an instance sends the same ones every time)."""
+        (an instance sends the same ones every time), 64 at most."""
         known = self._heads.get((id(url), id(headers)))
         if known is not None and known[0] is url and known[1] == headers:
             return known[2], known[3]

@@ -917,3 +917,12 @@ async def test_headers_changed_in_place_between_requests_are_the_ones_sent(
         with pytest.raises(ValueError, match="line break"):
             await client.post(server.url, data=BODY, headers=headers)
         assert len(server.requests) == 2
+
+
+async def test_the_request_heads_kept_are_bounded(client: EngineClient) -> None:
+    async with serving(serve_each(OK)) as server:
+        for i in range(70):  # more header sets than kept: the oldest go, requests stay right
+            headers = {**JSON, "X-N": str(i)}
+            (await client.post(server.url, data=BODY, headers=headers)).release()
+        assert len(client._heads) <= 64
+        assert all(f"\r\nX-N: {i}\r\n".encode() in r for i, r in enumerate(server.requests))
