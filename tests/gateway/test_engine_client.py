@@ -240,6 +240,13 @@ async def read_all(resp: EngineResponse) -> bytes:
     return b"".join(parts)
 
 
+async def answered_whole(client: EngineClient, server: Server) -> None:
+    """One request answered ``{}`` and read to its end, its connection given back."""
+    resp = await client.post(server.url, data=BODY, headers=JSON)
+    assert resp.status == 200 and await read_all(resp) == b"{}"
+    resp.release()
+
+
 # -- 1. a hang-up before the head -----------------------------------------------------------
 async def test_a_request_cancelled_before_the_head_closes_its_connection_at_once(
     client: EngineClient, conns: list[Tracked]
@@ -625,9 +632,7 @@ async def test_an_answer_read_whole_and_released_pools_its_connection(
 ) -> None:
     async with serving(serve_each(OK)) as server:
         for _ in range(3):
-            resp = await client.post(server.url, data=BODY, headers=JSON)
-            assert await read_all(resp) == b"{}"
-            resp.release()
+            await answered_whole(client, server)
             assert idle(client) == [conns[0]]
         assert server.connections == 1 and len(server.requests) == 3 and len(conns) == 1
 
@@ -637,14 +642,10 @@ async def test_an_answer_saying_connection_close_is_not_pooled(
 ) -> None:
     closing = head("Connection: close", "Content-Length: 2") + b"{}"
     async with serving(serve_each(lambda n: closing if n == 1 else OK)) as server:
-        resp = await client.post(server.url, data=BODY, headers=JSON)
-        assert await read_all(resp) == b"{}"
-        resp.release()
+        await answered_whole(client, server)
         assert idle(client) == []
         assert conns[0].transport is not None and conns[0].transport.is_closing()
-        resp = await client.post(server.url, data=BODY, headers=JSON)
-        assert await read_all(resp) == b"{}"
-        resp.release()
+        await answered_whole(client, server)
         assert server.connections == 2 and len(conns) == 2
 
 
@@ -670,15 +671,11 @@ async def test_a_pooled_connection_the_engine_closed_is_not_used_again(
         return handler
 
     async with serving(make) as server:
-        resp = await client.post(server.url, data=BODY, headers=JSON)
-        assert await read_all(resp) == b"{}"
-        resp.release()
+        await answered_whole(client, server)
         assert idle(client) == [conns[0]]
         close_now.set()
         await asyncio.wait_for(closed.wait(), 5)
-        resp = await client.post(server.url, data=BODY, headers=JSON)
-        assert resp.status == 200 and await read_all(resp) == b"{}"
-        resp.release()
+        await answered_whole(client, server)
         assert server.connections == 2 and len(server.requests) == 2
         assert idle(client) == [conns[1]]
 
@@ -703,9 +700,7 @@ async def test_an_answer_closed_by_the_caller_is_never_used_again(
         resp.release()  # too late: closed stays closed
         assert idle(client) == []
         assert await asyncio.wait_for(ends.get(), 1) in {"eof", "reset"}
-        resp = await client.post(server.url, data=BODY, headers=JSON)
-        assert await read_all(resp) == b"{}"
-        resp.release()
+        await answered_whole(client, server)
         assert server.connections == 2 and len(conns) == 2
 
 
@@ -730,9 +725,7 @@ async def test_an_answer_released_before_its_end_is_not_pooled(
         resp.release()
         assert idle(client) == []
         await asyncio.wait_for(ended.wait(), 1)
-        resp = await client.post(server.url, data=BODY, headers=JSON)
-        assert await read_all(resp) == b"{}"
-        resp.release()
+        await answered_whole(client, server)
         assert server.connections == 2
 
 
@@ -750,18 +743,14 @@ async def test_an_idle_connection_is_closed_after_idle_s(
         return handler
 
     async with serving(make) as server:
-        resp = await client.post(server.url, data=BODY, headers=JSON)
-        assert await read_all(resp) == b"{}"
-        resp.release()
+        await answered_whole(client, server)
         pooled = time.perf_counter()
         assert idle(client) == [conns[0]]
         seen = await asyncio.wait_for(ended.get(), 5)
         assert seen - pooled >= 0.19  # not before IDLE_S
         assert idle(client) == []
         assert client._idle[conns[0].key] == []
-        resp = await client.post(server.url, data=BODY, headers=JSON)
-        assert await read_all(resp) == b"{}"
-        resp.release()
+        await answered_whole(client, server)
         assert server.connections == 2
 
 
