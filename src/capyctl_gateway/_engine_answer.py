@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from typing import Protocol
 
 from multidict import CIMultiDictProxy
@@ -38,7 +39,7 @@ class EngineConnectionError(ConnectionError):
 class Body:
     """An answer's body as it arrives: `readany`, `read`, `is_eof` (as aiohttp's reader)."""
 
-    __slots__ = ("_buffer", "_conn", "_eof", "_error", "_size", "_waiter")
+    __slots__ = ("_buffer", "_conn", "_eof", "_error", "_size", "_waiter", "pump")
 
     def __init__(self, conn: Reading) -> None:
         self._conn = conn
@@ -47,9 +48,16 @@ class Body:
         self._eof = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.pump: Callable[[list[bytes]], None] | None = None
+        """Takes each read's pieces instead of the buffer while attached; it keeps none
+        of them, and hands over to the reader with `hand_over`. The reader then waits with
+        `wait`, not `readany`."""
 
     def feed_all(self, parts: list[bytes]) -> None:
         """What one read of the socket brought (the parser's body pieces, in order)."""
+        if self.pump is not None:
+            self.pump(parts)
+            return
         self._buffer.extend(parts)
         self._size += sum(map(len, parts))
         if self._size > HIGH_WATER:
@@ -71,6 +79,42 @@ class Body:
             self._waiter = None
             if not w.done():
                 w.set_result(None)
+
+    def attach(self, pump: Callable[[list[bytes]], None]) -> None:
+        """Give each read to ``pump`` from now on, starting with what is buffered."""
+        self.pump = pump
+        if self._buffer:
+            parts = list(self._buffer)
+            self._buffer.clear()
+            self._size = 0
+            self._conn.resume()  # paused at HIGH_WATER, perhaps: the pump decides now
+            pump(parts)
+
+    def detach(self) -> None:
+        """Back to the buffer: reads go to `readany` again (and the socket is read)."""
+        self.pump = None
+        self._conn.resume()
+
+    def hand_over(self) -> None:
+        """The pump has something for the reader: the socket is not read until `go_on`."""
+        self._conn.pause()
+        self._wake()
+
+    def go_on(self) -> None:
+        """Read the socket again (after `hand_over`)."""
+        self._conn.resume()
+
+    async def wait(self) -> None:
+        """Until the pump hands over, or the body ends or fails (`ended` says which)."""
+        if not self._eof and self._error is None:
+            self._waiter = waiter = running_loop().create_future()
+            await waiter
+
+    def ended(self) -> bool:
+        """Whether the whole body has been read; raises what broke the connection."""
+        if self._error is not None:
+            raise self._error
+        return self._eof and not self._buffer
 
     def is_eof(self) -> bool:
         return self._eof and not self._buffer

@@ -29,6 +29,29 @@ class Hold:
 
 
 @dataclass(frozen=True)
+class Gate:
+    """Write nothing more until the test opens this (having seen what came before arrive)."""
+
+    opened: asyncio.Event
+
+
+@dataclass(frozen=True)
+class Flood:
+    """Write ``item`` again and again until the reader has stopped reading, then set
+    ``stalled`` (at most ``limit`` copies; ``written`` counts them)."""
+
+    item: bytes
+    stalled: asyncio.Event
+    limit: int = 4096
+    written: list[int] = field(default_factory=lambda: [0])
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Abort the connection at once, mid-answer (the engine died)."""
+
+
+@dataclass(frozen=True)
 class Reply:
     """A plain (non-stream) answer."""
 
@@ -37,7 +60,7 @@ class Reply:
     content_type: str = "application/json"
 
 
-Item = bytes | Pause | Hold
+Item = bytes | Pause | Hold | Gate | Flood | Drop
 
 
 @dataclass
@@ -135,6 +158,14 @@ class FakeEngine:
                     await asyncio.sleep(item.seconds)
                 elif isinstance(item, Hold):
                     await asyncio.Event().wait()
+                elif isinstance(item, Gate):
+                    await item.opened.wait()
+                elif isinstance(item, Flood):
+                    await _flood(request, out, item)
+                elif isinstance(item, Drop):
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return out
                 else:
                     await out.write(item)
             await out.write_eof()
@@ -143,6 +174,25 @@ class FakeEngine:
             self.hung_up.set()
             raise
         return out
+
+
+async def _flood(request: web.Request, out: web.StreamResponse, flood: Flood) -> None:
+    """The reader has stopped when a write stays buffered on our side while the loop turns
+    over (the gateway runs on this loop in the tests: a reader that still reads takes it
+    within a turn or two). A reader that never stops reading makes the flood run to its limit,
+    which the tests see as a failure to bound."""
+    transport = request.transport
+    assert transport is not None
+    for _ in range(flood.limit):
+        await out.write(flood.item)
+        flood.written[0] += 1
+        for _turn in range(20):
+            if not transport.get_write_buffer_size():
+                break
+            await asyncio.sleep(0)  # one turn of the loop
+        else:
+            flood.stalled.set()
+            return
 
 
 def event(obj: dict[str, Any] | str) -> bytes:

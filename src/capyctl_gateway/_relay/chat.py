@@ -28,6 +28,7 @@ from .assemble import Assembler
 from .blocks import BlockReader
 from .exchange import Exchange
 from .figures import Figures, chat_figures
+from .pump import Fold, pump_rest, pumpable
 from .verify import ChunkVerifier
 
 __all__ = ["SSE_HEADERS", "collect_chat", "relay_chat", "start_stream", "stream_error"]
@@ -70,6 +71,9 @@ async def relay_chat(
                         out = await start_stream(request, headers)
                     await out.write(b"".join(parts))
                     ex.writing = False
+                    if not done and pumpable(content, out):
+                        done, last = await pump_rest(content, reader, ex, out)
+                        break
             verifier.verify_end(done)
             ex.complete()
             if out is None:
@@ -114,17 +118,7 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_byt
     try:
         async with ex:
             content = await ex.open_stream(payload)
-            done = False
-            size = 0
-            while not done and (block := await content.readany()):
-                now = loop.time()
-                size += len(block)
-                if size > max_bytes:
-                    raise EngineError(f"{ex.where}: the engine's answer is over {max_bytes} bytes")
-                chunks = verifier.chunks
-                done = reader.collect(block, now, assembler)
-                if verifier.chunks != chunks and verifier.first_output_at is not None:
-                    ex.output(now)
+            done = await Fold(reader, ex, assembler, max_bytes).read(content)
             verifier.verify_end(done)
             ex.complete()
     except UnverifiedError as exc:
