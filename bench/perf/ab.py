@@ -19,6 +19,9 @@ whose speed swings within seconds, the pairs' spread narrows from about +-20% to
 
 ``--floor`` adds `floor_relay` to the non-streamed load (in turn with the gateways): what a
 gateway costs above it is its own work, and the report gives each tree's.
+
+``--paced`` has the engine send its chunks 2 ms apart, each a read of its own, as a generating
+engine does (see `bench.perf.paced`), instead of the usual loads.
 """
 
 from __future__ import annotations
@@ -70,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=2.0, help="seconds per window")
     p.add_argument("--together", action="store_true", help="load both gateways at once")
     p.add_argument("--floor", action="store_true", help="measure floor_relay on ns too")
+    p.add_argument(
+        "--paced",
+        action="store_true",
+        help="engine chunks 2 ms apart, 64 at once: streams of 16 and 128 chunks, and 128 "
+        "not streamed (the gateway folds them), instead of the usual loads",
+    )
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="capyctl-ab-"))
     procs = ProcessSet(work)
@@ -78,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         Load("s16", 16, 32, True, args.duration, 0.5),
         Load("s256", 256, 32, True, args.duration, 0.5),
     ]
+    if args.paced:
+        loads = [
+            Load(name, n, 64, stream, args.duration, 0.5, delay_ms=2.0)
+            for name, n, stream in (("p16", 16, True), ("p128", 128, True), ("n128", 128, False))
+        ]
     try:
         engine, port = start_engine(procs)
         url = f"http://127.0.0.1:{port}"
@@ -116,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{statistics.median(new):.3f} ms CPU per request; new/base median of pairs "
                 f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
             )
+        if args.paced:
+            per = {t: (statistics.median(cpu[(t, "p128")]) - statistics.median(cpu[(t, "p16")]))
+                   / 112 * 1000 for t in ("base", "new")}  # fmt: skip
+            print(f"paced streams, CPU per extra chunk: base {per['base']:.1f} us, "
+                  f"new {per['new']:.1f} us ({per['new'] / per['base']:.2f}x)")  # fmt: skip
         floor = cpu.get(("floor", "ns"))
         if floor:
             f = statistics.median(floor)
