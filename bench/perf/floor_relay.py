@@ -4,8 +4,10 @@
 engine, with uvloop: it reads the client's body, asks the engine for a stream (as the gateway
 does, usage included), and reads that stream without looking at it: to its end, answering a
 fixed small JSON document, when the client asked for no stream; else writing each read to the
-client as it came. No key, no IDs, no validation, no verification, no assembling, no figures,
-no log line. What the gateway costs above it is its own work (``bench.perf.ab --floor``).
+client as it came, from the engine connection's reads (as the gateway's `Pump` does; unlike
+it, without a bound on what a client that stops reading makes it hold). No key, no IDs, no
+validation, no verification, no assembling, no figures, no log line. What the gateway costs
+above it is its own work (``bench.perf.ab --floor``).
 
 Run: ``python -m bench.perf.floor_relay PORT ENGINE_URL``; ``GET /health`` answers 200.
 """
@@ -44,8 +46,19 @@ async def _serve(port: int, engine: URL) -> None:
             return web.Response(body=b'{"relayed":true}', content_type="application/json")
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        while block := await answer.content.readany():
-            await out.write(block)  # each read as it came, unlooked at
+        await out.write(await answer.content.readany())
+        transport = request.transport
+        assert transport is not None
+
+        def write(parts: list[bytes]) -> None:  # each read as it came, unlooked at
+            data = b"".join(parts)
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+        body = answer.content
+        body.attach(write)  # from the engine connection's reads, as the gateway's Pump
+        while not body.ended():
+            await body.wait()
+        body.detach()
         answer.release()
         await out.write_eof()
         return out
