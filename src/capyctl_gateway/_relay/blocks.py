@@ -50,13 +50,16 @@ class BlockReader:
         v = self.verifier
         t = v.template
         head_len = t.head_len
-        # A generating engine's usual read: one text chunk, whole. (A second event, or a
-        # carriage return, would put a control character in the text: the parse refuses it.)
+        # A generating engine's usual read: one text chunk, whole: its first line break is its
+        # last but one byte. (A carriage return would put a control character in the text:
+        # the parse refuses it.) A read of several events, from an engine that got ahead of
+        # us, is told apart here rather than by a failed parse, whose error is costly to make.
         if (
             head_len >= 0
             and block.startswith(t.data_head)
             and block.endswith(t.tail_event)
             and len(block) >= head_len + t.tail_len + 8
+            and block.find(b"\n") == len(block) - 2
             and not v.finished
             and self.decoder.idle
         ):
