@@ -1,4 +1,5 @@
-"""What the CLI's commands share: addresses, sockets, the open-file limit."""
+"""What the CLI's commands share: addresses, sockets, the open-file limit, the bounds of the
+listeners other than the public one."""
 
 from __future__ import annotations
 
@@ -7,13 +8,62 @@ import gc
 import socket
 
 import typer
+from aiohttp import web
 
 from ._config import ConfigError
+from ._gateway import Gateway
+from ._http.server import BoundedRunner, Limits
+from ._management.api import create_management_app, create_metrics_app
 
-__all__ = ["GC_THRESHOLDS", "address", "bind", "enough_files", "settle_heap", "use_uvloop"]
+__all__ = [
+    "CONTROL_MAX_CONNECTIONS",
+    "GC_THRESHOLDS",
+    "HEAD_TIMEOUT_S",
+    "INGRESS_MAX_CONNECTIONS",
+    "LOCAL_MAX_CONNECTIONS",
+    "TLS_HANDSHAKE_TIMEOUT_S",
+    "address",
+    "bind",
+    "bounded",
+    "enough_files",
+    "local_runners",
+    "settle_heap",
+    "use_uvloop",
+]
 
 GC_THRESHOLDS = (10_000, 10, 10)
 """The cycle collector's generation thresholds once serving (Python's are 700, 10, 10)."""
+
+# The listeners beside the public one (which has ``limits:`` in the configuration).
+HEAD_TIMEOUT_S = 10.0
+"""A connection whose request head is not whole this long after it opened is closed."""
+LOCAL_MAX_CONNECTIONS = 64
+"""Connections open at once to the management listener, and to the metrics listener."""
+CONTROL_MAX_CONNECTIONS = 256
+"""Connections open at once to a server's control port, once past the TLS handshake."""
+INGRESS_MAX_CONNECTIONS = 1024
+"""Connections open at once to a host's ingress (it forwards 256 requests at once)."""
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+"""A connection to the control port that has not finished its TLS handshake by then is closed."""
+
+
+def bounded(
+    app: web.Application,
+    max_connections: int,
+    header_timeout: float = HEAD_TIMEOUT_S,
+    **kwargs: object,
+) -> BoundedRunner:
+    """A runner for ``app`` whose connections are bounded (`BoundedRunner`)."""
+    limits = Limits(max_connections=max_connections, header_timeout=header_timeout)
+    return BoundedRunner(app, limits=limits, **kwargs)
+
+
+def local_runners(gateway: Gateway) -> tuple[web.AppRunner, web.AppRunner]:
+    """The runners of the management listener and of the metrics listener."""
+    return (
+        bounded(create_management_app(gateway), LOCAL_MAX_CONNECTIONS),
+        bounded(create_metrics_app(gateway), LOCAL_MAX_CONNECTIONS),
+    )
 
 
 def address(value: str, flag: str) -> tuple[str, int]:

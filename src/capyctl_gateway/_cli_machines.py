@@ -13,11 +13,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
+import aiohttp
 import typer
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from ._cli_common import address, bind, settle_heap, use_uvloop
+from ._cli_common import (
+    CONTROL_MAX_CONNECTIONS,
+    HEAD_TIMEOUT_S,
+    INGRESS_MAX_CONNECTIONS,
+    address,
+    bind,
+    bounded,
+    settle_heap,
+    use_uvloop,
+)
 from ._config import ConfigError, Seconds
 from ._gateway import Gateway
 from ._host import Host, join
@@ -25,9 +35,9 @@ from ._identity import CredentialsError
 from ._log import configure_logging
 from ._machines import pki
 from ._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
-from ._machines.ingress import create_ingress_app
+from ._machines.ingress import Gate, create_ingress_app
 
-__all__ = ["control_runner", "register", "server_control"]
+__all__ = ["control_runner", "ingress_runner", "register", "server_control"]
 
 
 def server_control(
@@ -41,9 +51,27 @@ def server_control(
     return identity, sock, pki.server_context(identity.cert, identity.key, identity.ca_cert)
 
 
-def control_runner(gw: Gateway) -> web.AppRunner:
+def control_runner(
+    gw: Gateway,
+    max_connections: int = CONTROL_MAX_CONNECTIONS,
+    header_timeout: float = HEAD_TIMEOUT_S,
+) -> web.AppRunner:
+    """The runner of the server's control listener (serve it with `TLSSite`)."""
     assert gw.machines is not None
-    return web.AppRunner(gw.machines.app(), access_log=None)
+    return bounded(gw.machines.app(), max_connections, header_timeout)
+
+
+def ingress_runner(
+    gates: Callable[[str, int], Gate | None],
+    session: Callable[[], aiohttp.ClientSession | None],
+    max_connections: int = INGRESS_MAX_CONNECTIONS,
+    header_timeout: float = HEAD_TIMEOUT_S,
+    **kwargs: object,
+) -> web.AppRunner:
+    """The runner of a host's ingress (`create_ingress_app`), cancelling a forward when the
+    server hangs up."""
+    app = create_ingress_app(gates, session)
+    return bounded(app, max_connections, header_timeout, handler_cancellation=True, **kwargs)
 
 
 def _duration(value: str) -> float:
@@ -154,9 +182,7 @@ def register(
 
 
 async def _serve_host(host: Host, sock: socket.socket) -> None:
-    runner = web.AppRunner(
-        create_ingress_app(host.gate, host.session), access_log=None, handler_cancellation=True
-    )
+    runner = ingress_runner(host.gate, host.session)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

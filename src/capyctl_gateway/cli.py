@@ -18,9 +18,18 @@ import typer
 from aiohttp import web
 from rich.console import Console
 
-from ._cli_common import address, bind, enough_files, settle_heap, use_uvloop
+from ._cli_common import (
+    TLS_HANDSHAKE_TIMEOUT_S,
+    address,
+    bind,
+    enough_files,
+    local_runners,
+    settle_heap,
+    use_uvloop,
+)
 from ._config import ConfigError, load_config
 from ._http.app import GATEWAY_KEY, GatewayRunner, create_app
+from ._http.server import TLSSite
 from ._identity import (
     CredentialsError,
     credentials_path,
@@ -31,7 +40,6 @@ from ._identity import (
 )
 from ._log import configure_logging
 from ._machines.enroll import JoinError
-from ._management.api import create_management_app, create_metrics_app
 from ._management.render import print_list, print_status
 
 app = typer.Typer(
@@ -186,9 +194,8 @@ async def _run(
 ) -> None:
     runner = GatewayRunner(application, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
-    mrunner = web.AppRunner(create_management_app(application[GATEWAY_KEY]), access_log=None)
+    mrunner, xrunner = local_runners(application[GATEWAY_KEY])
     await mrunner.setup()
-    xrunner = web.AppRunner(create_metrics_app(application[GATEWAY_KEY]), access_log=None)
     await xrunner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -207,7 +214,10 @@ async def _run(
             await web.SockSite(xrunner, xsock).start()
         for erunner, esock, context in extra or []:
             await erunner.setup()
-            await web.SockSite(erunner, esock, ssl_context=context).start()
+            site = TLSSite(
+                erunner, esock, ssl_context=context, handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S
+            )
+            await site.start()
         settle_heap()
         typer.echo(listening, err=True)  # once it is true, and signals are handled
         await stop.wait()

@@ -19,10 +19,12 @@ import pytest
 from aiohttp import web
 
 from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
+from capyctl_gateway._cli_common import TLS_HANDSHAKE_TIMEOUT_S, bind
+from capyctl_gateway._cli_machines import control_runner, ingress_runner
 from capyctl_gateway._host import Host, join
+from capyctl_gateway._http.server import TLSSite
 from capyctl_gateway._machines import pki
 from capyctl_gateway._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
-from capyctl_gateway._machines.ingress import create_ingress_app
 from capyctl_gateway._machines.protocol import NOT_FORWARDED, deployment_tag, ingress_path
 from tests.gateway.conftest import COLLECTOR, KEY
 from tests.gateway.fake_engine import FakeEngine, Hold, vllm_stream
@@ -66,7 +68,12 @@ class Cluster:
         assert gw.machines is not None
         context = pki.server_context(identity.cert, identity.key, identity.ca_cert)
         cport = int(self.control.rsplit(":", 1)[1]) if self.control else 0
-        crunner, control = await _site(web.AppRunner(gw.machines.app()), context, port=cport)
+        crunner = control_runner(gw)  # served as the CLI serves it
+        await crunner.setup()
+        site = TLSSite(crunner, bind("127.0.0.1", cport), ssl_context=context,
+                       handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)  # fmt: skip
+        await site.start()
+        control = f"127.0.0.1:{crunner.addresses[0][1]}"
         self.url, self.control, self.app = f"http://{addr}", control, app
         self.runners = [runner, crunner]
 
@@ -102,10 +109,9 @@ class Cluster:
             control = f"127.0.0.1:{links[-1].port}"
         await join(self.join_file(name, control=control), state)
         holder: list[Host] = []
-        app = create_ingress_app(lambda tag, i: holder[0].gate(tag, i), lambda: holder[0].session())
         # A short shutdown: stopping it ends its forwards at once, as a killed process would.
-        runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1
+        runner = ingress_runner(
+            lambda tag, i: holder[0].gate(tag, i), lambda: holder[0].session(), shutdown_timeout=0.1
         )
         runner, addr = await _site(runner)
         if links is not None:

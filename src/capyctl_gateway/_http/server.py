@@ -1,7 +1,7 @@
 """The connection layer under the handlers: what aiohttp does before a request reaches them.
 
-`GatewayRunner` serves the application with the settings correctness depends on, and swaps in
-a protocol that:
+`BoundedRunner` serves an application (every listener's: inference, management, metrics, the
+server's control port, a host's ingress) through a protocol that:
 
 * answers a request that is not valid HTTP (a malformed or oversized header line, a bare CR,
   a NUL) with the documented JSON error and a request ID, and logs one short line for it,
@@ -10,12 +10,17 @@ a protocol that:
   (a client that trickles bytes must not hold a connection for ever);
 * answers connections past ``limits.max_connections`` with a 503 at once and closes them, with
   a log line, instead of letting the process run out of file descriptors.
+
+`GatewayRunner` is the public listener's, with the settings its correctness depends on.
+`TLSSite` bounds the TLS handshake that comes before all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import ssl
 from typing import Any
 
 import orjson
@@ -28,7 +33,7 @@ from .._log import SparseLog
 from .._ulid import new_ulid
 from .answers import error_response
 
-__all__ = ["HANGUPS_SEEN", "LIMITS", "GatewayRunner", "Limits"]
+__all__ = ["HANGUPS_SEEN", "LIMITS", "BoundedRunner", "GatewayRunner", "Limits", "TLSSite"]
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -83,6 +88,10 @@ class _Protocol(RequestHandler):
         super().connection_made(transport)
         if not transport.is_closing():
             self._head_timer = self._loop.call_later(self._limits.header_timeout, self._no_head)
+        elif self._task_handler is not None:
+            # Refused (past max_connections): its request loop must not start, for aiohttp
+            # cancels it on the close only where handlers are cancelled on hang-ups.
+            self._task_handler.cancel()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -152,15 +161,18 @@ class _Server(web.Server):
             transport.close()
 
 
-class GatewayRunner(web.AppRunner):
-    """An `aiohttp.web.AppRunner` with the settings the gateway's correctness depends on:
-    handlers are cancelled when their client goes away; no access log (the gateway logs each
-    request itself); the connection layer above."""
+class BoundedRunner(web.AppRunner):
+    """An `aiohttp.web.AppRunner` whose connections go through the connection layer above:
+    at most ``limits.max_connections`` open, each closed when its request head does not come
+    within ``limits.header_timeout``, malformed HTTP answered in JSON. Every listener of the
+    gateway and of a host is served by one. No access log."""
 
-    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+    def __init__(
+        self, app: web.Application, *, limits: Limits | None = None, **kwargs: Any
+    ) -> None:
+        """``limits``: this listener's bounds; by default the application's (`LIMITS`)."""
         kwargs.setdefault("access_log", None)
-        kwargs["handler_cancellation"] = True
-        app[HANGUPS_SEEN] = True
+        self._limits = limits
         super().__init__(app, **kwargs)
 
     async def _make_server(self) -> web.Server:
@@ -169,5 +181,47 @@ class GatewayRunner(web.AppRunner):
         # made a _Server, which changes only the protocol it makes and the connection count.
         server.__class__ = _Server
         assert isinstance(server, _Server)
-        server.limits = self._app[LIMITS]
+        server.limits = self._limits if self._limits is not None else self._app[LIMITS]
         return server
+
+
+class GatewayRunner(BoundedRunner):
+    """A `BoundedRunner` with the settings the gateway's correctness depends on: handlers are
+    cancelled when their client goes away; the bounds of ``limits:`` in the configuration; no
+    access log (the gateway logs each request itself)."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        kwargs["handler_cancellation"] = True
+        app[HANGUPS_SEEN] = True
+        super().__init__(app, **kwargs)
+
+
+class TLSSite(web.SockSite):
+    """A `web.SockSite` on TLS whose handshakes must end within ``handshake_timeout`` seconds
+    (asyncio's own bound is 60 s): a connection that never finishes one is closed then, before
+    it reaches the connection layer's count."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        sock: socket.socket,
+        *,
+        ssl_context: ssl.SSLContext,
+        handshake_timeout: float,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context, **kwargs)
+        self._handshake_timeout = handshake_timeout
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # not SockSite's: its server has asyncio's timeout
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        self._server = await loop.create_server(
+            server,
+            sock=self._sock,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout,
+        )

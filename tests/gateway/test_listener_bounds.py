@@ -1,0 +1,151 @@
+"""The listeners beside the public one, bounded as it is, over real sockets: the server's control
+port (TLS first, client certificates optional), a host's ingress, the management and metrics
+listeners. Each built as the CLI builds it; the control and ingress ones with small bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+from aiohttp import web
+
+from capyctl_gateway import GATEWAY_KEY, GatewayConfig, create_app
+from capyctl_gateway._cli_common import LOCAL_MAX_CONNECTIONS, bind, local_runners
+from capyctl_gateway._cli_machines import control_runner, ingress_runner
+from capyctl_gateway._gateway import Gateway
+from capyctl_gateway._http.server import TLSSite
+from capyctl_gateway._machines import pki
+from capyctl_gateway._machines.enroll import ServerIdentity
+from tests.gateway.conftest import KEY, deployments
+
+pytestmark = pytest.mark.anyio
+SHORT = 0.3
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[tuple[Gateway, ServerIdentity]]:
+    identity = ServerIdentity(tmp_path / "identity")
+    identity.ensure()
+    config = GatewayConfig.model_validate({"deployments": [deployments("http://127.0.0.1:9")]})
+    app = create_app(config, KEY, env={}, state_dir=tmp_path, server=identity)
+    yield app[GATEWAY_KEY], identity
+
+
+async def serve(runner: web.AppRunner, context: ssl.SSLContext | None = None) -> int:
+    await runner.setup()
+    sock = bind("127.0.0.1", 0)
+    site: web.BaseSite
+    if context is None:
+        site = web.SockSite(runner, sock)
+    else:
+        site = TLSSite(runner, sock, ssl_context=context, handshake_timeout=SHORT)
+    await site.start()
+    return int(sock.getsockname()[1])
+
+
+async def closed_by_peer(reader: asyncio.StreamReader) -> bytes:
+    """Everything the listener sends until it closes the connection (within 5 s)."""
+    with anyio.fail_after(5):
+        return await reader.read()
+
+
+def control_context(identity: ServerIdentity) -> ssl.SSLContext:
+    return pki.server_context(identity.cert, identity.key, identity.ca_cert)
+
+
+OPENED: list[asyncio.StreamWriter] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while OPENED:
+        OPENED.pop().close()
+
+
+async def connect(port: int, identity: ServerIdentity | None = None) -> asyncio.StreamReader:
+    """A client connection (TLS to the control port when ``identity`` is given, with no
+    certificate, as a host that enrolls); closed after the test."""
+    if identity is None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    else:
+        client = pki.client_context(identity.ca_cert.read_bytes())
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=client, server_hostname=pki.SERVER_NAME
+        )
+    OPENED.append(writer)
+    return reader
+
+
+async def test_a_control_connection_that_never_starts_its_handshake_is_closed(
+    server: tuple[Gateway, ServerIdentity],
+) -> None:
+    gw, identity = server
+    runner = control_runner(gw)
+    port = await serve(runner, control_context(identity))
+    try:
+        reader = await connect(port)  # TCP, and no ClientHello
+        assert await closed_by_peer(reader) == b""
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_control_connection_that_sends_no_request_is_closed(
+    server: tuple[Gateway, ServerIdentity],
+) -> None:
+    gw, identity = server
+    runner = control_runner(gw, header_timeout=SHORT)
+    port = await serve(runner, control_context(identity))
+    try:
+        reader = await connect(port, identity)  # the handshake is done; nothing follows
+        assert await closed_by_peer(reader) == b""
+    finally:
+        await runner.cleanup()
+
+
+async def test_control_connections_past_the_cap_get_a_503_and_are_closed(
+    server: tuple[Gateway, ServerIdentity],
+) -> None:
+    gw, identity = server
+    runner = control_runner(gw, max_connections=2)
+    port = await serve(runner, control_context(identity))
+    try:
+        held = [await connect(port, identity) for _ in range(2)]
+        third = await closed_by_peer(await connect(port, identity))
+        assert third.startswith(b"HTTP/1.1 503 ")
+        assert b'"code":"unavailable"' in third
+        assert len(held) == 2
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_ingress_closes_silent_connections_and_refuses_past_its_cap() -> None:
+    runner = ingress_runner(lambda tag, i: None, lambda: None, 2, SHORT)
+    port = await serve(runner)
+    try:
+        silent = [await connect(port) for _ in range(2)]
+        assert (await closed_by_peer(await connect(port))).startswith(b"HTTP/1.1 503 ")
+        for reader in silent:  # no request head within the timeout
+            assert await closed_by_peer(reader) == b""
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("which", ["management", "metrics"])
+async def test_the_local_listeners_refuse_past_their_cap(
+    server: tuple[Gateway, ServerIdentity], which: str
+) -> None:
+    gw, _ = server
+    management, metrics = local_runners(gw)
+    runner = management if which == "management" else metrics
+    port = await serve(runner)
+    try:
+        held = [await connect(port) for _ in range(LOCAL_MAX_CONNECTIONS)]
+        assert (await closed_by_peer(await connect(port))).startswith(b"HTTP/1.1 503 ")
+        assert len(held) == LOCAL_MAX_CONNECTIONS
+    finally:
+        await runner.cleanup()
