@@ -4,65 +4,31 @@ Each engine is connected first (health, models, discovery and, for engines that 
 metrics validation), then polled for health and load every ``poll_interval_ms``. A failed poll
 throws the snapshot away at once and sends the engine back through the startup checks; a snapshot
 older than ``max_metrics_age_ms`` is never handed out. Readers (`Collector.snapshot`) do no I/O.
+The checks and polls themselves are `_cycle.py`'s.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Self
 
 import anyio
 import httpx
 from anyio.abc import TaskGroup
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay
-from tenacity.wait import wait_exponential_jitter
 
-from ._errors import (
-    CanopyxError,
-    ConfigError,
-    EngineUnreachableError,
-    ModelNotListedError,
-    ScrapeTimeoutError,
-    error_code,
-)
-from ._events import (
-    ChecksCompleted,
-    EngineRestarted,
-    Event,
-    EventHook,
-    ScrapeFailed,
-    ScrapeSucceeded,
-)
+from ._cycle import Cycles, Target, TargetState
+from ._errors import ConfigError
+from ._events import Event, EventHook
 from ._options import ProviderOptions
-from ._scrape import Fetcher, HttpxFetcher, RawResponse
-from ._snapshot import (
-    Capacity,
-    CheckName,
-    CheckReport,
-    CheckResult,
-    EngineMetrics,
-    EngineSnapshot,
-    SupportLevel,
-)
-from .adapters import Discovery, EngineAdapter, Poll
+from ._scrape import Fetcher, HttpxFetcher
+from ._snapshot import Capacity, CheckReport, CheckResult, EngineSnapshot
+from .adapters import EngineAdapter
 
 __all__ = ["Collector", "EngineStatus", "TargetState"]
-
-logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class TargetState(StrEnum):
-    """Where one engine stands in the collector."""
-
-    CONNECTING = "connecting"
-    READY = "ready"
-    FAILED = "failed"
 
 
 class _Lifecycle(StrEnum):
@@ -86,27 +52,6 @@ class EngineStatus:
     """The last snapshot, fresh or not (None after a failure)."""
     fresh: bool
     poll_interval_s: float
-
-
-@dataclass(eq=False)
-class _Target:
-    key: str
-    adapter: EngineAdapter
-    model_id: str
-    default_interval_s: float
-    interval_s: float
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
-    wake: anyio.Event = field(default_factory=anyio.Event)
-    state: TargetState = TargetState.CONNECTING
-    discovery: Discovery | None = None
-    snapshot: EngineSnapshot | None = None
-    checks: tuple[CheckResult, ...] = ()
-    error: str | None = None
-    process_start: float | None = None
-    scope: anyio.CancelScope | None = None
-
-
-_ORDER: tuple[CheckName, ...] = ("health", "models", "discovery", "metrics")
 
 
 class Collector:
@@ -143,9 +88,10 @@ class Collector:
         self._fetch = fetcher
         self._clock = clock
         self._hooks = tuple(hooks)
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[str, Target] = {}
         self._tg: TaskGroup | None = None
         self._life = _Lifecycle.NEW
+        self._cycles = Cycles(self.options, clock, self._emit, lambda: self._fetcher)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -196,7 +142,7 @@ class Collector:
         if not model_id:
             raise ConfigError("model_id must be the engine's model ID, not empty")
         interval = self.options.poll_interval_s
-        t = _Target(key, adapter, model_id, default_interval_s=interval, interval_s=interval)
+        t = Target(key, adapter, model_id, default_interval_s=interval, interval_s=interval)
         self._targets[key] = t
         if poll:
             self.start_polling(key)
@@ -258,35 +204,35 @@ class Collector:
         t = self._targets[key]
         async with t.lock:
             if t.discovery is None:
-                await self._connect(t)
+                await self._cycles.connect(t)
             else:
-                await self._poll(t)
+                await self._cycles.poll(t)
         return self.snapshot(key)
 
     async def check(self, key: str) -> CheckReport:
         """Run the startup checks for ``key`` now and return their report."""
         t = self._targets[key]
         async with t.lock:
-            return await self._connect(t)
+            return await self._cycles.connect(t)
 
     def __repr__(self) -> str:
         states = ", ".join(f"{k}={t.state.value}" for k, t in self._targets.items())
         return f"<Collector {self._life.value} [{states}]>"
 
     # -- internals ------------------------------------------------------------------------
-    def _start(self, t: _Target) -> None:
+    def _start(self, t: Target) -> None:
         if t.scope is not None and self._tg is not None:
             self._tg.start_soon(self._loop, t, name=f"canopyx collector {t.key}")
 
-    async def _loop(self, t: _Target) -> None:
+    async def _loop(self, t: Target) -> None:
         assert t.scope is not None
         with t.scope:
             while True:
                 async with t.lock:
                     if t.discovery is None:
-                        await self._connect(t)
+                        await self._cycles.connect(t)
                     else:
-                        await self._poll(t)
+                        await self._cycles.poll(t)
                 with anyio.move_on_after(t.interval_s):
                     await t.wake.wait()
                 t.wake = anyio.Event()
@@ -300,132 +246,3 @@ class Collector:
         if self._fetch is None:
             raise RuntimeError("use the Collector as an async context manager first")
         return self._fetch
-
-    async def _bounded(self, t: _Target, fn: Callable[[], Awaitable[T]]) -> T:
-        try:
-            with anyio.fail_after(self.options.request_timeout_s):
-                return await fn()
-        except TimeoutError as exc:
-            raise ScrapeTimeoutError(
-                f"{t.adapter.base_url}: no answer within {self.options.request_timeout_ms} ms",
-                url=t.adapter.base_url,
-            ) from exc
-
-    async def _attempt(self, t: _Target, fn: Callable[[], Awaitable[T]]) -> T:
-        """A startup step, retried while the engine is unreachable or slow (bounded)."""
-        budget = self.options.request_timeout_s * self.options.connect_attempts
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.options.connect_attempts) | stop_after_delay(budget),
-            wait=wait_exponential_jitter(multiplier=0.1, max=1.0, jitter=0.1),
-            retry=retry_if_exception_type((EngineUnreachableError, ScrapeTimeoutError)),
-            sleep=anyio.sleep,
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                return await self._bounded(t, fn)
-        raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
-
-    async def _connect(self, t: _Target) -> CheckReport:
-        fetch, adapter, model = self._fetcher, t.adapter, t.model_id
-        t.state = TargetState.CONNECTING
-        results: list[CheckResult] = []
-        requested_at = self._clock()
-        discovery: Discovery | None = None
-        poll: Poll | None = None
-        failure: tuple[CheckName, CanopyxError] | None = None
-        try:
-            health = await self._attempt(t, lambda: adapter.check_health(fetch))
-            results.append(CheckResult(name="health", ok=True))
-            ids = await self._attempt(t, lambda: adapter.list_models(fetch))
-            if model not in ids:
-                raise ModelNotListedError(model, listed=ids)
-            results.append(CheckResult(name="models", ok=True))
-            discovery = await self._attempt(t, lambda: adapter.discover(fetch, model))
-            results.append(CheckResult(name="discovery", ok=True))
-            if adapter.support is not SupportLevel.LIMITED:
-                d = discovery
-                poll = await self._bounded(t, lambda: adapter.collect(fetch, model, d, health))
-                results.append(CheckResult(name="metrics", ok=True))
-        except CanopyxError as exc:
-            failure = (_ORDER[len(results)], exc)
-        if failure is not None:
-            name, error = failure
-            results.append(
-                CheckResult(name=name, ok=False, reason=error.message, code=error_code(error))
-            )
-            wanted = _ORDER if adapter.support is not SupportLevel.LIMITED else _ORDER[:3]
-            results.extend(
-                CheckResult(
-                    name=n, ok=False, reason=f"not run: the {name} check failed", code="not_run"
-                )
-                for n in wanted[len(results) :]
-            )
-            t.checks = tuple(results)
-            self._fail(t, name, error)
-            report = CheckReport(checks=t.checks)
-        else:
-            assert discovery is not None
-            t.discovery = discovery
-            t.checks = tuple(results)
-            self._accept(t, poll or Poll(EngineMetrics(has_engine_load=False)), requested_at)
-            report = CheckReport(
-                checks=t.checks,
-                metrics=t.snapshot.metrics if t.snapshot else None,
-                capacity=discovery.capacity,
-                engine_version=discovery.engine_version,
-            )
-        self._emit(ChecksCompleted(t.key, report))
-        return report
-
-    async def _poll(self, t: _Target) -> None:
-        fetch, adapter, discovery = self._fetcher, t.adapter, t.discovery
-        assert discovery is not None
-        requested_at = self._clock()
-        stage: CheckName = "health"
-
-        async def cycle() -> Poll:
-            nonlocal stage
-            health: RawResponse = await adapter.check_health(fetch)
-            stage = "metrics"
-            return await adapter.collect(fetch, t.model_id, discovery, health)
-
-        try:
-            poll = await self._bounded(t, cycle)
-        except CanopyxError as exc:
-            t.checks = tuple(
-                CheckResult(name=stage, ok=False, reason=exc.message, code=error_code(exc))
-                if c.name == stage
-                else c
-                for c in t.checks
-            )
-            self._fail(t, stage, exc)
-            return
-        self._accept(t, poll, requested_at)
-
-    def _accept(self, t: _Target, poll: Poll, requested_at: float) -> None:
-        assert t.discovery is not None
-        start = poll.process_start if poll.process_start is not None else t.discovery.process_start
-        snap = EngineSnapshot(
-            engine=t.adapter.kind,
-            model_id=t.model_id,
-            metrics=poll.metrics,
-            capacity=t.discovery.capacity,
-            engine_version=t.discovery.engine_version,
-            requested_at=requested_at,
-            collected_at=self._clock(),
-            process_start=start,
-        )
-        previous, t.process_start = t.process_start, start
-        t.snapshot, t.state, t.error = snap, TargetState.READY, None
-        self._emit(ScrapeSucceeded(t.key, snap))
-        if previous is not None and start is not None and previous != start:
-            # A new process may have other capacity: go through discovery again at once.
-            t.discovery = None
-            t.wake.set()
-            self._emit(EngineRestarted(t.key, previous, start))
-
-    def _fail(self, t: _Target, check: CheckName, error: CanopyxError) -> None:
-        t.snapshot, t.discovery = None, None
-        t.state, t.error = TargetState.FAILED, f"{check}: {error.message}"
-        self._emit(ScrapeFailed(t.key, check, error, self._clock()))
