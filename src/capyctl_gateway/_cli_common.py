@@ -26,6 +26,7 @@ __all__ = [
     "bind",
     "bounded",
     "enough_files",
+    "files_wanted",
     "local_runners",
     "settle_heap",
     "use_uvloop",
@@ -49,21 +50,36 @@ TLS_HANDSHAKE_TIMEOUT_S = 10.0
 
 def bounded(
     app: web.Application,
+    listener: str,
     max_connections: int,
     header_timeout: float = HEAD_TIMEOUT_S,
+    *,
+    busy_headers: bytes = b"",
     **kwargs: object,
 ) -> BoundedRunner:
-    """A runner for ``app`` whose connections are bounded (`BoundedRunner`)."""
-    limits = Limits(max_connections=max_connections, header_timeout=header_timeout)
+    """A runner for ``app`` whose connections are bounded (`BoundedRunner`); ``listener``
+    names it in the log."""
+    limits = Limits(
+        max_connections=max_connections,
+        header_timeout=header_timeout,
+        listener=listener,
+        busy_headers=busy_headers,
+    )
     return BoundedRunner(app, limits=limits, **kwargs)
 
 
 def local_runners(gateway: Gateway) -> tuple[web.AppRunner, web.AppRunner]:
     """The runners of the management listener and of the metrics listener."""
     return (
-        bounded(create_management_app(gateway), LOCAL_MAX_CONNECTIONS),
-        bounded(create_metrics_app(gateway), LOCAL_MAX_CONNECTIONS),
+        bounded(create_management_app(gateway), "management listener", LOCAL_MAX_CONNECTIONS),
+        bounded(create_metrics_app(gateway), "metrics listener", LOCAL_MAX_CONNECTIONS),
     )
+
+
+def files_wanted(public_connections: int) -> int:
+    """Open files a server or single gateway may need: two per public connection (its engine
+    connection too), the other listeners' caps, and some room."""
+    return 2 * public_connections + CONTROL_MAX_CONNECTIONS + 2 * LOCAL_MAX_CONNECTIONS + 256
 
 
 def address(value: str, flag: str) -> tuple[str, int]:

@@ -22,22 +22,26 @@ from ._cli_common import (
     CONTROL_MAX_CONNECTIONS,
     HEAD_TIMEOUT_S,
     INGRESS_MAX_CONNECTIONS,
+    TLS_HANDSHAKE_TIMEOUT_S,
     address,
     bind,
     bounded,
+    enough_files,
     settle_heap,
     use_uvloop,
 )
 from ._config import ConfigError, Seconds
 from ._gateway import Gateway
 from ._host import Host, join
+from ._http.server import TLSSite
 from ._identity import CredentialsError
 from ._log import configure_logging
 from ._machines import pki
 from ._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
-from ._machines.ingress import Gate, create_ingress_app
+from ._machines.ingress import MAX_FORWARDS, Gate, create_ingress_app
+from ._machines.protocol import NOT_FORWARDED
 
-__all__ = ["control_runner", "ingress_runner", "register", "server_control"]
+__all__ = ["control_runner", "control_site", "ingress_runner", "register", "server_control"]
 
 
 def server_control(
@@ -58,7 +62,17 @@ def control_runner(
 ) -> web.AppRunner:
     """The runner of the server's control listener (serve it with `TLSSite`)."""
     assert gw.machines is not None
-    return bounded(gw.machines.app(), max_connections, header_timeout)
+    return bounded(gw.machines.app(), "control port", max_connections, header_timeout)
+
+
+def control_site(
+    runner: web.AppRunner,
+    sock: socket.socket,
+    context: ssl.SSLContext,
+    handshake_timeout: float = TLS_HANDSHAKE_TIMEOUT_S,
+) -> TLSSite:
+    """Where the server's control listener is served: TLS, handshakes bounded in time."""
+    return TLSSite(runner, sock, ssl_context=context, handshake_timeout=handshake_timeout)
 
 
 def ingress_runner(
@@ -71,7 +85,16 @@ def ingress_runner(
     """The runner of a host's ingress (`create_ingress_app`), cancelling a forward when the
     server hangs up."""
     app = create_ingress_app(gates, session)
-    return bounded(app, max_connections, header_timeout, handler_cancellation=True, **kwargs)
+    busy = f"{NOT_FORWARDED}: busy\r\n".encode()  # the server may try another instance
+    return bounded(
+        app,
+        "ingress",
+        max_connections,
+        header_timeout,
+        busy_headers=busy,
+        handler_cancellation=True,
+        **kwargs,
+    )
 
 
 def _duration(value: str) -> float:
@@ -172,6 +195,8 @@ def register(
         try:
             ihost, iport = address(ingress, "--ingress")
             _private(ihost)
+            # Each connection to the ingress, and each forward's engine connection, and room.
+            enough_files(INGRESS_MAX_CONNECTIONS + MAX_FORWARDS + 256)
             sock = bind(ihost, iport)
             shown = f"[{ihost}]" if ":" in ihost else ihost
             host = Host(state, f"http://{shown}:{sock.getsockname()[1]}")

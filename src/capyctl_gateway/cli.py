@@ -19,17 +19,16 @@ from aiohttp import web
 from rich.console import Console
 
 from ._cli_common import (
-    TLS_HANDSHAKE_TIMEOUT_S,
     address,
     bind,
     enough_files,
+    files_wanted,
     local_runners,
     settle_heap,
     use_uvloop,
 )
 from ._config import ConfigError, load_config
 from ._http.app import GATEWAY_KEY, GatewayRunner, create_app
-from ._http.server import TLSSite
 from ._identity import (
     CredentialsError,
     credentials_path,
@@ -165,7 +164,7 @@ def serve(
         else:
             key = load_or_create_api_key(state)
             application = create_app(cfg, key, state_dir=state)
-        enough_files(2 * cfg.limits.max_connections + 256)
+        enough_files(files_wanted(cfg.limits.max_connections))
         sock = bind(host, port)
         msock = bind(mhost, mport)
         metrics = metrics or os.environ.get("CAPYCTL_METRICS_ADDR")
@@ -214,10 +213,7 @@ async def _run(
             await web.SockSite(xrunner, xsock).start()
         for erunner, esock, context in extra or []:
             await erunner.setup()
-            site = TLSSite(
-                erunner, esock, ssl_context=context, handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S
-            )
-            await site.start()
+            await control_site(erunner, esock, context).start()
         settle_heap()
         typer.echo(listening, err=True)  # once it is true, and signals are handled
         await stop.wait()
@@ -340,7 +336,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-from ._cli_machines import control_runner, register, server_control  # noqa: E402
+from ._cli_machines import control_runner, control_site, register, server_control  # noqa: E402
 
 register(app, _state, _fail)
 

@@ -14,12 +14,17 @@ import pytest
 from aiohttp import web
 
 from capyctl_gateway import GATEWAY_KEY, GatewayConfig, create_app
-from capyctl_gateway._cli_common import LOCAL_MAX_CONNECTIONS, bind, local_runners
-from capyctl_gateway._cli_machines import control_runner, ingress_runner
+from capyctl_gateway._cli_common import (
+    LOCAL_MAX_CONNECTIONS,
+    TLS_HANDSHAKE_TIMEOUT_S,
+    bind,
+    local_runners,
+)
+from capyctl_gateway._cli_machines import control_runner, control_site, ingress_runner
 from capyctl_gateway._gateway import Gateway
-from capyctl_gateway._http.server import TLSSite
 from capyctl_gateway._machines import pki
 from capyctl_gateway._machines.enroll import ServerIdentity
+from capyctl_gateway._machines.protocol import NOT_FORWARDED
 from tests.gateway.conftest import KEY, deployments
 
 pytestmark = pytest.mark.anyio
@@ -36,20 +41,17 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[Gateway, ServerIdentity]
 
 
 async def serve(runner: web.AppRunner, context: ssl.SSLContext | None = None) -> int:
+    """Serve ``runner`` on a loopback port, as the CLI does (`control_site` with TLS)."""
     await runner.setup()
     sock = bind("127.0.0.1", 0)
-    site: web.BaseSite
-    if context is None:
-        site = web.SockSite(runner, sock)
-    else:
-        site = TLSSite(runner, sock, ssl_context=context, handshake_timeout=SHORT)
+    site = web.SockSite(runner, sock) if context is None else control_site(runner, sock, context)
     await site.start()
     return int(sock.getsockname()[1])
 
 
-async def closed_by_peer(reader: asyncio.StreamReader) -> bytes:
-    """Everything the listener sends until it closes the connection (within 5 s)."""
-    with anyio.fail_after(5):
+async def closed_by_peer(reader: asyncio.StreamReader, within: float = 5) -> bytes:
+    """Everything the listener sends until it closes the connection."""
+    with anyio.fail_after(within):
         return await reader.read()
 
 
@@ -67,7 +69,9 @@ async def _close_clients() -> AsyncIterator[None]:
         OPENED.pop().close()
 
 
-async def connect(port: int, identity: ServerIdentity | None = None) -> asyncio.StreamReader:
+async def connect(
+    port: int, identity: ServerIdentity | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A client connection (TLS to the control port when ``identity`` is given, with no
     certificate, as a host that enrolls); closed after the test."""
     if identity is None:
@@ -78,9 +82,19 @@ async def connect(port: int, identity: ServerIdentity | None = None) -> asyncio.
             "127.0.0.1", port, ssl=client, server_hostname=pki.SERVER_NAME
         )
     OPENED.append(writer)
-    return reader
+    return reader, writer
 
 
+async def still_served(held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]) -> None:
+    """Each held connection is served: a request on it gets an answer other than a 503."""
+    for reader, writer in held:
+        writer.write(b"GET /nothing-here HTTP/1.1\r\nHost: x\r\n\r\n")
+        with anyio.fail_after(5):
+            status = await reader.readline()
+        assert status.startswith(b"HTTP/1.1 ") and b" 503 " not in status, status
+
+
+# -- the server's control port ---------------------------------------------------------------
 async def test_a_control_connection_that_never_starts_its_handshake_is_closed(
     server: tuple[Gateway, ServerIdentity],
 ) -> None:
@@ -88,8 +102,8 @@ async def test_a_control_connection_that_never_starts_its_handshake_is_closed(
     runner = control_runner(gw)
     port = await serve(runner, control_context(identity))
     try:
-        reader = await connect(port)  # TCP, and no ClientHello
-        assert await closed_by_peer(reader) == b""
+        reader, _ = await connect(port)  # TCP, and no ClientHello
+        assert await closed_by_peer(reader, within=TLS_HANDSHAKE_TIMEOUT_S + 5) == b""
     finally:
         await runner.cleanup()
 
@@ -101,7 +115,7 @@ async def test_a_control_connection_that_sends_no_request_is_closed(
     runner = control_runner(gw, header_timeout=SHORT)
     port = await serve(runner, control_context(identity))
     try:
-        reader = await connect(port, identity)  # the handshake is done; nothing follows
+        reader, _ = await connect(port, identity)  # the handshake is done; nothing follows
         assert await closed_by_peer(reader) == b""
     finally:
         await runner.cleanup()
@@ -115,26 +129,40 @@ async def test_control_connections_past_the_cap_get_a_503_and_are_closed(
     port = await serve(runner, control_context(identity))
     try:
         held = [await connect(port, identity) for _ in range(2)]
-        third = await closed_by_peer(await connect(port, identity))
-        assert third.startswith(b"HTTP/1.1 503 ")
-        assert b'"code":"unavailable"' in third
-        assert len(held) == 2
+        third, _ = await connect(port, identity)
+        answer = await closed_by_peer(third)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b'"code":"unavailable"' in answer
+        await still_served(held)
     finally:
         await runner.cleanup()
 
 
-async def test_the_ingress_closes_silent_connections_and_refuses_past_its_cap() -> None:
-    runner = ingress_runner(lambda tag, i: None, lambda: None, 2, SHORT)
+# -- a host's ingress ----------------------------------------------------------------------------
+async def test_ingress_connections_past_the_cap_get_a_503_marked_not_forwarded() -> None:
+    runner = ingress_runner(lambda tag, i: None, lambda: None, 2)
     port = await serve(runner)
     try:
-        silent = [await connect(port) for _ in range(2)]
-        assert (await closed_by_peer(await connect(port))).startswith(b"HTTP/1.1 503 ")
-        for reader in silent:  # no request head within the timeout
-            assert await closed_by_peer(reader) == b""
+        held = [await connect(port) for _ in range(2)]
+        third, _ = await connect(port)
+        answer = await closed_by_peer(third)
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert f"\r\n{NOT_FORWARDED}: busy\r\n".encode() in answer  # the server tries elsewhere
+        await still_served(held)
     finally:
         await runner.cleanup()
 
 
+async def test_an_ingress_connection_that_sends_no_request_is_closed() -> None:
+    runner = ingress_runner(lambda tag, i: None, lambda: None, header_timeout=SHORT)
+    port = await serve(runner)
+    try:
+        reader, _ = await connect(port)
+        assert await closed_by_peer(reader) == b""
+    finally:
+        await runner.cleanup()
+
+
+# -- management and metrics ----------------------------------------------------------------------
 @pytest.mark.parametrize("which", ["management", "metrics"])
 async def test_the_local_listeners_refuse_past_their_cap(
     server: tuple[Gateway, ServerIdentity], which: str
@@ -145,7 +173,8 @@ async def test_the_local_listeners_refuse_past_their_cap(
     port = await serve(runner)
     try:
         held = [await connect(port) for _ in range(LOCAL_MAX_CONNECTIONS)]
-        assert (await closed_by_peer(await connect(port))).startswith(b"HTTP/1.1 503 ")
-        assert len(held) == LOCAL_MAX_CONNECTIONS
+        past, _ = await connect(port)
+        assert (await closed_by_peer(past)).startswith(b"HTTP/1.1 503 ")
+        await still_served(held)
     finally:
         await runner.cleanup()

@@ -14,8 +14,12 @@ from typing import Any
 import anyio
 import orjson
 import pytest
+from aiohttp import web
 
+from capyctl_gateway._cli_common import bind
 from capyctl_gateway._engine_answer import HIGH_WATER, Body
+from capyctl_gateway._relay import pump
+from capyctl_gateway._relay.chat import start_stream
 from tests.gateway.conftest import Gw, deployments
 from tests.gateway.fake_engine import (
     DONE,
@@ -353,3 +357,43 @@ def test_a_pump_attached_to_a_body_gets_what_was_buffered_first_and_reading_resu
     assert sock.reading()
     body.feed_all([b"e"])
     assert got[-1] == b"cd"  # back to the buffer
+
+
+# -- the pump's writes are aiohttp's bytes --------------------------------------------------------
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+async def test_the_pump_takes_http_1_1_streams_and_frames_a_chunk_as_aiohttp_does(
+    version: str,
+) -> None:
+    pieces = [b"data: first\n\n", b"x" * 70_000, b"data: last\n\n"]
+    seen: list[bool] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        out = await start_stream(request, {})
+        seen.append(pump.pumpable(Body(_Socket()), out))
+        for piece in pieces:
+            await out.write(piece)
+        await out.write_eof()
+        return out
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.SockSite(runner, bind("127.0.0.1", 0))
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET / HTTP/{version}\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        with anyio.fail_after(5):
+            raw = await reader.read()
+        writer.close()
+    finally:
+        await runner.cleanup()
+    body = raw.partition(b"\r\n\r\n")[2]
+    if version == "1.1":
+        assert seen == [True]
+        assert body == b"".join(map(pump.chunk, pieces)) + b"0\r\n\r\n"
+    else:  # no chunked framing: the task's loop writes it
+        assert seen == [False]
+        assert body == b"".join(pieces)

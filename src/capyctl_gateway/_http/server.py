@@ -39,22 +39,55 @@ logger = logging.getLogger("capyctl_gateway")
 
 
 class Limits:
-    """The connection layer's bounds (from ``limits:`` in the configuration)."""
+    """One listener's connection bounds (the public one's from ``limits:`` in the configuration).
 
-    __slots__ = ("header_timeout", "max_connections", "protocol_log", "refusal_log")
+    ``listener`` names it in the log lines ("" for the public listener, whose lines name the
+    configuration keys); ``busy_headers`` are header lines added to its 503 for a connection
+    past the cap (a host's ingress marks it as never forwarded)."""
 
-    def __init__(self, *, max_connections: int, header_timeout: float) -> None:
+    __slots__ = (
+        "busy_headers",
+        "header_timeout",
+        "listener",
+        "max_connections",
+        "protocol_log",
+        "refusal_log",
+    )
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        header_timeout: float,
+        listener: str = "",
+        busy_headers: bytes = b"",
+    ) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.listener = listener
+        self.busy_headers = busy_headers
         self.protocol_log = SparseLog()
         self.refusal_log = SparseLog()
+
+    def cap(self) -> str:
+        """How the log names the connection cap."""
+        if not self.listener:
+            return f"the gateway holds limits.max_connections ({self.max_connections})"
+        return f"the {self.listener} holds its {self.max_connections} connections"
+
+    def head(self) -> str:
+        """How the log names the head timeout."""
+        within = f"no complete request head within {self.header_timeout:g} s"
+        if not self.listener:
+            return f"{within} (limits.header_timeout)"
+        return f"{within} (the {self.listener}'s bound)"
 
 
 LIMITS: web.AppKey[Limits] = web.AppKey("connection_limits")
 HANGUPS_SEEN: web.AppKey[bool] = web.AppKey("hang_ups_seen")
 
 
-def _busy_answer() -> bytes:
+def _busy_answer(extra: bytes) -> bytes:
     body = orjson.dumps(
         {
             "code": "unavailable",
@@ -64,7 +97,9 @@ def _busy_answer() -> bytes:
     )
     return (
         b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        b"Connection: close\r\nRetry-After: 1\r\nX-CapyCTL-Request-Id: "
+        b"Connection: close\r\nRetry-After: 1\r\n"
+        + extra
+        + b"X-CapyCTL-Request-Id: "
         + new_ulid().encode()
         + b"\r\nContent-Length: "
         + str(len(body)).encode()
@@ -110,10 +145,7 @@ class _Protocol(RequestHandler):
     def _no_head(self) -> None:
         self._head_timer = None
         if self._request_count == self._heads_seen and self.transport is not None:
-            self._limits.protocol_log.warning(
-                "connection closed: no complete request head within limits.header_timeout (%.0f s)",
-                self._limits.header_timeout,
-            )
+            self._limits.protocol_log.warning("connection closed: %s", self._limits.head())
             self.transport.close()
 
     def handle_error(
@@ -153,11 +185,8 @@ class _Server(web.Server):
         super().connection_made(handler, transport)
         limits = self.limits
         if len(self._connections) > limits.max_connections:
-            limits.refusal_log.warning(
-                "connection refused: the gateway holds limits.max_connections (%d)",
-                limits.max_connections,
-            )
-            transport.write(_busy_answer())
+            limits.refusal_log.warning("connection refused: %s", limits.cap())
+            transport.write(_busy_answer(limits.busy_headers))
             transport.close()
 
 

@@ -9,10 +9,11 @@ while the client keeps up, its chunks are written to the client's socket there a
 relaying task sleeps meanwhile, under the exchange's deadline, as it would in a read.
 
 Whatever needs a task goes to it (`Body.hand_over`, which also stops reading the engine until
-the task says `go_on`, so at most one read is held): chunks the client's socket has not taken
-yet (the task's write waits for it to drain, and a deadline passing then is a hang-up), the end
-of the answer, and a fault. The bytes the client gets, the order of its writes and the verdicts
-are those of the task's loop; only the number of wake-ups changes.
+the task says `go_on`, so at most one read is held): chunks that find the client's socket still
+holding an earlier write (the task writes them as the loop did, with aiohttp's ``write``, which
+waits for the client once 64 KiB are unsent, the direct writes counted; a deadline passing then
+is a hang-up), the end of the answer, and a fault. The bytes the client gets, the order of its
+writes and the verdicts are those of the task's loop; only the number of wake-ups changes.
 
 Used only where its writes are the same bytes aiohttp's would be: a chunked, uncompressed
 answer (any HTTP/1.1 client) whose engine answer comes through the lean client.
@@ -37,7 +38,12 @@ from .assemble import Assembler
 from .blocks import BlockReader
 from .exchange import Exchange
 
-__all__ = ["Fold", "Pump", "pump_rest", "pumpable"]
+__all__ = ["Fold", "Pump", "chunk", "pump_rest", "pumpable"]
+
+
+def chunk(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked HTTP/1.1 body, framed as aiohttp frames it."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def pumpable(content: object, out: web.StreamResponse) -> TypeGuard[Body]:
@@ -61,7 +67,7 @@ async def pump_rest(
     answer's end that are still to be written (with its figures, by the caller)."""
     writer = out._payload_writer
     assert isinstance(writer, StreamWriter) and writer.transport is not None
-    pump = Pump(content, reader, ex, writer.transport)
+    pump = Pump(content, reader, ex, writer)
     content.attach(pump)
     try:
         while True:
@@ -88,15 +94,25 @@ async def pump_rest(
 class Pump:
     """Takes each read of the engine's answer (``Body.pump``); see the module's text."""
 
-    __slots__ = ("_body", "_ex", "_loop", "_reader", "_transport", "done", "error", "pending")
+    __slots__ = (
+        "_body",
+        "_ex",
+        "_loop",
+        "_reader",
+        "_transport",
+        "_writer",
+        "done",
+        "error",
+        "pending",
+    )
 
-    def __init__(
-        self, body: Body, reader: BlockReader, ex: Exchange, transport: asyncio.Transport
-    ) -> None:
+    def __init__(self, body: Body, reader: BlockReader, ex: Exchange, writer: StreamWriter) -> None:
+        assert writer.transport is not None
         self._body = body
         self._reader = reader
         self._ex = ex
-        self._transport = transport
+        self._writer = writer
+        self._transport: asyncio.Transport = writer.transport
         self._loop = running_loop()
         self.pending: list[bytes] = []
         """Verified events for the client that the task is to write."""
@@ -132,8 +148,11 @@ class Pump:
                 self.pending += events  # the client has not taken the last write yet
                 self._body.hand_over()
                 return
-            data = events[0] if len(events) == 1 else b"".join(events)
-            tr.write(b"%x\r\n%b\r\n" % (len(data), data))  # one chunk, as aiohttp frames it
+            framed = chunk(events[0] if len(events) == 1 else b"".join(events))
+            w = self._writer
+            w.buffer_size += len(framed)  # aiohttp's count: its next write drains by it
+            w.output_size += len(framed)
+            tr.write(framed)
 
 
 def _nothing() -> None:
