@@ -60,19 +60,15 @@ def control_runner(
     max_connections: int = CONTROL_MAX_CONNECTIONS,
     header_timeout: float = HEAD_TIMEOUT_S,
 ) -> web.AppRunner:
-    """The runner of the server's control listener (serve it with `TLSSite`)."""
+    """The runner of the server's control listener (serve it with `control_site`)."""
     assert gw.machines is not None
     return bounded(gw.machines.app(), "control port", max_connections, header_timeout)
 
 
-def control_site(
-    runner: web.AppRunner,
-    sock: socket.socket,
-    context: ssl.SSLContext,
-    handshake_timeout: float = TLS_HANDSHAKE_TIMEOUT_S,
-) -> TLSSite:
-    """Where the server's control listener is served: TLS, handshakes bounded in time."""
-    return TLSSite(runner, sock, ssl_context=context, handshake_timeout=handshake_timeout)
+def control_site(runner: web.AppRunner, sock: socket.socket, context: ssl.SSLContext) -> TLSSite:
+    """Where the server's control listener is served: TLS, each handshake within
+    `TLS_HANDSHAKE_TIMEOUT_S`."""
+    return TLSSite(runner, sock, ssl_context=context, handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
 
 
 def ingress_runner(

@@ -114,7 +114,7 @@ class Body:
         """Whether the whole body has been read; raises what broke the connection."""
         if self._error is not None:
             raise self._error
-        return self._eof and not self._buffer
+        return self.is_eof()
 
     def is_eof(self) -> bool:
         return self._eof and not self._buffer

@@ -40,8 +40,24 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[Gateway, ServerIdentity]
     yield app[GATEWAY_KEY], identity
 
 
+SERVED: list[web.AppRunner] = []
+OPENED: list[asyncio.StreamWriter] = []
+
+
+@pytest.fixture(autouse=True)
+async def _clean_up() -> AsyncIterator[None]:
+    """Close the test's client connections, then stop its listeners."""
+    yield
+    while OPENED:
+        OPENED.pop().close()
+    while SERVED:
+        await SERVED.pop().cleanup()
+
+
 async def serve(runner: web.AppRunner, context: ssl.SSLContext | None = None) -> int:
-    """Serve ``runner`` on a loopback port, as the CLI does (`control_site` with TLS)."""
+    """Serve ``runner`` on a loopback port, as the CLI does (`control_site` with TLS), until
+    the test ends."""
+    SERVED.append(runner)
     await runner.setup()
     sock = bind("127.0.0.1", 0)
     site = web.SockSite(runner, sock) if context is None else control_site(runner, sock, context)
@@ -57,16 +73,6 @@ async def closed_by_peer(reader: asyncio.StreamReader, within: float = 5) -> byt
 
 def control_context(identity: ServerIdentity) -> ssl.SSLContext:
     return pki.server_context(identity.cert, identity.key, identity.ca_cert)
-
-
-OPENED: list[asyncio.StreamWriter] = []
-
-
-@pytest.fixture(autouse=True)
-async def _close_clients() -> AsyncIterator[None]:
-    yield
-    while OPENED:
-        OPENED.pop().close()
 
 
 async def connect(
@@ -99,67 +105,47 @@ async def test_a_control_connection_that_never_starts_its_handshake_is_closed(
     server: tuple[Gateway, ServerIdentity],
 ) -> None:
     gw, identity = server
-    runner = control_runner(gw)
-    port = await serve(runner, control_context(identity))
-    try:
-        reader, _ = await connect(port)  # TCP, and no ClientHello
-        assert await closed_by_peer(reader, within=TLS_HANDSHAKE_TIMEOUT_S + 5) == b""
-    finally:
-        await runner.cleanup()
+    port = await serve(control_runner(gw), control_context(identity))
+    reader, _ = await connect(port)  # TCP, and no ClientHello
+    assert await closed_by_peer(reader, within=TLS_HANDSHAKE_TIMEOUT_S + 5) == b""
 
 
 async def test_a_control_connection_that_sends_no_request_is_closed(
     server: tuple[Gateway, ServerIdentity],
 ) -> None:
     gw, identity = server
-    runner = control_runner(gw, header_timeout=SHORT)
-    port = await serve(runner, control_context(identity))
-    try:
-        reader, _ = await connect(port, identity)  # the handshake is done; nothing follows
-        assert await closed_by_peer(reader) == b""
-    finally:
-        await runner.cleanup()
+    port = await serve(control_runner(gw, header_timeout=SHORT), control_context(identity))
+    reader, _ = await connect(port, identity)  # the handshake is done; nothing follows
+    assert await closed_by_peer(reader) == b""
 
 
 async def test_control_connections_past_the_cap_get_a_503_and_are_closed(
     server: tuple[Gateway, ServerIdentity],
 ) -> None:
     gw, identity = server
-    runner = control_runner(gw, max_connections=2)
-    port = await serve(runner, control_context(identity))
-    try:
-        held = [await connect(port, identity) for _ in range(2)]
-        third, _ = await connect(port, identity)
-        answer = await closed_by_peer(third)
-        assert answer.startswith(b"HTTP/1.1 503 ") and b'"code":"unavailable"' in answer
-        await still_served(held)
-    finally:
-        await runner.cleanup()
+    port = await serve(control_runner(gw, max_connections=2), control_context(identity))
+    held = [await connect(port, identity) for _ in range(2)]
+    third, _ = await connect(port, identity)
+    answer = await closed_by_peer(third)
+    assert answer.startswith(b"HTTP/1.1 503 ") and b'"code":"unavailable"' in answer
+    await still_served(held)
 
 
 # -- a host's ingress ----------------------------------------------------------------------------
 async def test_ingress_connections_past_the_cap_get_a_503_marked_not_forwarded() -> None:
-    runner = ingress_runner(lambda tag, i: None, lambda: None, 2)
-    port = await serve(runner)
-    try:
-        held = [await connect(port) for _ in range(2)]
-        third, _ = await connect(port)
-        answer = await closed_by_peer(third)
-        assert answer.startswith(b"HTTP/1.1 503 ")
-        assert f"\r\n{NOT_FORWARDED}: busy\r\n".encode() in answer  # the server tries elsewhere
-        await still_served(held)
-    finally:
-        await runner.cleanup()
+    port = await serve(ingress_runner(lambda tag, i: None, lambda: None, 2))
+    held = [await connect(port) for _ in range(2)]
+    third, _ = await connect(port)
+    answer = await closed_by_peer(third)
+    assert answer.startswith(b"HTTP/1.1 503 ")
+    assert f"\r\n{NOT_FORWARDED}: busy\r\n".encode() in answer  # the server tries elsewhere
+    await still_served(held)
 
 
 async def test_an_ingress_connection_that_sends_no_request_is_closed() -> None:
-    runner = ingress_runner(lambda tag, i: None, lambda: None, header_timeout=SHORT)
-    port = await serve(runner)
-    try:
-        reader, _ = await connect(port)
-        assert await closed_by_peer(reader) == b""
-    finally:
-        await runner.cleanup()
+    port = await serve(ingress_runner(lambda tag, i: None, lambda: None, header_timeout=SHORT))
+    reader, _ = await connect(port)
+    assert await closed_by_peer(reader) == b""
 
 
 # -- management and metrics ----------------------------------------------------------------------
@@ -169,12 +155,8 @@ async def test_the_local_listeners_refuse_past_their_cap(
 ) -> None:
     gw, _ = server
     management, metrics = local_runners(gw)
-    runner = management if which == "management" else metrics
-    port = await serve(runner)
-    try:
-        held = [await connect(port) for _ in range(LOCAL_MAX_CONNECTIONS)]
-        past, _ = await connect(port)
-        assert (await closed_by_peer(past)).startswith(b"HTTP/1.1 503 ")
-        await still_served(held)
-    finally:
-        await runner.cleanup()
+    port = await serve(management if which == "management" else metrics)
+    held = [await connect(port) for _ in range(LOCAL_MAX_CONNECTIONS)]
+    past, _ = await connect(port)
+    assert (await closed_by_peer(past)).startswith(b"HTTP/1.1 503 ")
+    await still_served(held)

@@ -66,7 +66,7 @@ async def pump_rest(
     the connection's reads. Returns whether ``[DONE]`` came, and the verified events of the
     answer's end that are still to be written (with its figures, by the caller)."""
     writer = out._payload_writer
-    assert isinstance(writer, StreamWriter) and writer.transport is not None
+    assert isinstance(writer, StreamWriter)
     pump = Pump(content, reader, ex, writer)
     content.attach(pump)
     try:
