@@ -11,9 +11,9 @@ import timeit
 
 from yarl import URL
 
-from capyctl_gateway._http.record import Times, outcome_of, record
+from capyctl_gateway._http.record import Tally, record
 from capyctl_gateway._relay.exchange import Exchange
-from capyctl_gateway._telemetry import Telemetry
+from capyctl_gateway._telemetry import Ending, Telemetry
 
 __all__ = ["main"]
 
@@ -32,13 +32,15 @@ async def _measure(n: int) -> float:
     )
     now = loop.time()
     ex.outcome.completed = True
+    ex.outcome.ending = Ending.COMPLETED
     ex.outcome.head_at, ex.outcome.first_content_at, ex.outcome.last_at = now, now, now
 
     def one() -> None:
-        times = Times(loop.time())
-        times.slot = loop.time()
-        outcome = outcome_of(ex, None)
-        record(t, "bench", "chat", outcome, None, times, ex, 0, False)
+        tally = Tally("chat", loop.time())
+        tally.deployment, tally.slot = "bench", loop.time()
+        tally.ex, tally.instance = ex, 0
+        tally.ended()
+        record(t, tally)
 
     return min(timeit.repeat(one, number=n, repeat=5)) / n
 

@@ -127,7 +127,7 @@ async def test_a_cut_stream_settles_when_the_real_engine_reports_idle(
 ) -> None:
     """State after the fact: the cut request is charged, then settled by an idle sample taken
     after the cut, and the instance's charge returns to 0."""
-    settlement = llama_gateway.gateway.settlement
+    settlement = llama_gateway.gateway.fleet.settlement
     book = settlement.ledgers["my-model/0"]
     changed = anyio.Event()
     samples = []

@@ -87,13 +87,13 @@ async def test_llama_server_started_by_a_request_stopped_when_idle_and_started_a
     )  # fmt: skip
     gw = await make_live_gateway({"deployments": [dep]})
     stopped = anyio.Event()
-    gw.gateway.lifecycle.engines.observers.append(
+    gw.gateway.fleet.lifecycle.engines.observers.append(
         lambda lc: stopped.set() if lc.state.value == "stopped" else None
     )
     answers = await asyncio.gather(*(ask(gw, "tiny") for _ in range(4)))  # a wave: one start
     assert all(a["model"] == "tiny" and a["choices"][0]["message"]["content"] for a in answers)
     assert len(transitions(caplog, "starting")) == 1
-    doc = deployment_status(gw.gateway, "tiny")
+    doc = deployment_status(gw.gateway.fleet, "tiny")
     assert doc is not None
     proc = doc["instances"][0]["process"]
     cmdline = (await anyio.Path(f"/proc/{proc['pid']}/cmdline").read_bytes()).split(b"\0")
@@ -126,7 +126,7 @@ async def test_a_budget_for_one_switches_between_two_llama_servers(
     for name in ("a", "b", "a", "b"):
         answer = await ask(gw, name)
         assert answer["model"] == name
-        lives = gw.gateway.lifecycle.lives
+        lives = gw.gateway.fleet.lifecycle.lives
         assert lives[name].state == "ready"
         assert lives["b" if name == "a" else "a"].state == "stopped"
     switched = [
@@ -157,7 +157,7 @@ async def test_a_llama_router_parks_by_unloading_and_wakes_by_loading(
     gw = await make_live_gateway({"deployments": [dep]})
     first = await ask(gw, "routed")
     assert first["choices"][0]["message"]["content"]
-    doc = deployment_status(gw.gateway, "routed")
+    doc = deployment_status(gw.gateway.fleet, "routed")
     assert doc is not None and doc["deployment"]["park"] == "unload"
     router_pid = doc["instances"][0]["process"]["pid"]
     url = doc["instances"][0]["url"]
@@ -168,14 +168,14 @@ async def test_a_llama_router_parks_by_unloading_and_wakes_by_loading(
         return str(next(m for m in models if m["id"] == "tiny-a")["status"]["value"])
 
     assert await status() == "loaded"
-    await operator_park(gw.gateway.lifecycle, "routed", known=True)
-    assert gw.gateway.lifecycle.lives["routed"].state == "parked"
+    await operator_park(gw.gateway.fleet.lifecycle, "routed", known=True)
+    assert gw.gateway.fleet.lifecycle.lives["routed"].state == "parked"
     assert await status() == "unloaded"  # the model's process is gone
     assert await anyio.Path(f"/proc/{router_pid}").exists()  # the router is not
     again = await ask(gw, "routed")
     assert again["choices"][0]["message"]["content"]
     assert await status() == "loaded"
-    doc = deployment_status(gw.gateway, "routed")
+    doc = deployment_status(gw.gateway.fleet, "routed")
     assert doc is not None and doc["instances"][0]["process"]["pid"] == router_pid
     moves = [t["to"] for t in transitions(caplog, "parked") + transitions(caplog, "ready")]
     assert moves.count("parked") == 1 and moves.count("ready") == 2  # started, then woken

@@ -74,7 +74,7 @@ async def test_vllm_launched_by_the_gateway_with_the_forced_flag(
     # vLLM's own per-request figures: only there because the gateway added the flag.
     assert figures["queue_ms"]["source"] == "engine"
     assert figures["prefill_ms"]["source"] == "engine"
-    doc = deployment_status(launched_vllm.gateway, "my-model")
+    doc = deployment_status(launched_vllm.gateway.fleet, "my-model")
     assert doc is not None
     assert doc["deployment"]["park"] == "stop"  # the CPU build cannot sleep
     pid = doc["instances"][0]["process"]["pid"]
@@ -82,6 +82,6 @@ async def test_vllm_launched_by_the_gateway_with_the_forced_flag(
     assert b"--enable-per-request-metrics" in cmdline
     assert b"--enable-sleep-mode" not in cmdline
     assert cmdline[cmdline.index(b"--host") + 1] == b"127.0.0.1"
-    await operator_park(launched_vllm.gateway.lifecycle, "my-model", known=True)
-    assert launched_vllm.gateway.lifecycle.lives["my-model"].state == "stopped"
+    await operator_park(launched_vllm.gateway.fleet.lifecycle, "my-model", known=True)
+    assert launched_vllm.gateway.fleet.lifecycle.lives["my-model"].state == "stopped"
     assert await anyio.to_thread.run_sync(gone, pid)

@@ -163,6 +163,10 @@ class Collector:
     def keys(self) -> tuple[str, ...]:
         return tuple(self._targets)
 
+    def subscribe(self, hook: EventHook) -> None:
+        """Send every event from now on to ``hook`` too (after the hooks given before it)."""
+        self._hooks = (*self._hooks, hook)
+
     def set_poll_interval(self, key: str, interval_ms: int | None) -> None:
         """Poll ``key`` every ``interval_ms`` (None: the options' interval) from now on."""
         t = self._targets[key]

@@ -31,15 +31,17 @@ from ._cli_common import (
     use_uvloop,
 )
 from ._config import ConfigError, Seconds
+from ._errors import OperatorError
 from ._gateway import Gateway
 from ._host import Host, join
 from ._http.server import TLSSite
-from ._identity import CredentialsError
 from ._log import configure_logging
 from ._machines import pki
+from ._machines.control import control_app
 from ._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
 from ._machines.ingress import MAX_FORWARDS, Gate, create_ingress_app
 from ._machines.protocol import NOT_FORWARDED
+from ._machines.server import Machines
 
 __all__ = ["control_runner", "control_site", "ingress_runner", "register", "server_control"]
 
@@ -60,9 +62,17 @@ def control_runner(
     max_connections: int = CONTROL_MAX_CONNECTIONS,
     header_timeout: float = HEAD_TIMEOUT_S,
 ) -> web.AppRunner:
-    """The runner of the server's control listener (serve it with `control_site`)."""
-    assert gw.machines is not None
-    return bounded(gw.machines.app(), "control port", max_connections, header_timeout)
+    """The runner of the server's control listener (serve it with `control_site`, once the
+    gateway's application has started)."""
+    app = control_app(lambda: _machines(gw))
+    return bounded(app, "control port", max_connections, header_timeout)
+
+
+def _machines(gw: Gateway) -> Machines:
+    machines = gw.fleet.machines
+    if machines is None:
+        raise OperatorError("this gateway is not a server (--role server)")
+    return machines
 
 
 def control_site(runner: web.AppRunner, sock: socket.socket, context: ssl.SSLContext) -> TLSSite:
@@ -196,7 +206,7 @@ def register(
             sock = bind(ihost, iport)
             shown = f"[{ihost}]" if ":" in ihost else ihost
             host = Host(state, f"http://{shown}:{sock.getsockname()[1]}")
-        except (ConfigError, JoinError, CredentialsError) as exc:
+        except OperatorError as exc:
             raise fail(str(exc)) from None
         use_uvloop()
         asyncio.run(_serve_host(host, sock))

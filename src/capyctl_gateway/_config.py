@@ -23,6 +23,7 @@ from canopyx_provider import CanopyxError, EngineKind
 from canopyx_provider.adapters import origin
 
 from ._engines import FACTS, launch_problem
+from ._errors import OperatorError
 
 __all__ = [
     "Api",
@@ -43,7 +44,7 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
-class ConfigError(Exception):
+class ConfigError(OperatorError):
     """The configuration cannot be used; the message names the key and the problem."""
 
 
@@ -282,8 +283,8 @@ class GatewayConfig(BaseModel):
 
     queue: QueueConfig = QueueConfig()
     limits: Limits = Limits()
-    engine_client: Literal["lean", "aiohttp"] = "lean"
-    """The HTTP client of engine requests: the gateway's own (httptools), or aiohttp's."""
+    engine_client: Literal["lean"] = "lean"
+    """The engine requests' HTTP client: the gateway's own (the aiohttp fallback is gone)."""
     resources: Resources = Resources()
     deployments: list[Deployment] = Field(min_length=1)
 

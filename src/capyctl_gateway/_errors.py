@@ -1,4 +1,6 @@
-"""Every error the gateway answers with, in one tree.
+"""The gateway's three exception trees, and the in-band error event.
+
+Every error the gateway answers a client with:
 
     GatewayError                  status, code, message, retryable; detail for the log only
     ├── RefusedError              the request as sent is refused (4xx, the client's to fix)
@@ -17,6 +19,28 @@
         ├── EngineRejectedError   the engine refused it: its 4xx status and message are kept
         └── UnverifiedError       the engine's stream broke a rule (stream_unverified in band)
             └── SSEError          the bytes are not a stream of data events
+
+What an operator must fix before the gateway can run (the CLI catches the root, prints the
+message and exits 1):
+
+    OperatorError                 the message names the file or key and what to do
+    ├── ConfigError               the configuration (``_config.py``)
+    ├── CredentialsError          the key or credentials file (``_identity.py``)
+    ├── JoinError                 a join file or enrollment (``_machines/enroll.py``)
+    └── PkiError                  a control key, CSR or certificate (``_machines/pki.py``)
+
+Driving an engine (the lifecycle and the runners; never shown to a client as it is, but
+turned into ``activation_failed`` or ``unavailable`` by the lifecycle):
+
+    EngineControlError            message; log_tail: the end of the engine's own log
+    ├── StartFailedError          it exited, could not be run, or did not answer in time
+    ├── ParkFailedError           it did not park or wake as asked
+    ├── HostGoneError             its host has no session, or lost it before answering
+    └── OrderRefusedError         its host carried the order out and failed: the host's words
+
+The engine client's own transport errors (``_engine_answer.py``: `EngineConnectError`, an
+`OSError`, and `EngineConnectionError`, a `ConnectionError`) are translated into the first
+tree by the exchange alone.
 
 The rarer refusals (``unsupported_parameter``, ``api_mismatch``, ``cache_salt_unsupported``,
 ``not_found``, ``method_not_allowed``) are a `RefusedError` or a `GatewayError` given their
@@ -42,14 +66,20 @@ __all__ = [
     "BusyError",
     "ClientGoneError",
     "DeploymentStoppedError",
+    "EngineControlError",
     "EngineError",
     "EngineRejectedError",
     "GatewayError",
+    "HostGoneError",
     "InvalidRequestError",
     "NotAcceptedError",
+    "OperatorError",
+    "OrderRefusedError",
+    "ParkFailedError",
     "QueueFullError",
     "RefusedError",
     "SSEError",
+    "StartFailedError",
     "TooLargeError",
     "UnauthorizedError",
     "UnavailableError",
@@ -207,6 +237,36 @@ class UnverifiedError(EngineError):
 
 class SSEError(UnverifiedError):
     """The bytes are not a stream of data events."""
+
+
+class OperatorError(Exception):
+    """Something an operator must fix before the gateway can run; the message says what."""
+
+
+class EngineControlError(Exception):
+    """An engine could not be started, parked, woken or stopped as asked."""
+
+    def __init__(self, message: str, *, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.log_tail = log_tail
+        """The end of the engine's own log, where there is one (never shown to a client)."""
+
+
+class StartFailedError(EngineControlError):
+    """The engine did not become ready: it exited, or did not answer within its timeout."""
+
+
+class ParkFailedError(EngineControlError):
+    """The engine did not park or wake as asked."""
+
+
+class HostGoneError(EngineControlError):
+    """An order could not be carried out: the host has no session, or lost it meanwhile."""
+
+
+class OrderRefusedError(EngineControlError):
+    """The host carried the order out and it failed; the message is the host's words."""
 
 
 def error_body(err: GatewayError) -> bytes:

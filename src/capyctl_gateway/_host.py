@@ -3,8 +3,8 @@ deployments the server places on it (launching, parking, waking and stopping the
 server's orders, with the same lifecycle code as a single machine), reports their load every
 second, and serves its ingress.
 
-The host's engines and collector are a `Gateway` of its own, built from the server's ``setup``
-message, without a public listener: nothing reaches the engines but the ingress. A session
+The host's engines and collector are a `Fleet` of its own, opened from the server's ``setup``
+message; it has no public listener: nothing reaches the engines but the ingress. A session
 that is lost closes every forward through the ingress; the engines keep running and the host
 connects again (every 1 to 5 s), so a server that comes back finds them as they were.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections import deque
@@ -27,7 +28,8 @@ import orjson
 from canopyx_provider import EngineRestarted, Event
 
 from ._deployments.routes import EngineInstance
-from ._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
+from ._errors import EngineControlError, OrderRefusedError
+from ._fleet import Fleet, open_fleet
 from ._identity import check_private
 from ._lifecycle.states import STARTABLE, InstanceState, Launched
 from ._log import event
@@ -43,6 +45,7 @@ from ._machines.protocol import (
     deployment_tag,
     host_config,
 )
+from ._telemetry import Telemetry
 
 __all__ = ["Host", "join"]  # join: enroll.join, where it lives
 
@@ -72,7 +75,7 @@ class Host:
         return self.placed.gates.get((tag, index))
 
     def session(self) -> aiohttp.ClientSession | None:
-        return self.placed.gw.session if self.placed.gw is not None else None
+        return self.placed.fleet.session if self.placed.fleet is not None else None
 
     # -- the session ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -161,8 +164,11 @@ class Host:
         try:
             key = (deployment_tag(str(doc["deployment"])), int(doc["instance"]))
             await self.placed.do(key, str(doc["op"]), str(doc.get("reason", "the server asked")))
-        except Exception as exc:  # the server hears the host's words
-            error = str(exc) or type(exc).__name__
+        except EngineControlError as exc:  # the server hears the host's words
+            error = exc.message
+        except Exception:  # a defect here: logged in full, and the server told it failed
+            logger.exception("order %s failed on host %s", doc.get("op"), self.name)
+            error = "the host failed to carry it out (see its log)"
         report = next((r.to_json() for r in self.placed.reports(self.pings) if (
             deployment_tag(r.deployment), r.instance) == key), None)  # fmt: skip
         answer = {"t": "done", "id": doc.get("id"), "ok": error is None, "error": error,
@@ -177,12 +183,12 @@ class Host:
 
 
 class Placement:
-    """The deployments the server placed on this host: their engines (a `Gateway` of the
-    host's own) and the ingress's gate of each instance."""
+    """The deployments the server placed on this host: their engines (a `Fleet` of the host's
+    own) and the ingress's gate of each instance."""
 
     def __init__(self, logs: Path) -> None:
         self._logs = logs
-        self.gw: Gateway | None = None
+        self.fleet: Fleet | None = None
         self._view: bytes = b""
         self._stack: contextlib.AsyncExitStack | None = None
         self.gates: dict[tuple[str, int], Gate] = {}
@@ -190,38 +196,39 @@ class Placement:
         self._engine: dict[tuple[str, int], tuple[EngineInstance, int]] = {}
         """Each instance by (deployment tag, server index): it and its server index."""
         self._generation: dict[tuple[str, int], int] = {}
-        self._procs: dict[tuple[str, int], object] = {}
+        self._procs: dict[tuple[str, int], int] = {}
+        """The pid of each instance's engine process, as last seen."""
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
 
     async def do(self, key: tuple[str, int], op: str, reason: str) -> None:
         """Carry out the server's order ``op`` on one launched instance, after any order
         still running on it; raise unless it reached the state the order asks for."""
         lc = self._launched.get(key)
-        if self.gw is None or lc is None:
-            raise RuntimeError("no such launched instance on this host")
+        if self.fleet is None or lc is None:
+            raise OrderRefusedError("no such launched instance on this host")
         async with self._locks.setdefault(key, asyncio.Lock()):
             await self._do(lc, op, reason)
         wanted = {"start": "ready", "wake": "ready", "park": "parked", "stop": "stopped"}
         if lc.state.value != wanted.get(op):
-            raise RuntimeError(
+            raise OrderRefusedError(
                 lc.failure or f"the engine is {lc.state.value}, not {wanted.get(op)}"
             )
 
     async def _do(self, lc: Launched, op: str, reason: str) -> None:
-        assert self.gw is not None
-        engines = self.gw.lifecycle.engines
+        assert self.fleet is not None
+        engines = self.fleet.lifecycle.engines
         if op == "start" and lc.state is InstanceState.PARKED:
             op = "wake"
         if op == "start" and lc.state in STARTABLE:
-            await engines.start(lc)
+            await engines.start(lc, reason)
         elif op == "wake":
-            await engines.wake(lc)
+            await engines.wake(lc, reason)
         elif op == "park":
             await engines.park(lc, reason)
         elif op == "stop":
             await engines.stop_one(lc, reason)
         elif op != "start":
-            raise RuntimeError(f"unknown order {op!r}")
+            raise OrderRefusedError(f"unknown order {op!r}")
 
     # -- ----------------------------------------------------------
     async def setup(self, view: list[dict[str, Any]]) -> None:
@@ -233,14 +240,14 @@ class Placement:
         if not view:
             return
         config, indexes = host_config(view)
-        gw = Gateway(config, secrets.token_urlsafe(32), engine_logs=self._logs)
         stack = contextlib.AsyncExitStack()
-        for lifetime in (engine_session, engine_collector, engine_lifecycle):
-            await stack.enter_async_context(contextlib.asynccontextmanager(lifetime)(gw))
-        self.gw, self._stack = gw, stack
-        gw.settlement.observers.append(self._restarted)
-        for route in gw.routes.values():
-            lives = gw.lifecycle.lives.get(route.deployment.name)
+        fleet = await stack.enter_async_context(
+            open_fleet(config, env=os.environ, telemetry=Telemetry(), engine_logs=self._logs)
+        )
+        self.fleet, self._stack = fleet, stack
+        fleet.settlement.observers.append(self._restarted)
+        for route in fleet.routes.values():
+            lives = fleet.lifecycle.lives.get(route.deployment.name)
             for inst in route.instances:
                 key = (deployment_tag(inst.deployment), indexes[(inst.deployment, inst.index)])
                 self._engine[key] = (inst, indexes[(inst.deployment, inst.index)])
@@ -263,9 +270,9 @@ class Placement:
         """Open, close or renew each gate to match its engine."""
         for key, (inst, _) in self._engine.items():
             gate, lc = self.gates[key], self._launched[key]
-            proc = lc.process if lc is not None else None
-            if lc is not None and proc is not None and proc is not self._procs.get(key):
-                self._procs[key] = proc
+            proc = inst.runner.process() if lc is not None else None
+            if proc is not None and proc.pid != self._procs.get(key):
+                self._procs[key] = proc.pid
                 self._generation[key] += 1
                 gate.key = None  # a new engine process: a new key
             gate.url = inst.url
@@ -278,27 +285,22 @@ class Placement:
     def reports(self, pings: Sequence[tuple[int, float]] = ()) -> list[InstanceReport]:
         """Each instance's report; ``pings``: the server's pings and when each arrived."""
         self.refresh()
-        gw = self.gw
+        now = self.fleet.clock() if self.fleet is not None else 0.0
         out = []
-        now = gw.clock() if gw is not None else 0.0
         for key, (inst, index) in self._engine.items():
             lc = self._launched[key]
-            collector = gw.collector if gw is not None else None
-            watched = collector is not None and inst.key in collector.keys()  # noqa: SIM118
-            snap = collector.snapshot(inst.key) if collector is not None and watched else None
-            m = snap.metrics if snap is not None else None
-            proc = lc.process if lc is not None else None
-            usage = m.kv_cache_usage_ratio if m is not None else None
+            s = inst.runner.sample()  # the one sample routing and status read too
+            proc = inst.runner.process()
             out.append(InstanceReport(
                 deployment=inst.deployment, instance=index,
                 state=lc.state.value if lc is not None else "external",
                 gate=self.gates[key].key, generation=self._generation[key],
-                running=m.running_requests if m is not None else None,
-                waiting=m.waiting_requests if m is not None else None,
-                usage=usage if usage is not None or m is None else m.slot_usage_ratio,
-                age_s=max(now - snap.requested_at, 0.0) if snap is not None else None,
+                running=_count(s.running) if s is not None else None,
+                waiting=_count(s.waiting) if s is not None else None,
+                usage=s.usage if s is not None else None,
+                age_s=s.age_s if s is not None else None,
                 ingress_in_flight=self.gates[key].in_flight,
-                quiet_ping=_quiet_ping(self.gates[key], snap, pings),
+                quiet_ping=_quiet_ping(self.gates[key], now - s.age_s if s else None, pings),
                 pid=proc.pid if proc is not None else None,
                 port=proc.port if proc is not None else None,
                 command=proc.argv if proc is not None else None,
@@ -310,16 +312,23 @@ class Placement:
         close_all(list(self.gates.values()))
         if self._stack is not None:
             await self._stack.aclose()  # stops the engines this host started
-        self.gw, self._stack, self._view = None, None, b""
+        self.fleet, self._stack, self._view = None, None, b""
         self.gates.clear()
         self._launched.clear()
         self._engine.clear()
 
 
-def _quiet_ping(gate: Gate, snap: Any, pings: Sequence[tuple[int, float]]) -> int | None:
-    """The latest ping received before ``snap`` was requested, if the ingress has nothing in
-    flight for the instance and its last forward there ended before that request too."""
-    if snap is None or gate.in_flight or gate.last_end >= snap.requested_at:
+def _count(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _quiet_ping(
+    gate: Gate, requested_at: float | None, pings: Sequence[tuple[int, float]]
+) -> int | None:
+    """The latest ping received before the sample was requested (``requested_at``), if the
+    ingress has nothing in flight for the instance and its last forward there ended before
+    that request too."""
+    if requested_at is None or gate.in_flight or gate.last_end >= requested_at:
         return None
-    before = [n for n, at in pings if at < snap.requested_at]
+    before = [n for n, at in pings if at < requested_at]
     return max(before) if before else None

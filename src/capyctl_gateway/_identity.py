@@ -10,6 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ._errors import OperatorError
+
 __all__ = [
     "CredentialsError",
     "check_private",
@@ -21,7 +23,7 @@ __all__ = [
 ]
 
 
-class CredentialsError(Exception):
+class CredentialsError(OperatorError):
     """The credentials file exists but cannot be used: the gateway must not start."""
 
 

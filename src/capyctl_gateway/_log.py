@@ -24,6 +24,7 @@ __all__ = [
     "JsonFormatter",
     "JsonLines",
     "SparseLog",
+    "shown",
     "TextFormatter",
     "configure_logging",
     "event",
@@ -166,3 +167,24 @@ def configure_logging(fmt: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+_SECRET_FLAG = ("key", "token", "secret", "password")
+
+
+def shown(argv: list[str]) -> list[str]:
+    """A command line fit to show: the value of any flag that names a key, token, secret or
+    password is masked (``--api-key X``, ``--api-key=X``)."""
+    out: list[str] = []
+    mask_next = False
+    for arg in argv:
+        name, eq, _ = arg.partition("=")
+        secret = arg.startswith("-") and any(word in name.lower() for word in _SECRET_FLAG)
+        if mask_next:
+            out.append("***")
+        elif secret and eq:
+            out.append(f"{name}=***")
+        else:
+            out.append(arg)
+        mask_next = secret and not eq
+    return out

@@ -14,8 +14,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-__all__ = ["BUCKETS", "OUTCOMES", "PHASES", "Histogram", "Telemetry"]
+__all__ = ["BUCKETS", "CUTS", "OUTCOMES", "PHASES", "Ending", "Histogram", "Telemetry"]
 
 BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -23,9 +24,26 @@ BUCKETS = (
 )  # fmt: skip
 """Seconds, for LLM traffic: a millisecond (a queue without wait, a cached head) to ten
 minutes (the default request deadline)."""
-OUTCOMES = (
-    "completed", "engine_error", "unverified", "hang_up", "deadline", "idle_timeout", "refused",
-)  # fmt: skip
+
+
+class Ending(StrEnum):
+    """How a request ended: the one vocabulary of the gateway's counts, logs and settlement,
+    and the ``outcome`` label set of ``capyctl_requests_total``. An exchange with an engine
+    writes it (`Outcome.ending`); a request refused before any exchange is `REFUSED`."""
+
+    COMPLETED = "completed"
+    ENGINE_ERROR = "engine_error"
+    UNVERIFIED = "unverified"
+    HANG_UP = "hang_up"
+    DEADLINE = "deadline"
+    IDLE_TIMEOUT = "idle_timeout"
+    REFUSED = "refused"
+    """The gateway refused it, or the engine did (its 4xx, relayed as ``engine_rejected``)."""
+
+
+OUTCOMES = tuple(e.value for e in Ending)
+CUTS = frozenset({Ending.HANG_UP, Ending.DEADLINE, Ending.IDLE_TIMEOUT})
+"""The endings where the gateway cut the engine's work short (it may still run there)."""
 PHASES = (
     "queue_wait", "activation_wait", "engine_first_byte", "first_content", "last_chunk", "total",
 )  # fmt: skip

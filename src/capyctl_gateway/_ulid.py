@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["new_ulid"]
+__all__ = ["REQUEST_ID", "new_ulid"]
+
+REQUEST_ID = "X-CapyCTL-Request-Id"
+"""The header that carries the gateway's own ID of a request, on every answer."""
 
 _ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _PAIRS = [a + b for a in _ALPHABET for b in _ALPHABET]

@@ -28,9 +28,9 @@ from ._cli_common import (
     use_uvloop,
 )
 from ._config import ConfigError, load_config
+from ._errors import OperatorError
 from ._http.app import GATEWAY_KEY, GatewayRunner, create_app
 from ._identity import (
-    CredentialsError,
     credentials_path,
     load_or_create_api_key,
     load_or_create_server_key,
@@ -38,7 +38,6 @@ from ._identity import (
     server_credentials_path,
 )
 from ._log import configure_logging
-from ._machines.enroll import JoinError
 from ._management.render import print_list, print_status
 
 app = typer.Typer(
@@ -169,7 +168,7 @@ def serve(
         msock = bind(mhost, mport)
         metrics = metrics or os.environ.get("CAPYCTL_METRICS_ADDR")
         xsock = bind(*address(metrics, "--metrics")) if metrics else None
-    except (ConfigError, CredentialsError, JoinError) as exc:
+    except OperatorError as exc:
         raise _fail(str(exc)) from None
     use_uvloop()
     keyfile = credentials_path(state) if role == "single" else server_credentials_path(state)
@@ -217,9 +216,9 @@ async def _run(
         settle_heap()
         typer.echo(listening, err=True)  # once it is true, and signals are handled
         await stop.wait()
-        gateway = application[GATEWAY_KEY]
-        running = sum(r.queue.running for r in gateway.routes.values())
-        waiting = sum(r.queue.waiting for r in gateway.routes.values())
+        routes = application[GATEWAY_KEY].fleet.routes
+        running = sum(r.queue.running for r in routes.values())
+        waiting = sum(r.queue.waiting for r in routes.values())
         typer.echo(
             f"capyctl-gateway: stopping on {received[0].name}: no new connections; waiting up "
             f"to {SHUTDOWN_S:.0f} s for {running} running and {waiting} waiting request(s), "
@@ -250,7 +249,7 @@ def _call(method: str, path: str, state_dir: Path | None, management: str | None
         raise _fail(
             f"no credentials at {exc.filename}: is this the gateway's --state-dir?"
         ) from None
-    except (ConfigError, CredentialsError) as exc:
+    except OperatorError as exc:
         raise _fail(str(exc)) from None
     url = f"http://{host}:{port}/management/v1/{path}"
     try:

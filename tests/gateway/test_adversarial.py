@@ -61,7 +61,7 @@ def assert_documented(r: httpx.Response) -> None:
 
 
 def settled_counts(gw: Gw) -> None:
-    for route in gw.gateway.routes.values():
+    for route in gw.gateway.fleet.routes.values():
         assert route.queue.running == 0 and route.queue.waiting == 0
         assert all(i.ledger.running == 0 for i in route.instances)
     assert gw.gateway.bodies.held == 0

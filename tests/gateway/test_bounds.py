@@ -216,8 +216,8 @@ async def test_a_client_that_stops_reading_is_a_hang_up_at_the_idle_timeout(
     try:
         with anyio.fail_after(15):
             await engine.hung_up.wait()  # never read a byte: the gateway gave up on us
-        cut = gw.gateway.settlement.ledgers["my-model/0"].cut
+        cut = gw.gateway.fleet.settlement.ledgers["my-model/0"].cut
         assert [c.reason for c in cut] == ["hang_up"]
-        assert gw.gateway.routes["my-model"].queue.running == 0
+        assert gw.gateway.fleet.routes["my-model"].queue.running == 0
     finally:
         sock.close()

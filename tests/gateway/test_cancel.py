@@ -27,7 +27,7 @@ MakeGateway = Callable[..., Awaitable[Gw]]
 
 
 def ledger(gw: Gw) -> InstanceLedger:
-    return gw.gateway.settlement.ledgers["my-model/0"]
+    return gw.gateway.fleet.settlement.ledgers["my-model/0"]
 
 
 class Watch:
@@ -37,7 +37,7 @@ class Watch:
         self.changed = anyio.Event()
         self.samples: list[EngineSnapshot] = []
         self.restarts = 0
-        gw.gateway.settlement.observers.append(self)
+        gw.gateway.fleet.settlement.observers.append(self)
 
     def __call__(self, e: Event, /) -> None:
         if isinstance(e, ScrapeSucceeded):
@@ -84,7 +84,7 @@ async def test_queue_full_is_429_retryable_and_nothing_reaches_the_engine(
             "deployments": [deployments(engine.url)],
         }
     )
-    route = gw.gateway.routes["my-model"]
+    route = gw.gateway.fleet.routes["my-model"]
     async with gw.client() as c, anyio.create_task_group() as tg:
         tg.start_soon(partial(c.post, "/v1/chat/completions", json=CHAT))
         with anyio.fail_after(5):
@@ -132,8 +132,8 @@ async def test_a_waiter_past_its_deadline_gets_503_and_never_reaches_the_engine(
     assert second.json()["code"] == "unavailable" and second.json()["retryable"] is True
     assert "running slot" in second.json()["message"]
     assert len(engine.received) == 1
-    queue = gw.gateway.routes["my-model"].queue
-    settlement = gw.gateway.settlement
+    queue = gw.gateway.fleet.routes["my-model"].queue
+    settlement = gw.gateway.fleet.settlement
     # The first one's client left too; it had produced text, so an idle engine settles it.
     await Watch(gw).until(lambda: queue.running == 0 and settlement.settled == 1)
     assert ledger(gw).charged == 0
@@ -149,7 +149,7 @@ async def test_a_waiter_that_hangs_up_frees_its_place_at_once(
             "deployments": [deployments(engine.url)],
         }
     )
-    queue = gw.gateway.routes["my-model"].queue
+    queue = gw.gateway.fleet.routes["my-model"].queue
     watch = Watch(gw)
     async with gw.client() as c, anyio.create_task_group() as running:
         running.start_soon(partial(c.post, "/v1/chat/completions", json=CHAT))
@@ -186,8 +186,8 @@ async def test_a_request_cut_after_text_settles_at_the_first_idle_sample_after_t
     seen = len(watch.samples)
     await watch.until(lambda: len(watch.samples) >= seen + 2)
     assert book.cut == [cut]
-    collector = gateway.gateway.collector
-    assert collector is not None and collector.status("my-model/0").poll_interval_s == 0.25
+    collector = gateway.gateway.fleet.collector
+    assert collector.status("my-model/0").poll_interval_s == 0.25
     engine.running = 0
     await watch.until(lambda: not book.cut)
     settling = next(s for s in watch.samples if s.metrics.idle and s.requested_at > cut.cut_at)

@@ -164,5 +164,30 @@ async def test_a_hang_up_closes_the_engine_connection_and_waits_for_a_restart(
         tg.cancel_scope.cancel()
     with anyio.fail_after(5):
         await engine.hung_up.wait()
-    book = gateway.gateway.settlement.ledgers["decider/0"]
+    book = gateway.gateway.fleet.settlement.ledgers["decider/0"]
     assert [(c.rule, c.reason) for c in book.cut] == [(SettleRule.AT_RESTART, "hang_up")]
+
+
+async def test_an_engines_refusal_counts_as_refused_on_decisions_as_on_chat(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    """Regression: the decision relay raised the engine's 400 outside its exchange, so the
+    gateway's own metrics counted it engine_error while chat counted the same 400 refused."""
+    from tests.gateway.test_metrics import samples, scrape
+
+    refusal = Reply(400, orjson.dumps({"error": {"message": "too many questions"}}))
+    engine.decision = engine.script = refusal
+    assert (await decide(gateway, ASK)).status_code == 400
+    async with gateway.client() as c:
+        chat = {"model": "my-model", "messages": [{"role": "user", "content": "x"}]}
+        assert (await c.post("/v1/chat/completions", json=chat)).status_code == 400
+    got = samples((await scrape(gateway)).text)
+
+    def count(deployment: str, api: str, outcome: str) -> float:
+        labels = (("api", api), ("deployment", deployment), ("outcome", outcome))
+        return got.get(("capyctl_requests_total", labels), 0.0)
+
+    assert count("decider", "decisions", "refused") == 1
+    assert count("decider", "decisions", "engine_error") == 0
+    assert count("my-model", "chat", "refused") == 1
+    assert count("decider", "decisions", "refused") == count("my-model", "chat", "refused")

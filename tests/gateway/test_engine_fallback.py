@@ -1,5 +1,5 @@
-"""``engine_client: aiohttp`` keeps aiohttp's client behind the same exchange: the gateway
-answers the same with either."""
+"""The lean engine client is the only one: ``engine_client: lean`` is accepted, the removed
+aiohttp fallback is refused, and the client's pool keeps its bound."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ from tests.gateway.fake_engine import FakeEngine, vllm_stream
 pytestmark = pytest.mark.anyio
 
 
-@pytest.mark.parametrize("client", ["lean", "aiohttp"])
-async def test_either_engine_client_relays_and_collects_the_same(
-    client: str, engine: FakeEngine, make_gateway: Callable[..., Awaitable[Gw]]
+async def test_the_lean_client_relays_and_collects(
+    engine: FakeEngine, make_gateway: Callable[..., Awaitable[Gw]]
 ) -> None:
     engine.script = vllm_stream(["Hel", "lo"])
-    gw = await make_gateway({"engine_client": client, "deployments": [deployments(engine.url)]})
-    kind = "EngineClient" if client == "lean" else "ClientSession"
-    assert type(gw.gateway.engines).__name__ == kind
+    gw = await make_gateway({"engine_client": "lean", "deployments": [deployments(engine.url)]})
+    assert type(gw.gateway.fleet.engines).__name__ == "EngineClient"
     body = {"model": "my-model", "messages": [{"role": "user", "content": "x"}]}
     async with gw.client() as c:
         r = await c.post("/v1/chat/completions", json=body)
@@ -29,6 +27,16 @@ async def test_either_engine_client_relays_and_collects_the_same(
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         assert '"Hel"' in r.text and '"model":"my-model"' in r.text
     assert len(engine.received) == 2
+
+
+def test_the_removed_aiohttp_engine_client_is_a_configuration_error() -> None:
+    from pydantic import ValidationError
+
+    from capyctl_gateway import GatewayConfig
+
+    doc = {"engine_client": "aiohttp", "deployments": [deployments("http://127.0.0.1:9")]}
+    with pytest.raises(ValidationError, match="engine_client"):
+        GatewayConfig.model_validate(doc)
 
 
 async def test_the_lean_client_keeps_at_most_its_bound_of_idle_connections(

@@ -49,7 +49,7 @@ async def test_a_refused_connection_moves_the_request_to_the_next_instance(
         f for f in failovers if f["capyctl_request_id"] == first.headers["x-capyctl-request-id"]
     ]
     assert all(f["caller_request_id"] == "f-1" for f in mine)
-    assert gw.gateway.settlement.ledgers["my-model/0"].charged == 0  # nothing to settle there
+    assert gw.gateway.fleet.settlement.ledgers["my-model/0"].charged == 0  # nothing to settle there
 
 
 async def test_when_no_instance_takes_it_the_answer_is_502(make_gateway: MakeGateway) -> None:

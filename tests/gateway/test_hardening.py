@@ -28,7 +28,7 @@ async def test_a_connect_timeout_offers_the_request_to_the_next_instance_and_cha
         answers = [await c.post("/v1/chat/completions", json=CHAT) for _ in range(3)]
     assert [r.status_code for r in answers] == [200, 200, 200]
     assert len(engine.received) == 3
-    assert gw.gateway.settlement.ledgers["my-model/0"].charged == 0
+    assert gw.gateway.fleet.settlement.ledgers["my-model/0"].charged == 0
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/systemone"])
@@ -45,7 +45,7 @@ async def test_json_nested_past_what_an_engine_reads_is_refused_in_validation(
     assert (r.status_code, r.json()["code"]) == (400, "invalid_request")
     assert r.headers["x-capyctl-request-id"]
     assert engine.received == []
-    assert all(ledger.charged == 0 for ledger in gateway.gateway.settlement.ledgers.values())
+    assert all(ledger.charged == 0 for ledger in gateway.gateway.fleet.settlement.ledgers.values())
 
 
 async def test_two_authorization_headers_are_refused(gateway: Gw, engine: FakeEngine) -> None:
@@ -112,7 +112,7 @@ async def test_cut_requests_still_counted_do_not_starve_their_instance(
     dep = deployments(engine.url)
     dep["instances"] = [{"url": engine.url}, {"url": engine.url}]
     gw = await make_gateway({"deployments": [dep]})
-    settlement = gw.gateway.settlement
+    settlement = gw.gateway.fleet.settlement
     for i in range(5):
         settlement.cut(settlement.ledgers["my-model/0"], f"cut-{i}", answered=False, reason="x")
     caplog.set_level(logging.INFO, logger="capyctl_gateway")

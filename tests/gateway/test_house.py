@@ -171,7 +171,7 @@ async def test_pings_alone_do_not_keep_a_stream_alive(
         await engine.hung_up.wait()
     # Cut while the engine was still pinging: it never reached the end of its script.
     assert engine.finished == 0
-    cut = gw.gateway.settlement.ledgers["my-model/0"].cut
+    cut = gw.gateway.fleet.settlement.ledgers["my-model/0"].cut
     assert [c.reason for c in cut] == ["idle_timeout"]
 
 

@@ -16,6 +16,7 @@ FORBIDDEN = {
     "_deployments": {"_http", "_relay", "_management", "_gateway", "_lifecycle", "cli"},
     "_lifecycle": {"_http", "_relay", "_management", "_gateway", "cli"},
     "_gateway": {"_http", "_relay", "_management", "cli"},
+    "_fleet": {"_http", "_relay", "_management", "_gateway", "cli"},
     "_routing": {"_http", "_relay", "_management", "cli"},
     "_http": {"_management", "cli"},
     "_management": {"cli"},
@@ -25,6 +26,7 @@ FORBIDDEN = {
 _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
+    "_fleet",
 }  # fmt: skip
 for _leaf in ("_loop", "_ulid", "_log", "_engine_answer", "_engine_client"):
     FORBIDDEN[_leaf] = _EVERY_ROOM

@@ -58,7 +58,7 @@ def transitions(caplog: pytest.LogCaptureFixture, to: str | None = None) -> list
 
 
 def pid_of(gw: Gw, name: str = "my-model") -> int:
-    doc = deployment_status(gw.gateway, name)
+    doc = deployment_status(gw.gateway.fleet, name)
     assert doc is not None
     return int(doc["instances"][0]["process"]["pid"])
 
@@ -152,7 +152,7 @@ async def test_the_first_request_starts_the_engine_with_the_forced_flags(
     cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
     assert b"--enable-per-request-metrics" in cmdline
     assert cmdline[cmdline.index(b"--host") + 1] == b"127.0.0.1"
-    doc = deployment_status(gw.gateway, "my-model")
+    doc = deployment_status(gw.gateway.fleet, "my-model")
     assert doc is not None and doc["deployment"]["lifecycle"] == "ready"
 
 
@@ -176,7 +176,7 @@ async def test_an_idle_engine_is_stopped_and_the_next_request_starts_it_again(
     dep = launched(lifecycle={"ready_idle_timeout": "200ms"})
     gw = await make_gateway({"deployments": [dep]})
     stopped = anyio.Event()
-    gw.gateway.lifecycle.engines.observers.append(
+    gw.gateway.fleet.lifecycle.engines.observers.append(
         lambda lc: stopped.set() if lc.state.value == "stopped" else None
     )
     async with gw.client() as c:
@@ -214,7 +214,7 @@ async def test_explicit_activation_is_not_started_by_requests(make_gateway: Make
     async with gw.client() as c:
         r = await c.post("/v1/chat/completions", json=chat())
     assert (r.status_code, r.json()["code"]) == (409, "deployment_inactive")
-    assert gw.gateway.lifecycle.lives["my-model"].state == "stopped"
+    assert gw.gateway.fleet.lifecycle.lives["my-model"].state == "stopped"
 
 
 async def test_a_budget_that_fits_one_switches_between_two_deployments(
@@ -230,14 +230,14 @@ async def test_a_budget_that_fits_one_switches_between_two_deployments(
         ],
     }
     gw = await make_gateway(config)
-    lives = gw.gateway.lifecycle.lives
+    lives = gw.gateway.fleet.lifecycle.lives
     async with gw.client() as c:
         for name in ("a", "b", "a"):
             r = await c.post("/v1/chat/completions", json=chat(name))
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == f"from model-{name}"
             assert r.json()["model"] == name
-            assert gw.gateway.lifecycle.budget.held() <= 2**30
+            assert gw.gateway.fleet.lifecycle.budget.held() <= 2**30
             other = "b" if name == "a" else "a"
             assert lives[name].state == "ready" and lives[other].state == "stopped"
     switched = [t for t in transitions(caplog, "stopping") if "switched out" in t["reason"]]
@@ -251,9 +251,9 @@ async def test_stopping_the_gateway_stops_every_engine_it_launched(
     async with gw.client() as c:
         assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
     pid = pid_of(gw)
-    await gw.gateway.lifecycle.shutdown()
+    await gw.gateway.fleet.lifecycle.shutdown()
     await anyio.to_thread.run_sync(wait_gone, pid)
-    assert gw.gateway.lifecycle.lives["my-model"].state == "stopped"
+    assert gw.gateway.fleet.lifecycle.lives["my-model"].state == "stopped"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -389,7 +389,7 @@ async def test_an_engine_someone_else_runs_is_not_the_operators_to_stop(
 # -- parking with the process up (vLLM sleep mode, spoken by the fake) -------------------------
 def observe(gw: Gw, state: str) -> anyio.Event:
     seen = anyio.Event()
-    gw.gateway.lifecycle.engines.observers.append(
+    gw.gateway.fleet.lifecycle.engines.observers.append(
         lambda lc: seen.set() if lc.state.value == state else None
     )
     return seen
@@ -409,7 +409,7 @@ async def test_an_idle_vllm_with_park_sleep_parks_and_the_next_request_wakes_it(
         assert b"--enable-sleep-mode" in cmdline
         with anyio.fail_after(10):
             await parked.wait()
-        doc = deployment_status(gw.gateway, "my-model")
+        doc = deployment_status(gw.gateway.fleet, "my-model")
         assert doc is not None and doc["deployment"]["lifecycle"] == "parked"
         assert doc["deployment"]["park"] == "sleep"
         r = await c.post("/v1/chat/completions", json=chat())  # asleep, the fake answers 503
@@ -442,7 +442,7 @@ async def test_a_model_with_cut_requests_waiting_for_a_restart_stops_instead_of_
     stopped = observe(gw, "stopped")
     async with gw.client() as c:
         assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
-    settlement = gw.gateway.settlement
+    settlement = gw.gateway.fleet.settlement
     ledger = settlement.ledgers["my-model/0"]
     settlement.cut(ledger, "cut-early", answered=False, reason="hang_up")
     with anyio.fail_after(10):
@@ -465,7 +465,7 @@ async def test_switching_parks_the_other_deployment_when_its_parked_memory_fits(
         ],
     }
     gw = await make_gateway(config)
-    lives = gw.gateway.lifecycle.lives
+    lives = gw.gateway.fleet.lifecycle.lives
     async with gw.client() as c:
         assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
         a_pid = pid_of(gw, "a")
@@ -504,21 +504,23 @@ async def test_an_operators_stop_and_cut_requests_outlive_a_restart(
             await runner.cleanup()
 
     async def first(gateway: Any) -> None:
-        await operator_stop(gateway.lifecycle, "my-model", known=True)
-        s = gateway.settlement
+        await operator_stop(gateway.fleet.lifecycle, "my-model", known=True)
+        s = gateway.fleet.settlement
         s.cut(s.ledgers["elsewhere/0"], "01REQUESTCUTBEFORE", answered=False, reason="hang_up")
         s.cut(s.ledgers["my-model/0"], "01REQUESTOFLAUNCHED", answered=False, reason="hang_up")
 
     async def second(gateway: Any) -> None:
-        assert gateway.lifecycle.lives["my-model"].operator_stopped
+        assert gateway.fleet.lifecycle.lives["my-model"].operator_stopped
         with pytest.raises(Exception, match="stopped by an operator") as info:
-            await gateway.lifecycle.ensure_ready("my-model", asyncio.get_running_loop().time() + 5)
+            await gateway.fleet.lifecycle.ensure_ready(
+                "my-model", asyncio.get_running_loop().time() + 5
+            )
         assert type(info.value).__name__ == "DeploymentStoppedError"
         # An engine someone else runs may still run the request: still counted, same rule.
-        (kept,) = gateway.settlement.ledgers["elsewhere/0"].cut
+        (kept,) = gateway.fleet.settlement.ledgers["elsewhere/0"].cut
         assert kept.request_id == "01REQUESTCUTBEFORE" and kept.rule.value.startswith("at the")
         # The gateway's own engine starts afresh: settled.
-        assert gateway.settlement.ledgers["my-model/0"].cut == []
+        assert gateway.fleet.settlement.ledgers["my-model/0"].cut == []
 
     await run(first)
     await run(second)
@@ -562,7 +564,7 @@ async def test_a_callers_request_id_is_never_stored(tmp_path: Path, engine: Any)
             tg.cancel_scope.cancel()
         with anyio.fail_after(5):
             await engine.hung_up.wait()
-        assert app[GATEWAY_KEY].settlement.ledgers["my-model/0"].cut  # a cut was recorded
+        assert app[GATEWAY_KEY].fleet.settlement.ledgers["my-model/0"].cut  # a cut was recorded
     finally:
         await runner.cleanup()
     data = b"".join(p.read_bytes() for p in state.glob("gateway.sqlite3*"))
@@ -583,8 +585,8 @@ async def test_sglang_with_park_sleep_releases_and_resumes_its_memory(
         assert b"--enable-memory-saver" in cmdline and b"--enable-cache-report" in cmdline
         from capyctl_gateway._lifecycle.operator import operator_park
 
-        await operator_park(gw.gateway.lifecycle, "my-model", known=True)
-        assert gw.gateway.lifecycle.lives["my-model"].state == "parked"
+        await operator_park(gw.gateway.fleet.lifecycle, "my-model", known=True)
+        assert gw.gateway.fleet.lifecycle.lives["my-model"].state == "parked"
         r = await c.post("/v1/chat/completions", json=chat())  # released, the fake answers 503
         assert r.status_code == 200, r.text
         assert pid_of(gw) == pid
@@ -598,7 +600,7 @@ async def test_sglang_under_park_auto_is_never_asked_to_release(make_gateway: Ma
     pid = pid_of(gw)
     cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
     assert b"--enable-memory-saver" not in cmdline
-    doc = deployment_status(gw.gateway, "my-model")
+    doc = deployment_status(gw.gateway.fleet, "my-model")
     assert doc is not None and doc["deployment"]["park"] == "stop"
 
 
@@ -616,3 +618,32 @@ def test_a_launched_command_is_shown_without_its_secrets() -> None:
         "--port",
         "1",
     ]
+
+
+async def test_a_cut_restored_at_startup_is_polled_fast_from_the_first_poll(
+    tmp_path: Path, engine: Any
+) -> None:
+    """Regression: the store was restored before the collector existed, so a cut left by the
+    previous run was polled at the default interval, not every 250 ms."""
+    from capyctl_gateway import GATEWAY_KEY, GatewayRunner, create_app
+    from capyctl_gateway._deployments.settle import FAST_POLL_MS, CutRequest, SettleRule
+    from capyctl_gateway._store import Store
+    from tests.gateway.conftest import COLLECTOR, KEY, deployments
+
+    state = tmp_path / "state"
+    store = Store(state / "gateway.sqlite3")
+    store.add_cut("my-model/0", CutRequest("01LEFTBYTHELASTRUN", 1.0, SettleRule.AT_RESTART, "x"))
+    store.close()
+    config = GatewayConfig.model_validate({"deployments": [deployments(engine.url)]})
+    app = create_app(config, KEY, env={}, collector_options=COLLECTOR, state_dir=state)
+    runner = GatewayRunner(app)
+    await runner.setup()
+    try:
+        fleet = app[GATEWAY_KEY].fleet
+        assert [c.request_id for c in fleet.settlement.ledgers["my-model/0"].cut] == [
+            "01LEFTBYTHELASTRUN"
+        ]
+        assert fleet.collector.status("my-model/0").poll_interval_s == FAST_POLL_MS / 1000
+        assert COLLECTOR.poll_interval_ms != FAST_POLL_MS  # the default would not pass
+    finally:
+        await runner.cleanup()

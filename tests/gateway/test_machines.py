@@ -65,7 +65,7 @@ class Cluster:
         port = int(self.url.rsplit(":", 1)[1]) if self.url else 0
         runner, addr = await _site(GatewayRunner(app), port=port)
         gw = app[GATEWAY_KEY]
-        assert gw.machines is not None
+        assert gw.fleet.machines is not None
         context = pki.server_context(identity.cert, identity.key, identity.ca_cert)
         cport = int(self.control.rsplit(":", 1)[1]) if self.control else 0
         crunner = control_runner(gw)  # served as the CLI serves it
@@ -265,8 +265,8 @@ async def test_a_host_that_goes_away_ends_its_streams_in_band_and_then_requests_
         assert r.status_code == 503 and r.json()["code"] == "unavailable"
         assert r.json()["retryable"] is True
     gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None and gw.machines is not None
-    assert "gpu-box" not in gw.machines.sessions
+    assert gw is not None and gw.fleet.machines is not None
+    assert "gpu-box" not in gw.fleet.machines.sessions
 
 
 async def test_requests_fail_over_to_the_other_host_when_one_refuses_connections(
@@ -333,7 +333,7 @@ async def test_a_hang_up_closes_the_engine_connection_on_the_host_and_settles_on
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
     gw = c.app[GATEWAY_KEY] if c.app else None
     assert gw is not None
-    ledger = gw.settlement.ledgers["m/0"]
+    ledger = gw.fleet.settlement.ledgers["m/0"]
     engine.running = 1  # the engine counts the request as running, and goes on doing so
     async with c.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
@@ -348,11 +348,11 @@ async def test_a_hang_up_closes_the_engine_connection_on_the_host_and_settles_on
     await reported(c, lambda i, r: r.quiet_ping is not None and r.running == 1)
     assert len(ledger.cut) == 1
     settled = asyncio.Event()
-    gw.settlement.settled_observers.append(lambda key, cuts, why: settled.set())
+    gw.fleet.settlement.settled_observers.append(lambda key, cuts, why: settled.set())
     engine.running = 0
     await asyncio.wait_for(settled.wait(), 10)  # the next quiet report settles it
     assert ledger.cut == []
-    last = gw.settlement.recent[-1]
+    last = gw.fleet.settlement.recent[-1]
     assert last.why == "engine and ingress idle on its host"
     assert last.sample_requested_at is not None and last.sample_requested_at > cut_at
 
@@ -374,9 +374,9 @@ async def test_a_body_over_8_mib_for_a_remote_deployment_is_refused_before_it_le
 async def reported(c: Cluster, check: Callable[[Any, Any], bool], within: float = 10) -> None:
     """Wait for a host report that passes ``check(instance, report)`` (hosts report every s)."""
     gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None and gw.machines is not None
+    assert gw is not None and gw.fleet.machines is not None
     seen = asyncio.Event()
-    gw.machines.observers.append(lambda i, r: seen.set() if check(i, r) else None)
+    gw.fleet.machines.observers.append(lambda i, r: seen.set() if check(i, r) else None)
     await asyncio.wait_for(seen.wait(), within)
 
 
@@ -391,8 +391,12 @@ async def test_routing_weighs_the_load_each_host_reports_for_its_engine(
     c = await cluster([dep({"host": "box-a", "url": a.url}, {"host": "box-b", "url": b.url})])
     await c.start_host("box-a")
     await c.start_host("box-b")
-    await reported(c, lambda i, r: i.remote == "box-a" and r.running == 5 and r.age_s is not None)
-    await reported(c, lambda i, r: i.remote == "box-b" and r.running == 0 and r.age_s is not None)
+    await reported(
+        c, lambda i, r: i.runner.host == "box-a" and r.running == 5 and r.age_s is not None
+    )
+    await reported(
+        c, lambda i, r: i.runner.host == "box-b" and r.running == 0 and r.age_s is not None
+    )
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     caplog.set_level("INFO", "capyctl_gateway")
     async with c.client() as client:
@@ -433,14 +437,14 @@ async def test_a_host_launches_and_stops_a_deployment_on_the_servers_orders(
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert "tiny" in r.json()["choices"][0]["message"]["content"]
-    doc = deployment_status(gw, "m")
+    doc = deployment_status(gw.fleet, "m")
     assert doc is not None
     row = doc["instances"][0]
     assert row["host"] == "gpu-box" and row["session"] == "live" and row["lifecycle"] == "ready"
     pid = int(row["process"]["pid"])
-    await operator_stop(gw.lifecycle, "m", known=True)
+    await operator_stop(gw.fleet.lifecycle, "m", known=True)
     wait_gone(pid)
-    assert gw.lifecycle.lives["m"].launched[0].state.value == "stopped"
+    assert gw.fleet.lifecycle.lives["m"].launched[0].state.value == "stopped"
     async with c.client() as client:
         r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 409 and r.json()["code"] == "deployment_stopped"
@@ -461,7 +465,7 @@ async def test_the_memory_budget_is_each_machines_own(
     await c.start_host("box-b")
     gw = c.app[GATEWAY_KEY] if c.app else None
     assert gw is not None
-    lives = gw.lifecycle.lives
+    lives = gw.fleet.lifecycle.lives
     async with c.client() as client:
         for name in ("a1", "b1"):  # one on each machine: both fit
             body = {"model": name, "messages": [{"role": "user", "content": "x"}]}
@@ -471,7 +475,7 @@ async def test_the_memory_budget_is_each_machines_own(
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     # a2 needed box-a's room: a1 was switched out there; b1 on box-b was left alone.
     assert lives["a1"].state == "stopped" and lives["b1"].state == "ready"
-    assert gw.lifecycle.budget.held_on("box-a") == 10 * 2**30
+    assert gw.fleet.lifecycle.budget.held_on("box-a") == 10 * 2**30
 
 
 async def test_a_host_whose_key_others_can_read_does_not_start(
@@ -503,22 +507,22 @@ async def test_a_restarted_server_takes_up_the_engines_its_hosts_kept_running(
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     gw = c.app[GATEWAY_KEY] if c.app else None
     assert gw is not None
-    before = deployment_status(gw, "m")
+    before = deployment_status(gw.fleet, "m")
     assert before is not None
     pid = before["instances"][0]["process"]["pid"]
     await c.stop_server()
-    assert gw.lifecycle.lives["m"].launched[0].state.value == "ready"  # left running
+    assert gw.fleet.lifecycle.lives["m"].launched[0].state.value == "ready"  # left running
     host.connected.clear()
     await c.start_server()
     old, gw = gw, c.app[GATEWAY_KEY] if c.app else None
     assert gw is not None and gw is not old
     await asyncio.wait_for(host.connected.wait(), 15)  # the host connects again
     await reported(c, lambda i, r: r.state == "ready" and r.gate is not None)
-    life = gw.lifecycle.lives["m"]
+    life = gw.fleet.lifecycle.lives["m"]
     assert life.launched[0].state.value == "ready"  # taken up, not started afresh
     async with c.client() as client:
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    after = deployment_status(gw, "m")
+    after = deployment_status(gw.fleet, "m")
     assert after is not None and after["instances"][0]["process"]["pid"] == pid
 
 
@@ -536,25 +540,25 @@ async def test_an_idle_deployment_on_a_host_is_parked_and_woken_on_the_servers_o
     gw = c.app[GATEWAY_KEY] if c.app else None
     assert gw is not None
     parked = asyncio.Event()
-    gw.lifecycle.engines.observers.append(
+    gw.fleet.lifecycle.engines.observers.append(
         lambda lc: parked.set() if lc.state.value == "parked" else None
     )
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     async with c.client() as client:
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-        doc = deployment_status(gw, "m")
+        doc = deployment_status(gw.fleet, "m")
         assert doc is not None
         pid = doc["instances"][0]["process"]["pid"]
         await asyncio.wait_for(parked.wait(), 15)
         # On the host, the engine was put to sleep, its process kept, and its gate closed.
-        assert host.placed.gw is not None
-        host_lc = host.placed.gw.lifecycle.lives["m"].launched[0]
-        assert host_lc.state.value == "parked" and host_lc.process is not None
-        assert not gw.routes["m"].instances[0].available
+        assert host.placed.fleet is not None
+        host_lc = host.placed.fleet.lifecycle.lives["m"].launched[0]
+        assert host_lc.state.value == "parked" and host_lc.inst.runner.process() is not None
+        assert not gw.fleet.routes["m"].instances[0].available
         r = await client.post("/v1/chat/completions", json=body)  # asleep, it would answer 503
         assert r.status_code == 200, r.text
     assert host_lc.state.value == "ready"
-    doc = deployment_status(gw, "m")
+    doc = deployment_status(gw.fleet, "m")
     assert doc is not None and doc["instances"][0]["process"]["pid"] == pid  # woken, not restarted
 
 

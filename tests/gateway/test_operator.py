@@ -34,7 +34,7 @@ async def checked(gw: Gw) -> None:
     """Wait for the collector's first startup checks of every instance (no sleeping)."""
     seen: set[str] = set()
     done = anyio.Event()
-    keys = set(gw.gateway.settlement.ledgers)
+    keys = set(gw.gateway.fleet.settlement.ledgers)
 
     def observe(e: Event, /) -> None:
         if isinstance(e, ChecksCompleted):
@@ -42,7 +42,7 @@ async def checked(gw: Gw) -> None:
             if seen >= keys:
                 done.set()
 
-    gw.gateway.settlement.observers.append(observe)
+    gw.gateway.fleet.settlement.observers.append(observe)
     with anyio.fail_after(10):
         await done.wait()
 
@@ -60,7 +60,7 @@ async def test_an_engine_serving_another_model_is_not_routed_to_and_says_why(
     assert "failed their startup checks" in r.json()["message"]
     assert engine.url not in r.text and "127.0.0.1" not in r.text
     assert engine.received == []
-    assert gw.gateway.settlement.ledgers["my-model/0"].charged == 0
+    assert gw.gateway.fleet.settlement.ledgers["my-model/0"].charged == 0
     # Said at start, naming the deployment and instance, with the reason.
     errors = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
     assert any(
@@ -69,7 +69,7 @@ async def test_an_engine_serving_another_model_is_not_routed_to_and_says_why(
         for m in errors
     ), errors
     # And in the text status.
-    doc = deployment_status(gw.gateway, "my-model")
+    doc = deployment_status(gw.gateway.fleet, "my-model")
     assert doc is not None
     console = Console(width=80, record=True, force_terminal=False)
     print_status(console, doc)
@@ -125,7 +125,7 @@ async def test_the_configured_version_matches_whatever_its_spelling(
     gw = await make_gateway({"deployments": [dep]})
     await checked(gw)
     assert not [r for r in caplog.records if "engine version" in r.getMessage()]
-    assert gw.gateway.routes["my-model"].instances[0].unusable is None
+    assert gw.gateway.fleet.routes["my-model"].instances[0].unusable is None
 
 
 def test_version_flag() -> None:

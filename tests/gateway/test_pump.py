@@ -105,7 +105,7 @@ async def test_events_read_one_at_a_time_are_relayed_whole_and_the_connection_po
         assert {e["model"] for e in events[:-1]} == {"my-model"}
         assert events[-2]["usage"]["completion_tokens"] == 9
         assert any(line.startswith(": x-capyctl-metrics ") for line in lines)
-        await asyncio.gather(*gateway.gateway.drains)
+        await asyncio.gather(*gateway.gateway.fleet.drains)
     assert len({r.peer for r in engine.received}) == 1
 
 
@@ -132,7 +132,7 @@ async def test_a_fault_in_a_later_read_ends_the_stream_unverified_and_closes_the
     assert "[DONE]" not in events
     with anyio.fail_after(5):
         await engine.hung_up.wait()
-    assert gateway.gateway.routes["my-model"].queue.running == 0
+    assert gateway.gateway.fleet.routes["my-model"].queue.running == 0
 
 
 @pytest.mark.parametrize("end", ["body-ends", "connection-dropped"])
@@ -154,7 +154,7 @@ async def test_an_answer_that_stops_short_in_a_later_read_is_an_in_band_error(
     else:
         assert error["code"] == "engine_error"
     assert "127.0.0.1" not in lines[-1]  # the engine's address stays inside
-    assert gateway.gateway.routes["my-model"].queue.running == 0
+    assert gateway.gateway.fleet.routes["my-model"].queue.running == 0
 
 
 ITEM = event(chunk(delta={"content": "z" * 16_000}))
@@ -214,7 +214,7 @@ async def test_a_client_that_stops_reading_while_events_are_pumped_is_a_hang_up(
             # flood and then see a quiet stream (idle_timeout); one that stopped was writing
             # to a client that did not read when the deadline came (hang_up).
             await engine.hung_up.wait()
-    cut = gw.gateway.settlement.ledgers["my-model/0"].cut
+    cut = gw.gateway.fleet.settlement.ledgers["my-model/0"].cut
     assert [c.reason for c in cut] == ["hang_up"]
     assert flood.written[0] < FLOOD_LIMIT // 2
 
@@ -270,7 +270,7 @@ async def test_an_answer_read_by_read_is_folded_whole_and_the_connection_pooled(
         assert status == 200
         assert body["choices"][0]["message"]["content"] == "".join(words)
         assert body["model"] == "my-model" and body["usage"]["completion_tokens"] == 9
-        await asyncio.gather(*gateway.gateway.drains)
+        await asyncio.gather(*gateway.gateway.fleet.drains)
     assert len({r.peer for r in engine.received}) == 1
 
 
@@ -303,7 +303,7 @@ async def test_an_answer_that_fails_in_a_later_read_is_a_502_and_the_engine_is_l
     if isinstance(end[-1], Hold):
         with anyio.fail_after(5):
             await engine.hung_up.wait()
-    assert gateway.gateway.routes["my-model"].queue.running == 0
+    assert gateway.gateway.fleet.routes["my-model"].queue.running == 0
 
 
 async def test_an_answer_past_its_cap_in_a_later_read_is_refused_and_the_engine_let_go(

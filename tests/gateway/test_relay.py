@@ -373,7 +373,7 @@ async def test_a_completed_exchange_leaves_its_engine_connection_in_the_pool(
         for body in ({**CHAT, "stream": True}, CHAT, {**CHAT, "stream": True}, CHAT):
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
             # The connection goes back to the pool once the body's end came (after the answer).
-            await asyncio.gather(*gateway.gateway.drains)
+            await asyncio.gather(*gateway.gateway.fleet.drains)
     peers = {r.peer for r in engine.received}
     assert len(engine.received) == 4 and len(peers) == 1, peers
 
@@ -387,7 +387,7 @@ async def test_an_engine_that_never_ends_its_body_after_done_is_closed_not_poole
         r = await c.post("/v1/chat/completions", json={**CHAT, "stream": stream})
         # The answer did not wait for the body's end (1 s), nor did the request's queue place.
         assert not engine.hung_up.is_set()
-        assert gateway.gateway.routes["my-model"].queue.running == 0 or stream
+        assert gateway.gateway.fleet.routes["my-model"].queue.running == 0 or stream
     assert r.status_code == 200
     if stream:
         assert r.text.rstrip().endswith("data: [DONE]")
@@ -395,7 +395,7 @@ async def test_an_engine_that_never_ends_its_body_after_done_is_closed_not_poole
         assert r.json()["choices"][0]["message"]["content"] == "Hello!"
     with anyio.fail_after(5):
         await engine.hung_up.wait()  # closed, not left open in the pool
-    assert gateway.gateway.settlement.ledgers["my-model/0"].charged == 0  # it finished
+    assert gateway.gateway.fleet.settlement.ledgers["my-model/0"].charged == 0  # it finished
 
 
 async def test_llama_cpp_connections_are_not_reused(gateway: Gw, engine: FakeEngine) -> None:

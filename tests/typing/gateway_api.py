@@ -34,7 +34,7 @@ async def embed(config_path: Path, state: Path) -> None:
     gateway: Gateway = app[GATEWAY_KEY]
     management = web.AppRunner(create_management_app(gateway))
     await management.setup()
-    names: list[str] = list(gateway.routes)
+    names: list[str] = list(gateway.fleet.routes)
     assert names
     await management.cleanup()
     await runner.cleanup()

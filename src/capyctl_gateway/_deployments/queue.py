@@ -10,7 +10,7 @@ from collections import deque
 from .._errors import QueueFullError, UnavailableError
 from .._loop import running_loop
 
-__all__ = ["Admission", "BodyBudget", "DeploymentQueue"]
+__all__ = ["Admission", "BodyBudget", "DeploymentQueue", "Slot"]
 
 
 class Admission:
@@ -83,6 +83,10 @@ class DeploymentQueue:
         if self.running == 0 and self._drained is not None:
             self._drained.set()
 
+    def slot(self, deadline: float) -> Slot:
+        """``async with queue.slot(deadline)``: a running slot, held for the block."""
+        return Slot(self, deadline)
+
     async def drained(self, within_s: float) -> bool:
         """Wait until no request runs (at most ``within_s``); whether none does."""
         if self.running == 0:
@@ -96,6 +100,22 @@ class DeploymentQueue:
         finally:
             self._drained = None
         return True
+
+
+class Slot:
+    """A running slot of one deployment, taken on entry (waiting until ``deadline`` at the
+    latest; the errors of `DeploymentQueue.acquire`) and given back on exit."""
+
+    __slots__ = ("_deadline", "_queue")
+
+    def __init__(self, queue: DeploymentQueue, deadline: float) -> None:
+        self._queue, self._deadline = queue, deadline
+
+    async def __aenter__(self) -> None:
+        await self._queue.acquire(self._deadline)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._queue.release()
 
 
 class BodyBudget:

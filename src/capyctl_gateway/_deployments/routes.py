@@ -13,11 +13,11 @@ Never imports the HTTP surface or the relay.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import InitVar, dataclass, field
 from urllib.parse import urlsplit
 
 from yarl import URL
@@ -26,13 +26,19 @@ from canopyx_provider import CheckReport
 
 from .._config import ConfigError, Deployment, GatewayConfig, Instance, Launch
 from .._engines import facts
+from .._log import event
 from .queue import Admission, DeploymentQueue
+from .runner import LoadSample, Runner
 from .settle import InstanceLedger, Settlement
 
 __all__ = [
     "EngineInstance",
     "Route",
+    "Waiters",
     "build_routes",
+    "check_engine_keys",
+    "load",
+    "load_of",
     "same_version",
     "unusable_reason",
     "usage_penalty",
@@ -48,9 +54,41 @@ ENGINE_HEADERS = {
 }
 
 
+class Waiters:
+    """Requests of one deployment waiting for an instance to take them."""
+
+    __slots__ = ("_changed",)
+
+    def __init__(self) -> None:
+        self._changed: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        """An instance became available: requests waiting for one look again."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def wait(self, within: float) -> bool:
+        """Wait up to ``within`` seconds for an instance to become available; whether one did."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(within, 0))
+        except TimeoutError:
+            return False
+        return True
+
+
 @dataclass(eq=False)
 class EngineInstance:
-    """One engine serving a deployment, as the gateway reaches it."""
+    """One engine serving a deployment, as the gateway reaches it.
+
+    Whether it takes requests (`available`) is derived from two facts, each changed only
+    through `set_open`, which logs why and wakes the requests waiting for an instance: the
+    lifecycle's (``admitting``: an engine someone else runs always admits; a launched one
+    while it is ready and not being drained) and the runner's (``reachable``: a host's
+    session is live and its gate open; always, on this machine).
+    """
 
     deployment: str
     index: int
@@ -59,8 +97,12 @@ class EngineInstance:
     headers: dict[str, str] = field(repr=False)
     engine_key: str | None = field(repr=False)
     ledger: InstanceLedger
+    waiters: Waiters = field(repr=False)
+    runner_for: InitVar[Callable[[EngineInstance], Runner]]
     launch: Launch | None = None
     """How the gateway runs it; None for an engine someone else runs."""
+    runner: Runner = field(init=False, repr=False)
+    """Where its engine runs (chosen once, with the routes)."""
     host: str = field(init=False, default="")
     where: str = field(init=False, default="")
     """How clients hear of it: never its address."""
@@ -69,29 +111,47 @@ class EngineInstance:
     unusable: str | None = None
     """Why requests are not sent here (a startup check the engine failed: another model
     served, another version refused); None while it may be routed to."""
-    available: bool = field(init=False, default=True)
-    """Whether the engine can take requests now (a launched one: only while ready; a remote
-    one: while its host's session is live and its gate open)."""
-    remote: str | None = None
-    """The host machine it runs on (the server role); None when this process reaches it."""
-    gate_open: bool = field(init=False, default=False)
-    """A remote instance's host reported it taking requests (its gate key in the headers)."""
-    exchanges: set[Any] = field(init=False, default_factory=set)
-    """A remote instance's exchanges in progress (ended at once when its host goes away)."""
+    admitting: bool = field(init=False, default=False)
+    reachable: bool = field(init=False, default=True)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, runner_for: Callable[[EngineInstance], Runner]) -> None:
         self.where = f"deployment {self.deployment}, instance {self.index}"
-        self.available = self.launch is None and self.remote is None
-        if self.url is not None and self.remote is None:
+        self.admitting = self.launch is None
+        self.runner = runner_for(self)
+        self.host = self.runner.host or ""
+        if self.url is not None:
             self.bind(self.url)
-        if self.remote is not None:
-            self.url, self.host = None, self.remote
+
+    @property
+    def available(self) -> bool:
+        """Whether the engine can take requests now."""
+        return self.admitting and self.reachable
+
+    def set_open(
+        self, *, admitting: bool | None = None, reachable: bool | None = None, why: str
+    ) -> None:
+        """The one way to change whether this instance takes requests."""
+        before = self.available
+        if admitting is not None:
+            self.admitting = admitting
+        if reachable is not None:
+            self.reachable = reachable
+        now = self.available
+        if now is before:
+            return
+        event(
+            "dispatch", "%s: %s (%s)", self.where, "takes requests" if now else "takes none",
+            why, deployment=self.deployment, instance=self.index,
+            state="open" if now else "closed", reason=why,
+        )  # fmt: skip
+        if now:
+            self.waiters.notify()
 
     def bind(self, url: str) -> None:
-        """Address the instance at ``url`` (a launched engine, once it has its port; a remote
-        one, at its host's ingress)."""
+        """Address the instance at ``url`` (a launched engine, once it has its port; one on a
+        host, at its host's ingress)."""
         self.url = url
-        self.host = self.remote or urlsplit(url).hostname or ""
+        self.host = self.runner.host or urlsplit(url).hostname or ""
         # Parsed once: aiohttp would parse a string URL on every request.
         self.chat_url = URL(url + "/v1/chat/completions")
         self.decision_url = URL(url + "/v1/systemone")
@@ -102,35 +162,29 @@ class EngineInstance:
         return self.ledger.key
 
 
+def load_of(inst: EngineInstance, sample: LoadSample | None) -> int:
+    """What routing weighs: the engine's running and waiting requests from a fresh sample,
+    never less than the requests the gateway has in flight there, plus a penalty for a nearly
+    full KV cache (or slot set); without such a sample, the requests in flight alone."""
+    running = inst.ledger.running
+    if sample is None or sample.running is None or sample.waiting is None:
+        return running
+    return max(running, int(sample.running + sample.waiting)) + usage_penalty(sample.usage)
+
+
+def load(inst: EngineInstance) -> int:
+    return load_of(inst, inst.runner.sample())
+
+
 @dataclass(eq=False)
 class Route:
     deployment: Deployment
     instances: list[EngineInstance]
     queue: DeploymentQueue
+    waiters: Waiters
     turn: itertools.count[int] = field(default_factory=itertools.count)
-    _changed: asyncio.Event | None = None
 
-    def notify(self) -> None:
-        """An instance became available: requests waiting for one look again."""
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    async def available(self, within: float) -> bool:
-        """Wait up to ``within`` seconds for an instance to become available; whether one did."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._changed.wait(), max(within, 0))
-        except TimeoutError:
-            return False
-        return True
-
-    def choose(
-        self,
-        load: Callable[[EngineInstance], int],
-        exclude: set[int] | frozenset[int] = frozenset(),
-    ) -> EngineInstance | None:
+    def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> EngineInstance | None:
         """The least loaded usable instance among those not excluded; ties rotate."""
         if len(self.instances) == 1:
             only = self.instances[0]
@@ -192,12 +246,17 @@ def _engine_key(instance: Instance, env: Mapping[str, str]) -> str | None:
 
 
 def build_routes(
-    config: GatewayConfig, env: Mapping[str, str], settlement: Settlement
+    config: GatewayConfig,
+    env: Mapping[str, str],
+    settlement: Settlement,
+    runner_for: Callable[[EngineInstance, str | None], Runner],
 ) -> dict[str, Route]:
-    """One route per deployment; raises ConfigError for an engine key that is not set."""
+    """One route per deployment, each instance with the runner ``runner_for`` chooses for it;
+    raises ConfigError for an engine key that is not set."""
     admission = Admission(config.queue.max_waiting_total)
     routes: dict[str, Route] = {}
     for d in config.deployments:
+        waiters = Waiters()
         instances = []
         for i, inst in enumerate(d.instances):
             key = _engine_key(inst, env) if inst.host is None else None  # read on the host
@@ -207,22 +266,33 @@ def build_routes(
             if facts(d.engine).closes_after_stream:
                 headers["Connection"] = "close"  # so the connection is never reused
             ledger = settlement.ledger(f"{d.name}/{i}")
+            url = inst.url if inst.host is None else None  # one on a host: at its ingress
+            place = functools.partial(_placed, runner_for, inst.host)
             instances.append(
                 EngineInstance(
-                    d.name,
-                    i,
-                    inst.url,
-                    headers,
-                    key,
-                    ledger,
-                    launch=inst.launch,
-                    remote=inst.host,
-                )  # fmt: skip
+                    d.name, i, url, headers, key, ledger, waiters, place, launch=inst.launch
+                )
             )
         queue = DeploymentQueue(
             admission,
             max_running=config.queue.max_running_per_deployment,
             max_waiting=config.queue.max_waiting_per_deployment,
         )
-        routes[d.name] = Route(d, instances, queue)
+        routes[d.name] = Route(d, instances, queue, waiters)
     return routes
+
+
+def _placed(
+    runner_for: Callable[[EngineInstance, str | None], Runner],
+    host: str | None,
+    inst: EngineInstance,
+) -> Runner:
+    return runner_for(inst, host)
+
+
+def check_engine_keys(config: GatewayConfig, env: Mapping[str, str]) -> None:
+    """Raise ConfigError for an engine key that is not set (before anything is opened)."""
+    for d in config.deployments:
+        for inst in d.instances:
+            if inst.host is None:
+                _engine_key(inst, env)

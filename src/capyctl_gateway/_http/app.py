@@ -8,7 +8,8 @@ setting is not the caller's to forget: `create_app` refuses to start under any r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 from aiohttp import web
@@ -16,9 +17,12 @@ from aiohttp import web
 from canopyx_provider import ProviderOptions
 
 from .._config import GatewayConfig
-from .._gateway import Gateway, engine_collector, engine_lifecycle, engine_session
+from .._deployments.routes import check_engine_keys
+from .._fleet import open_fleet
+from .._gateway import Gateway
 from .._machines.enroll import ServerIdentity
-from .inference import Inference, not_found, wrong_method
+from .calls import not_found, wrong_method
+from .inference import Inference
 from .openapi import openapi_handler
 from .server import HANGUPS_SEEN, LIMITS, GatewayRunner, Limits
 
@@ -47,15 +51,24 @@ def create_app(
 ) -> web.Application:
     """The inference application for ``config``; serve it with `GatewayRunner`. Its cleanup
     closes everything it opened."""
-    gateway = Gateway(
-        config,
-        api_key,
-        env=env,
-        collector_options=collector_options,
-        engine_logs=engine_logs,
-        state_dir=state_dir,
-        server=server,
-    )
+    env = os.environ if env is None else env
+    check_engine_keys(config, env)  # a key that is not set is refused before anything opens
+    gateway = Gateway(config, api_key)
+
+    async def serve_fleet(_: web.Application) -> AsyncIterator[None]:
+        async with open_fleet(
+            config,
+            env=env,
+            telemetry=gateway.telemetry,
+            collector_options=collector_options,
+            clock=gateway.clock,
+            engine_logs=engine_logs,
+            state_dir=state_dir,
+            server=server,
+        ) as fleet:
+            gateway.serve(fleet)
+            yield
+
     handlers = Inference(gateway)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
@@ -64,9 +77,7 @@ def create_app(
         header_timeout=config.limits.header_timeout,
     )
     app.on_startup.append(_require_gateway_runner)
-    app.cleanup_ctx.append(lambda _: engine_session(gateway))
-    app.cleanup_ctx.append(lambda _: engine_collector(gateway))
-    app.cleanup_ctx.append(lambda _: engine_lifecycle(gateway))
+    app.cleanup_ctx.append(serve_fleet)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_route("*", "/v1/models", wrong_method("GET"))
     app.router.add_post("/v1/chat/completions", handlers.chat)

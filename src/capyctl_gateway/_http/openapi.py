@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from .._errors import GatewayError, UnauthorizedError
-from .._ulid import new_ulid
+from .._ulid import REQUEST_ID, new_ulid
 from .answers import error_response
 from .validate import caller_request_id
 
@@ -34,7 +34,7 @@ def openapi_handler(
     judged as on every other route: the key first, a caller's ID handed back when valid."""
 
     async def openapi(request: web.Request) -> web.Response:
-        headers = {"X-CapyCTL-Request-Id": new_ulid()}
+        headers = {REQUEST_ID: new_ulid()}
         problem: GatewayError | None = None
         try:
             caller = caller_request_id(request.headers.getall("X-Request-Id", []))

@@ -4,67 +4,70 @@ its phases, all counted from its arrival."""
 
 from __future__ import annotations
 
-from .._errors import BusyError, EngineError, GatewayError, RefusedError
+from .._errors import EngineError, GatewayError
 from .._loop import running_loop
 from .._relay.exchange import Exchange
-from .._telemetry import Telemetry
+from .._telemetry import Ending, Telemetry
 
-__all__ = ["Times", "outcome_of", "record"]
+__all__ = ["Tally", "ending_of", "record"]
 
 
-class Times:
-    """Loop times of one request's milestones before it reaches an engine."""
+class Tally:
+    """One request as the gateway's counts see it, filled in as it goes: its deployment, the
+    loop times of its milestones before an engine, how it ended, the code it was refused
+    with, and its last exchange and instance."""
 
-    __slots__ = ("arrival", "ready", "slot")
+    __slots__ = ("api", "arrival", "code", "deployment", "ending", "ex", "instance", "launched",
+                 "ready", "slot")  # fmt: skip
 
-    def __init__(self, arrival: float) -> None:
+    def __init__(self, api: str, arrival: float) -> None:
+        self.api = api
         self.arrival = arrival
+        self.deployment = ""
+        """Known once the body names one (refusals before that count under "")."""
         self.slot: float | None = None
         self.ready: float | None = None
+        self.ending = Ending.HANG_UP
+        """What a cancellation leaves (a client that hung up); set on every other way out."""
+        self.code: str | None = None
+        self.ex: Exchange | None = None
+        self.instance: int | None = None
+        self.launched = False
+
+    def ended(self, err: GatewayError | None = None) -> None:
+        """The request was answered: with ``err``, or as its exchange ended."""
+        self.ending = ending_of(self.ex, err)
+        if err is not None:
+            self.code = err.code
 
 
-def outcome_of(ex: Exchange | None, err: GatewayError | None) -> str:
-    """completed, engine_error, unverified, hang_up, deadline, idle_timeout or refused."""
-    if ex is None:
-        if err is None:
-            return "completed"
-        return "refused" if isinstance(err, RefusedError | BusyError) else "engine_error"
-    out = ex.outcome
-    if out.cut is not None:
-        return out.cut
-    if out.kind == "engine_rejected":
-        return "refused"
-    if out.kind is not None:
-        return out.kind
-    if err is not None:
-        return "engine_error" if isinstance(err, EngineError) else "refused"
-    return "completed"
+def ending_of(ex: Exchange | None, err: GatewayError | None) -> Ending:
+    """How a request ended: as its last exchange ended, when it had one; otherwise (refused
+    before any engine saw it, or no instance could take it) by the error it was answered."""
+    if ex is not None and ex.outcome.ending is not None:
+        return ex.outcome.ending
+    if err is None:
+        return Ending.COMPLETED
+    return Ending.ENGINE_ERROR if isinstance(err, EngineError) else Ending.REFUSED
 
 
-def record(
-    t: Telemetry,
-    deployment: str,
-    api: str,
-    outcome: str,
-    code: str | None,
-    times: Times,
-    ex: Exchange | None,
-    instance: int | None,
-    launched: bool,
-) -> None:
-    t.requests[(deployment, api, outcome)] += 1
-    if outcome == "refused" and code is not None:
-        t.refusals[(deployment, code)] += 1
+def record(t: Telemetry, r: Tally) -> None:
+    deployment, outcome = r.deployment, r.ending
+    t.requests[(deployment, r.api, outcome)] += 1
+    if outcome is Ending.REFUSED and r.code is not None:
+        t.refusals[(deployment, r.code)] += 1
     if not deployment:
         return
-    arrival = times.arrival
+    arrival = r.arrival
+    instance = r.instance
     queue, activation, head, content, last, total = t.phases(
         deployment, "" if instance is None else _INDEX.get(instance) or str(instance)
     )
-    if times.slot is not None:
-        queue.observe(times.slot - arrival)
-        if launched and times.ready is not None:
-            activation.observe(times.ready - times.slot)
+    if r.slot is not None:
+        queue.observe(r.slot - arrival)
+        if r.launched and r.ready is not None:
+            activation.observe(r.ready - r.slot)
+    ex = r.ex
     if ex is not None:
         out = ex.outcome
         if out.head_at is not None:

@@ -30,7 +30,7 @@ from aiohttp.web_request import BaseRequest
 
 from .._errors import GatewayError
 from .._log import SparseLog
-from .._ulid import new_ulid
+from .._ulid import REQUEST_ID, new_ulid
 from .answers import error_response
 
 __all__ = ["HANGUPS_SEEN", "LIMITS", "BoundedRunner", "GatewayRunner", "Limits", "TLSSite"]
@@ -99,7 +99,8 @@ def _busy_answer(extra: bytes) -> bytes:
         b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
         b"Connection: close\r\nRetry-After: 1\r\n"
         + extra
-        + b"X-CapyCTL-Request-Id: "
+        + REQUEST_ID.encode()
+        + b": "
         + new_ulid().encode()
         + b"\r\nContent-Length: "
         + str(len(body)).encode()
@@ -170,7 +171,7 @@ class _Protocol(RequestHandler):
             err = GatewayError("the gateway failed on this request; it is logged", status=status)
         if request.writer.output_size > 0:
             raise ConnectionError("an answer was started already; the connection is closed")
-        resp = error_response(err, {"X-CapyCTL-Request-Id": rid})
+        resp = error_response(err, {REQUEST_ID: rid})
         resp.force_close()
         return resp
 

@@ -40,7 +40,7 @@ class MemoryBudget:
             if memory is None:
                 continue
             for lc in life.launched:
-                if not everywhere and lc.inst.remote != host:
+                if not everywhere and lc.inst.runner.host != host:
                     continue
                 if lc.state in HOLDING:
                     total += memory.ready
@@ -55,10 +55,10 @@ class MemoryBudget:
         memory = life.deployment.memory
         if budget is None or memory is None:
             return
-        for host in {lc.inst.remote for lc in [*starting, *waking]}:
-            need = memory.ready * sum(1 for lc in starting if lc.inst.remote == host) + (
+        for host in {lc.inst.runner.host for lc in [*starting, *waking]}:
+            need = memory.ready * sum(1 for lc in starting if lc.inst.runner.host == host) + (
                 memory.ready - memory.parked
-            ) * sum(1 for lc in waking if lc.inst.remote == host)
+            ) * sum(1 for lc in waking if lc.inst.runner.host == host)
             while self.held_on(host) + need > budget:
                 victim = self._victim(life, host)
                 where = "" if host is None else f" on host {host}"
@@ -76,7 +76,7 @@ class MemoryBudget:
             for life in self.lives.values()
             if life is not target
             and any(
-                lc.inst.remote == host
+                lc.inst.runner.host == host
                 and (
                     lc.state in HOLDING
                     or (lc.state is InstanceState.PARKED and memory_of(life) > 0)

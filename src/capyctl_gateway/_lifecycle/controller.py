@@ -15,10 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-
-import aiohttp
+from collections.abc import Callable
 
 from .._config import GatewayConfig
 from .._deployments.routes import EngineInstance, Route
@@ -26,15 +23,15 @@ from .._deployments.settle import Settlement
 from .._errors import (
     ActivationFailedError,
     DeploymentStoppedError,
+    EngineControlError,
     GatewayError,
     UnavailableError,
 )
 from .budget import MemoryBudget
-from .process import StartFailedError
 from .rest import put_to_rest
 from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
-from .watch import look
+from .watch import look, reported
 
 __all__ = ["InstanceState", "Launched", "Lifecycle", "fresh"]
 
@@ -52,13 +49,10 @@ class Lifecycle:
         routes: dict[str, Route],
         settlement: Settlement,
         *,
-        session: Callable[[], aiohttp.ClientSession | None],
-        on_ready: Callable[[EngineInstance], None],
-        on_stopped: Callable[[EngineInstance], None],
-        log_dir: Path,
-        remote: Callable[[EngineInstance, str, str, float], Awaitable[None]] | None = None,
         remember: Callable[[str, bool, bool], None] | None = None,
     ) -> None:
+        """``remember(name, stopped, started)`` keeps an operator's intent for a deployment
+        across restarts (the store)."""
         self._config = config
         self._remember = remember
         self.lives: dict[str, DeploymentLife] = {
@@ -66,17 +60,11 @@ class Lifecycle:
             for name, r in routes.items()
             if r.deployment.launched
         }
+        self._launched = {lc.inst.key: (life, lc) for life in self.lives.values()
+                          for lc in life.launched}  # fmt: skip
         self._tasks: set[asyncio.Task[None]] = set()
         self.budget = MemoryBudget(config, self.lives, self._switch_out)
-        self.engines = Transitions(
-            self.lives,
-            settlement,
-            session=session,
-            on_ready=on_ready,
-            on_stopped=on_stopped,
-            log_dir=log_dir,
-            remote=remote,
-        )
+        self.engines = Transitions(self.lives, settlement)
 
     # -- requests ------------------------------------------------------------------------
     async def ensure_ready(self, name: str, deadline: float) -> None:
@@ -124,7 +112,7 @@ class Lifecycle:
         jobs = [*(self.engines.start(lc) for lc in todo), *(self.engines.wake(lc) for lc in parked)]
         results = await asyncio.gather(*jobs, return_exceptions=True)
         if not life.ready:
-            failed = next((r for r in results if isinstance(r, StartFailedError)), None)
+            failed = next((r for r in results if isinstance(r, EngineControlError)), None)
             detail = failed.message if failed is not None else "no instance became ready"
             raise ActivationFailedError(
                 f"deployment {name} could not be started; the gateway's log has the engine's "
@@ -158,8 +146,8 @@ class Lifecycle:
 
     async def _drain_and_stop(self, life: DeploymentLife) -> None:
         try:
-            for lc in life.launched:
-                lc.inst.available = False  # requests that arrive wait for it to come back
+            for lc in life.launched:  # requests that arrive wait for it to come back
+                lc.inst.set_open(admitting=False, why="switching out for another deployment")
             # Running requests finish on their own, within the drain timeout.
             await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
             # A second turn for a deployment already parked: parking did not free enough.
@@ -193,9 +181,17 @@ class Lifecycle:
                 self.engines.stop_one(lc, "the gateway is stopping")
                 for life in self.lives.values()
                 for lc in life.launched
-                if lc.inst.remote is None
+                if not lc.inst.runner.outlives_gateway
             )
         )
+
+    # -- what hosts report ------------------------------------------------------------------
+    def found(self, inst: EngineInstance, state: str, failure: str | None) -> None:
+        """What a host reports of a launched instance's engine (``state``: a lifecycle state;
+        ``failure``: why it stopped there): see `watch.reported`."""
+        entry = self._launched.get(inst.key)
+        if entry is not None:
+            reported(self, *entry, state, failure)
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ async def _drain_and_rest(
     life.draining = True
     try:
         for lc in life.launched:
-            lc.inst.available = False
+            lc.inst.set_open(admitting=False, why=reason)
         if life.activation is not None and not life.activation.done():
             await asyncio.gather(asyncio.shield(life.activation), return_exceptions=True)
         await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)

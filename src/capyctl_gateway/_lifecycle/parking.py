@@ -23,16 +23,13 @@ import time
 import aiohttp
 
 from .._engines import EngineKind
+from .._errors import ParkFailedError
 
 __all__ = ["ParkFailedError", "drive"]
 
 PARK_TIMEOUT_S = 600.0
 STATUS_EVERY_S = 0.2
 """How often a router's model status is read while it loads or unloads (it cannot tell us)."""
-
-
-class ParkFailedError(Exception):
-    """The engine did not park or wake as asked."""
 
 
 async def _post(

@@ -23,6 +23,7 @@ import aiohttp
 
 from .._config import Launch
 from .._engines import EngineKind, facts
+from .._errors import StartFailedError
 
 __all__ = ["EngineProcess", "StartFailedError", "free_port", "launch_argv", "launch_env"]
 
@@ -30,15 +31,6 @@ STOP_GRACE_S = 15.0
 """A stopping engine's reaper gets SIGTERM (it gives the engine 10 s), and SIGKILL after this."""
 REAPER = [sys.executable, "-m", "capyctl_gateway._lifecycle.reaper", "--"]
 PROBE_EVERY_S = 0.1
-
-
-class StartFailedError(Exception):
-    """The engine did not become ready: it exited, or did not answer within its timeout."""
-
-    def __init__(self, message: str, *, log_tail: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.log_tail = log_tail
 
 
 def free_port() -> int:

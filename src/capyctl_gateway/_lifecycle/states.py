@@ -9,7 +9,6 @@ from enum import StrEnum
 
 from .._config import Deployment
 from .._deployments.routes import EngineInstance, Route
-from .process import EngineProcess
 
 __all__ = ["HOLDING", "STARTABLE", "DeploymentLife", "InstanceState", "Launched"]
 
@@ -40,12 +39,11 @@ HOLDING = frozenset(
 
 @dataclass(eq=False)
 class Launched:
-    """One launched instance: its state and, while it runs, its process."""
+    """One launched instance: its state (its process is its runner's)."""
 
     inst: EngineInstance
     state: InstanceState = InstanceState.STOPPED
     since: float = field(default_factory=time.monotonic)
-    process: EngineProcess | None = None
     failure: str | None = None
 
 

@@ -1,21 +1,22 @@
-"""Starting and stopping launched instances, each transition logged as a ``lifecycle`` event
-with the deployment, instance, from, to, reason and how long the state before lasted."""
+"""Starting, parking, waking and stopping launched instances through their runners, each
+transition logged as a ``lifecycle`` event with the deployment, instance, from, to, reason and
+how long the state before lasted.
+
+Where the engine runs is the runner's business (`Runner`: this machine's processes, or a host's
+orders); the states, their order and what each means for requests are the same everywhere. A
+ready instance admits requests; every other state admits none.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Callable
 
-import aiohttp
-
-from .._deployments.routes import EngineInstance
 from .._deployments.settle import Settlement
+from .._errors import EngineControlError, StartFailedError
 from .._log import event
-from .parking import ParkFailedError, drive
-from .process import EngineProcess, StartFailedError, free_port, launch_argv, launch_env
 from .states import HOLDING, DeploymentLife, InstanceState, Launched
 
 __all__ = ["Transitions"]
@@ -24,152 +25,87 @@ logger = logging.getLogger("capyctl_gateway")
 
 
 class Transitions:
-    def __init__(
-        self,
-        lives: dict[str, DeploymentLife],
-        settlement: Settlement,
-        *,
-        session: Callable[[], aiohttp.ClientSession | None],
-        on_ready: Callable[[EngineInstance], None],
-        on_stopped: Callable[[EngineInstance], None],
-        log_dir: Path,
-        remote: Callable[[EngineInstance, str, str, float], Awaitable[None]] | None = None,
-    ) -> None:
-        """``remote(inst, op, reason, timeout)``: has an instance's host carry out ``op``."""
-        self.remote = remote
+    def __init__(self, lives: dict[str, DeploymentLife], settlement: Settlement) -> None:
         self.lives = lives
         self._settlement = settlement
-        self._session = session
-        self._on_ready = on_ready
-        self._on_stopped = on_stopped
-        self.log_dir = log_dir
         self.observers: list[Callable[[Launched], None]] = []
-        """Called after each transition (tests; what status shows is read, not pushed)."""
+        """Called after each transition (telemetry, tests)."""
 
-    async def start(self, lc: Launched) -> None:
-        inst = lc.inst
-        assert inst.launch is not None
-        life = self.lives[inst.deployment]
-        dep = life.deployment
-        session = self._session()
-        if session is None:
-            raise StartFailedError("the gateway is stopping")
-        self.move(lc, InstanceState.STARTING, "a request is waiting")
-        if inst.remote is not None:
-            await _order(self, lc, "start", "a request is waiting", inst.launch.startup_timeout)
-            return
-        port = free_port()
-        log = self.log_dir / f"{dep.name}-{inst.index}.log"
-        sleep = life.parks and not dep.router  # a router parks by unloading: no flags
-        argv = launch_argv(dep.engine, inst.launch, port, sleep=sleep)
-        env = launch_env(dep.engine, inst.launch, sleep=sleep)
-        proc = EngineProcess(argv, env, log, port)
-        lc.process = proc
+    async def start(self, lc: Launched, reason: str = "a request is waiting") -> None:
+        """Start one stopped or failed instance; raises EngineControlError if it did not."""
+        self.move(lc, InstanceState.STARTING, reason)
         try:
-            await proc.start(session, inst.launch.startup_timeout)
-        except StartFailedError as exc:
+            answered = await lc.inst.runner.start(reason)
+        except EngineControlError as exc:
             lc.failure = exc.message
-            logger.error(
-                "%s did not start: %s; its log %s ends:\n%s", inst.where, exc.message, log,
-                exc.log_tail.rstrip(),
-            )  # fmt: skip
             self.move(lc, InstanceState.FAILED, exc.message)
-            lc.process = None
             raise
         except BaseException:
-            await proc.stop()
-            lc.process = None
+            await lc.inst.runner.stop("start abandoned")
             self.move(lc, InstanceState.STOPPED, "start abandoned")
             raise
-        lc.failure = None
-        inst.bind(proc.url)
-        self._on_ready(inst)
-        inst.available = True
-        life.route.notify()
-        self.move(lc, InstanceState.READY, f"answered on port {port}")
+        self._ready(lc, answered)
 
     async def park(self, lc: Launched, reason: str) -> None:
         """Park with the process up (the engine gives its memory back); a stop if it fails."""
-        inst = lc.inst
-        session = self._session()
-        if (
-            session is None
-            or (inst.url is None and inst.remote is None)
-            or lc.state is not InstanceState.READY
-        ):
+        if lc.state is not InstanceState.READY:
             return
-        inst.available = False
+        lc.inst.set_open(admitting=False, why=reason)
         self.move(lc, InstanceState.PARKING, reason)
-        if inst.remote is not None:
-            try:
-                await _order(self, lc, "park", reason, 120.0)
-            except StartFailedError as exc:
-                logger.warning("%s did not park (%s); stopping it instead", inst.where, exc)
-                await self.stop_one(lc, f"could not park: {exc}")
-            return
-        dep = self.lives[inst.deployment].deployment
-        model = dep.engine_model if dep.router else None
-        assert inst.url is not None
         try:
-            await drive(session, dep.engine, inst.url, _auth(inst), model, park=True)
-        except ParkFailedError as exc:
-            logger.warning("%s did not park (%s); stopping it instead", inst.where, exc)
+            await lc.inst.runner.park(reason)
+        except EngineControlError as exc:
+            logger.warning("%s did not park (%s); stopping it instead", lc.inst.where, exc)
             await self.stop_one(lc, f"could not park: {exc}")
             return
-        self.move(lc, InstanceState.PARKED, reason)
+        self.move(lc, InstanceState.PARKED, _on(lc, reason))
 
-    async def wake(self, lc: Launched) -> None:
+    async def wake(self, lc: Launched, reason: str = "a request is waiting") -> None:
         """Wake a parked instance; a wake that fails stops it (StartFailedError)."""
-        inst = lc.inst
-        session = self._session()
-        if session is None or (inst.url is None and inst.remote is None):
-            raise StartFailedError("the gateway is stopping")
-        self.move(lc, InstanceState.WAKING, "a request is waiting")
-        if inst.remote is not None:
-            try:
-                await _order(self, lc, "wake", "a request is waiting", 600.0)
-            except StartFailedError:
-                await self.stop_one(lc, "could not wake")
-                raise
-            return
-        dep = self.lives[inst.deployment].deployment
-        model = dep.engine_model if dep.router else None
-        assert inst.url is not None
+        self.move(lc, InstanceState.WAKING, reason)
         try:
-            await drive(session, dep.engine, inst.url, _auth(inst), model, park=False)
-        except ParkFailedError as exc:
+            await lc.inst.runner.wake(reason)
+        except EngineControlError as exc:
             await self.stop_one(lc, f"could not wake: {exc}")
-            self.move(lc, InstanceState.FAILED, f"could not wake: {exc}")
+            lc.failure = f"could not wake: {exc}"
+            self.move(lc, InstanceState.FAILED, lc.failure)
             raise StartFailedError(f"the engine did not wake: {exc}") from None
-        inst.available = True
-        self.lives[inst.deployment].route.notify()
-        self.move(lc, InstanceState.READY, "woke")
+        self._ready(lc, _on(lc, "woke"))
+
+    def _ready(self, lc: Launched, reason: str) -> None:
+        lc.failure = None
+        self.move(lc, InstanceState.READY, reason)
+        lc.inst.set_open(admitting=True, why=reason)
 
     async def stop(self, life: DeploymentLife, reason: str) -> None:
         await asyncio.gather(*(self.stop_one(lc, reason) for lc in life.launched))
 
     async def stop_one(self, lc: Launched, reason: str) -> None:
-        if lc.state not in HOLDING and lc.state is not InstanceState.PARKED and lc.process is None:
+        if lc.state not in HOLDING and lc.state is not InstanceState.PARKED:
             return
         inst = lc.inst
-        inst.available = False
+        inst.set_open(admitting=False, why=reason)
         self.move(lc, InstanceState.STOPPING, reason)
-        self._on_stopped(inst)
-        if inst.remote is not None:
-            try:
-                await _order(self, lc, "stop", reason, 60.0)
-            except StartFailedError as exc:  # its cut requests stay counted: unproven
-                logger.warning("%s: its host did not confirm the stop (%s)", inst.where, exc)
-                self.move(lc, InstanceState.STOPPED, f"{reason}; unconfirmed: {exc}")
-                return
-            self._settlement.settle_all(inst.ledger, "engine stopped by its host")
+        try:
+            proven = await inst.runner.stop(reason)
+        except EngineControlError as exc:  # its cut requests stay counted: unproven
+            logger.warning("%s: the stop is not confirmed (%s)", inst.where, exc)
+            self.move(lc, InstanceState.STOPPED, f"{reason}; unconfirmed: {exc}")
             return
-        if lc.process is not None:
-            await lc.process.stop()
-            lc.process = None
-        # A stopped engine runs nothing: every cut request it still counted is settled.
-        self._settlement.settle_all(inst.ledger, "engine stopped by the gateway")
+        finally:
+            inst.unusable = None  # its next process is checked afresh
+        if proven:  # a stopped engine runs nothing: every cut request it counted is settled
+            where = "its host" if inst.runner.host is not None else "the gateway"
+            self._settlement.settle_all(inst.ledger, f"engine stopped by {where}")
         self.move(lc, InstanceState.STOPPED, reason)
+
+    def found(self, lc: Launched, state: InstanceState, reason: str) -> None:
+        """Take up an engine found running (or parked) without this gateway starting it."""
+        lc.failure = None
+        if state is InstanceState.READY:
+            self._ready(lc, reason)
+        else:
+            self.move(lc, state, reason)
 
     def move(self, lc: Launched, to: InstanceState, reason: str) -> None:
         now = time.monotonic()
@@ -185,33 +121,6 @@ class Transitions:
         )  # fmt: skip
 
 
-async def _order(engines: Transitions, lc: Launched, op: str, reason: str, within: float) -> None:
-    """Have the instance's host carry out ``op``; the state it reaches is the one its
-    host reports. Raises StartFailedError when it could not."""
-    assert engines.remote is not None
-    goal = _GOALS[op]
-    try:
-        await engines.remote(lc.inst, op, reason, within)
-    except Exception as exc:  # the host's words, or its session gone
-        lc.failure = str(exc)
-        if op != "stop":
-            engines.move(lc, InstanceState.FAILED, f"{op} on its host failed: {exc}")
-        raise StartFailedError(str(exc)) from None
-    lc.failure = None
-    if goal is InstanceState.READY:  # its host reported it with its gate open
-        lc.inst.available = lc.inst.gate_open
-        engines.lives[lc.inst.deployment].route.notify()
-    engines.move(lc, goal, f"{reason} (on host {lc.inst.remote})")
-
-
-_GOALS = {
-    "start": InstanceState.READY,
-    "wake": InstanceState.READY,
-    "park": InstanceState.PARKED,
-    "stop": InstanceState.STOPPED,
-}
-
-
-def _auth(inst: EngineInstance) -> dict[str, str]:
-    key = inst.engine_key
-    return {"Authorization": f"Bearer {key}"} if key is not None else {}
+def _on(lc: Launched, reason: str) -> str:
+    host = lc.inst.runner.host
+    return reason if host is None else f"{reason} (on host {host})"

@@ -1,17 +1,17 @@
 """What the gateway looks for once a second: engines that exited, deployments idle for their
 ``ready_idle_timeout`` (parked or stopped) and parked ones idle for ``parked_idle_timeout``
-(stopped)."""
+(stopped); and what hosts report of the engines they run (`reported`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .states import DeploymentLife, InstanceState
+from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 
 if TYPE_CHECKING:
     from .controller import Lifecycle
 
-__all__ = ["look"]
+__all__ = ["look", "reported"]
 
 
 def _quiet(life: DeploymentLife) -> bool:
@@ -28,13 +28,12 @@ async def look(lifecycle: Lifecycle, now: float) -> None:
     engines = lifecycle.engines
     for life in lifecycle.lives.values():
         for lc in life.launched:
-            proc = lc.process
             running = lc.state in (InstanceState.READY, InstanceState.PARKED)
-            if running and proc is not None and proc.exited():
-                code = proc.proc.returncode if proc.proc is not None else None
-                lc.failure = f"the engine exited with status {code}"
-                await engines.stop_one(lc, lc.failure)
-                engines.move(lc, InstanceState.FAILED, lc.failure)
+            gone = lc.inst.runner.exited() if running else None
+            if gone is not None:
+                lc.failure = gone
+                await engines.stop_one(lc, gone)
+                engines.move(lc, InstanceState.FAILED, gone)
         if not _quiet(life):
             continue
         cycle = life.deployment.lifecycle
@@ -49,3 +48,27 @@ async def look(lifecycle: Lifecycle, now: float) -> None:
             and now - max(lc.since for lc in life.launched) >= cycle.parked_idle_timeout
         ):
             lifecycle.rest(life, "parked for lifecycle.parked_idle_timeout", may_park=False)
+
+
+def reported(
+    lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, state: str, failure: str | None
+) -> None:
+    """Keep a launched instance's state true to what its host reports of it: an engine that
+    exited there is failed here (its next request starts it again); one found running or
+    parked there (a server that restarted, an answer lost with a session) is taken up as such,
+    and stopped if an operator stopped its deployment."""
+    inst, engines = lc.inst, lifecycle.engines
+    where = f"on host {inst.runner.host}"
+    if lc.state in (InstanceState.READY, InstanceState.PARKED):
+        if state in ("stopped", "failed"):
+            lc.failure = failure or f"the engine exited {where}"
+            engines.move(lc, InstanceState.FAILED, lc.failure)
+            inst.set_open(admitting=False, why=lc.failure)
+        return
+    busy = life.closing is not None or (life.activation is not None and not life.activation.done())
+    if busy or lc.state not in STARTABLE or state not in ("ready", "parked"):
+        return
+    seen = InstanceState.READY if state == "ready" else InstanceState.PARKED
+    engines.found(lc, seen, f"found {state} {where}")
+    if life.operator_stopped:
+        lifecycle.rest(life, "stopped by an operator", may_park=False)

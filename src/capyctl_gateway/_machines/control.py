@@ -12,6 +12,7 @@ import ipaddress
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,9 @@ class HostSession:
     rtts: deque[float] = field(default_factory=lambda: deque(maxlen=16))
 
 
-def control_app(machines: Machines) -> web.Application:
+def control_app(machines: Callable[[], Machines]) -> web.Application:
+    """The control listener's application; ``machines`` gives the server's hosts once its
+    fleet is open (the listener is served only after that)."""
     control = _Control(machines)
     app = web.Application(client_max_size=64 * 1024)
     app.router.add_post("/v1/enroll", control.enroll)
@@ -56,10 +59,18 @@ def control_app(machines: Machines) -> web.Application:
 
 
 class _Control:
-    def __init__(self, machines: Machines) -> None:
-        self.m = machines
+    def __init__(self, machines: Callable[[], Machines]) -> None:
+        self._machines = machines
+        self._m: Machines | None = None
         self.refusals = SparseLog()
         """Whoever reaches the control port can be refused: at most a line a second of it."""
+
+    @property
+    def m(self) -> Machines:
+        """The server's hosts (kept once known: a session may end after the fleet closed)."""
+        if self._m is None:
+            self._m = self._machines()
+        return self._m
 
     async def enroll(self, request: web.Request) -> web.Response:
         try:

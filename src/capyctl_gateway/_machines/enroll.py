@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from .._errors import OperatorError
 from .._identity import check_private
 from . import pki
 
@@ -46,7 +47,7 @@ CREATE TABLE IF NOT EXISTS invite (
 """
 
 
-class JoinError(Exception):
+class JoinError(OperatorError):
     """A join file or enrollment that cannot be used; the message says why and what to do."""
 
 

@@ -27,6 +27,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from .._errors import OperatorError
+
 __all__ = [
     "SERVER_NAME",
     "PkiError",
@@ -50,7 +52,7 @@ _SKEW = datetime.timedelta(hours=1)  # not_before lies this far back: clocks dis
 _HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 
 
-class PkiError(Exception):
+class PkiError(OperatorError):
     """A key, CSR or certificate cannot be used: unreadable, of the wrong kind, or not matching."""
 
 

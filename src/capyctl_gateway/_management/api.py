@@ -16,7 +16,7 @@ from .._lifecycle.operator import (
     operator_start,
     operator_stop,
 )
-from .._ulid import new_ulid
+from .._ulid import REQUEST_ID, new_ulid
 from .metrics import exposition
 from .status import deployment_status, instance_hosts
 
@@ -24,7 +24,7 @@ __all__ = ["create_management_app", "create_metrics_app"]
 
 
 def _error(err: GatewayError, rid: str) -> web.Response:
-    return error_response(err, {"X-CapyCTL-Request-Id": rid})
+    return error_response(err, {REQUEST_ID: rid})
 
 
 async def not_found(request: web.Request) -> web.Response:
@@ -37,33 +37,34 @@ def create_management_app(gateway: Gateway) -> web.Application:
 
     async def deployment(request: web.Request) -> web.Response:
         rid = new_ulid()
-        if not gateway.authorized(request.headers.get("Authorization", "")):
+        if not gateway.admits(request.headers):
             return _error(UnauthorizedError(), rid)
         name = request.match_info["name"]
-        doc = deployment_status(gateway, name)
+        doc = deployment_status(gateway.fleet, name)
         if doc is None:
             return _error(UnknownModelError(f"no deployment named {name!r}"), rid)
         return web.Response(
             body=orjson.dumps(doc),
-            headers={"X-CapyCTL-Request-Id": rid},
+            headers={REQUEST_ID: rid},
             content_type="application/json",
         )
 
     def _json(doc: object, rid: str) -> web.Response:
         return web.Response(
             body=orjson.dumps(doc),
-            headers={"X-CapyCTL-Request-Id": rid},
+            headers={REQUEST_ID: rid},
             content_type="application/json",
         )
 
     async def listing(request: web.Request) -> web.Response:
         rid = new_ulid()
-        if not gateway.authorized(request.headers.get("Authorization", "")):
+        if not gateway.admits(request.headers):
             return _error(UnauthorizedError(), rid)
         budget = gateway.config.resources.memory_budget
-        doc = deployments_list(gateway.lifecycle, gateway.routes, budget)
+        fleet = gateway.fleet
+        doc = deployments_list(fleet.lifecycle, fleet.routes, budget)
         for row in doc["deployments"]:
-            hosts = instance_hosts(gateway, row["name"])
+            hosts = instance_hosts(fleet, row["name"])
             if hosts:
                 row["hosts"] = hosts
                 row["run_by"] = "hosts " + ", ".join(sorted({h["host"] for h in hosts}))
@@ -71,16 +72,17 @@ def create_management_app(gateway: Gateway) -> web.Application:
 
     async def act(request: web.Request) -> web.Response:
         rid = new_ulid()
-        if not gateway.authorized(request.headers.get("Authorization", "")):
+        if not gateway.admits(request.headers):
             return _error(UnauthorizedError(), rid)
         name, action = request.match_info["name"], request.match_info["action"]
-        known = name in gateway.routes
+        fleet = gateway.fleet
+        known = name in fleet.routes
         command = {"start": operator_start, "stop": operator_stop, "park": operator_park}
         try:
-            await command[action](gateway.lifecycle, name, known=known)
+            await command[action](fleet.lifecycle, name, known=known)
         except GatewayError as err:
             return _error(err, rid)
-        return _json(deployment_status(gateway, name), rid)
+        return _json(deployment_status(fleet, name), rid)
 
     app = web.Application()
     app.router.add_get("/metrics", _metrics_handler(gateway))
@@ -94,11 +96,11 @@ def create_management_app(gateway: Gateway) -> web.Application:
 def _metrics_handler(gateway: Gateway) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def metrics(request: web.Request) -> web.Response:
         rid = new_ulid()
-        if not gateway.authorized(request.headers.get("Authorization", "")):
+        if not gateway.admits(request.headers):
             return _error(UnauthorizedError(), rid)
         return web.Response(
             body=exposition(gateway),
-            headers={"X-CapyCTL-Request-Id": rid},
+            headers={REQUEST_ID: rid},
             content_type="text/plain",
             charset="utf-8",
         )

@@ -65,7 +65,7 @@ class _GatewayCollector:
             "Cut requests still counted against an instance, by how they settle.",
             labels=["deployment", "instance", "settles"],
         )
-        for name, route in gw.routes.items():
+        for name, route in gw.fleet.routes.items():
             running.add_metric([name], route.queue.running)
             waiting.add_metric([name], route.queue.waiting)
             for inst in route.instances:
@@ -118,12 +118,13 @@ class _GatewayCollector:
             "Age of the instance's latest sample (absent when it has none).",
             labels=["deployment", "instance"],
         )
-        collector = gw.collector
-        keys = set(collector.keys()) if collector is not None else set()
+        fleet = gw.fleet
+        collector = fleet.collector
+        keys = set(collector.keys())
         now = gw.now()
-        for name, route in gw.routes.items():
+        for name, route in fleet.routes.items():
             for inst in route.instances:
-                if collector is None or inst.key not in keys:
+                if inst.key not in keys:
                     continue
                 status = collector.status(inst.key)
                 for s in _COLLECTOR_STATES:
@@ -139,7 +140,7 @@ class _GatewayCollector:
             "The state of each instance the gateway runs (1 for its state).",
             labels=["deployment", "instance", "state"],
         )
-        for name, life in gw.lifecycle.lives.items():
+        for name, life in gw.fleet.lifecycle.lives.items():
             for lc in life.launched:
                 for s in _LIFECYCLE_STATES:
                     state.add_metric([name, str(lc.inst.index), s], 1.0 if lc.state == s else 0.0)
@@ -155,7 +156,7 @@ class _GatewayCollector:
         held = GaugeMetricFamily(
             "capyctl_memory_held_bytes", "Memory held by launched deployments (their memory:)."
         )
-        held.add_metric([], gw.lifecycle.budget.held())
+        held.add_metric([], gw.fleet.lifecycle.budget.held())
         yield held
         budget = gw.config.resources.memory_budget
         if budget is not None:

@@ -42,29 +42,34 @@ def decision_figures(
     return dict(sorted(out.items()))
 
 
+def _answer(raw: bytes, where: str, max_bytes: int) -> dict[str, Any]:
+    if len(raw) > max_bytes:
+        raise EngineError(f"{where}: the engine's answer is over {max_bytes} bytes")
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise EngineError(f"{where}: the engine's answer is not JSON") from None
+    if not isinstance(answer, dict):
+        raise EngineError(f"{where}: the engine's answer is not a JSON object")
+    return answer
+
+
 async def relay_decision(
     ex: Exchange, payload: bytes, *, public: str, arrival: float, max_bytes: int = MAX_ANSWER_BYTES
 ) -> bytes:
     """Forward ``payload`` (addressed to the engine); return the client's answer's bytes."""
     loop = running_loop()
     sent_at = loop.time()
-    async with ex:
+    async with ex:  # what the engine answered, refusals included, is judged inside it
         resp = await ex.post(payload)
         if resp.status != 200:
             forwarded(ex, resp)
         raw = await resp.content.read(max_bytes + 1)
         ex.complete()
         ex.outcome.last_at = loop.time()
-    if resp.status != 200:
-        raise await refusal(resp, ex.where, raw)
-    if len(raw) > max_bytes:
-        raise EngineError(f"{ex.where}: the engine's answer is over {max_bytes} bytes")
-    try:
-        answer = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise EngineError(f"{ex.where}: the engine's answer is not JSON") from None
-    if not isinstance(answer, dict):
-        raise EngineError(f"{ex.where}: the engine's answer is not a JSON object")
+        if resp.status != 200:
+            raise await refusal(resp, ex.where, raw)
+        answer = _answer(raw, ex.where, max_bytes)
     answer["model"] = public
     figures = decision_figures(answer, arrival=arrival, sent_at=sent_at, now=loop.time())
     answer["capyctl"] = {"metrics": figures}

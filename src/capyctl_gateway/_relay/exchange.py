@@ -10,7 +10,8 @@
   established is `NotAcceptedError` (the engine never got it; another instance may), any other
   aiohttp error is `EngineError`, our deadline is `UnavailableError`, a client that went away while
   we wrote is `ClientGoneError`, and a cancellation (aiohttp's, on a hang-up) stays one;
-* the `Outcome`, read afterwards to charge or settle the request;
+* the `Outcome`, read afterwards to charge or settle the request, with its `Ending`: the
+  exchange is the only writer of how a request that reached an engine ended;
 * the end: an answer that ended on the engine's terms returns its connection to the pool
   (after waiting briefly for the chunked body's end); anything else closes it, and the close is
   what tells the engine to stop.
@@ -47,6 +48,7 @@ from .._errors import (
     UnverifiedError,
 )
 from .._loop import running_loop
+from .._telemetry import CUTS, Ending
 from .deadline import Deadline
 from .refusal import forwarded, refusal
 
@@ -73,19 +75,23 @@ class Outcome:
     """The request may have reached the engine."""
     completed: bool = False
     """The engine's answer ended on its own terms ([DONE], a whole answer, or a refusal)."""
-    cut: str | None = None
-    """Why the gateway cut it short: hang_up, deadline or idle_timeout."""
+    ending: Ending | None = None
+    """How it ended (None while it runs)."""
     answered: bool = False
     """The engine produced part of the answer, or an error, before the end."""
     error: str | None = None
     """What went wrong with the engine, for the log."""
-    kind: str | None = None
-    """How it went wrong, for the gateway's counts: engine_error, unverified, engine_rejected."""
     head_at: float | None = None
     """Loop time when the engine's answer's head arrived."""
     first_content_at: float | None = None
     last_at: float | None = None
     """Loop times of the first content and the last chunk relayed (or read)."""
+
+    @property
+    def cut(self) -> str | None:
+        """Why the gateway cut it short (hang_up, deadline, idle_timeout); None otherwise."""
+        ending = self.ending
+        return ending.value if ending is not None and ending in CUTS else None
 
 
 class Exchange:
@@ -214,6 +220,7 @@ class Exchange:
         tb: TracebackType | None,
     ) -> None:
         if exc is None:  # the common case, kept cheap
+            self.outcome.ending = Ending.COMPLETED
             self._bound.__exit__(None, None, None)
             _finish(self.response, self._clean, self._drains)
             return
@@ -232,48 +239,49 @@ class Exchange:
 
 
 def _failure(ex: Exchange, exc: BaseException) -> BaseException:
-    """The one mapping of a failed exchange to what the caller sees; notes the outcome."""
+    """The one mapping of a failed exchange to what the caller sees; notes how it ended."""
+    out = ex.outcome
+    out.ending, mapped = _mapped(ex, exc)
+    return mapped
+
+
+def _mapped(ex: Exchange, exc: BaseException) -> tuple[Ending, BaseException]:
     out = ex.outcome
     # A write to the client that failed (aiohttp's ClientConnectionResetError is a
     # ClientError too, though the engine's connection is not the one that broke).
     if isinstance(exc, ConnectionResetError) and (ex.writing or not isinstance(exc, _BROKEN)):
-        out.cut = "hang_up"
-        return ClientGoneError()
+        return Ending.HANG_UP, ClientGoneError()
     if isinstance(exc, _NEVER_CONNECTED) and ex.response is None:
         out.sent = False
-        return NotAcceptedError(f"{ex.where} could not be reached", detail=str(exc))
+        return Ending.ENGINE_ERROR, NotAcceptedError(
+            f"{ex.where} could not be reached", detail=str(exc)
+        )
     if isinstance(exc, _BROKEN):
         out.error = str(exc) or type(exc).__name__
-        out.kind = "engine_error"
-        return EngineError(f"{ex.where}: the engine connection failed", detail=out.error)
-    if isinstance(exc, TimeoutError) and ex._bound.expired and ex.writing:
-        out.cut = "hang_up"
-        return ClientGoneError()
-    if isinstance(exc, TimeoutError) and ex._bound.expired:
-        out.cut = "idle_timeout" if ex._started else "deadline"
-        what = (
-            "the engine stream was quiet for longer than queue.stream_idle_timeout"
-            if ex._started
-            else "no output within queue.request_deadline"
+        return Ending.ENGINE_ERROR, EngineError(
+            f"{ex.where}: the engine connection failed", detail=out.error
         )
-        return UnavailableError(what)
-    if isinstance(exc, NotAcceptedError):  # a host's ingress did not forward it
-        return exc
+    if isinstance(exc, TimeoutError) and ex._bound.expired:
+        if ex.writing:
+            return Ending.HANG_UP, ClientGoneError()
+        if ex._started:
+            what = "the engine stream was quiet for longer than queue.stream_idle_timeout"
+            return Ending.IDLE_TIMEOUT, UnavailableError(what)
+        return Ending.DEADLINE, UnavailableError("no output within queue.request_deadline")
     if isinstance(exc, asyncio.CancelledError):
-        out.cut = "hang_up"  # aiohttp cancels the handler when the client goes away
-        return exc
+        return Ending.HANG_UP, exc  # aiohttp cancels the handler when the client goes away
     if isinstance(exc, EngineRejectedError):
         out.answered = out.completed = True
-        out.kind = "engine_rejected"
-    elif isinstance(exc, UnverifiedError):
+        return Ending.REFUSED, exc
+    if isinstance(exc, UnverifiedError):
         out.error = str(exc)
-        out.kind = "unverified"
-    elif isinstance(exc, EngineError):
-        out.kind = "engine_error"
-    elif not isinstance(exc, GatewayError):
-        out.error = repr(exc)
-        out.kind = "engine_error"
-    return exc
+        return Ending.UNVERIFIED, exc
+    if isinstance(exc, EngineError):  # a host's ingress that did not forward it included
+        return Ending.ENGINE_ERROR, exc
+    if isinstance(exc, GatewayError):
+        return Ending.REFUSED, exc
+    out.error = repr(exc)
+    return Ending.ENGINE_ERROR, exc
 
 
 async def _aborted_or(ex: Exchange, task: asyncio.Task[Answer]) -> Answer:

@@ -1,0 +1,118 @@
+"""Where an instance's engine runs: the one seam between the gateway and a machine.
+
+A `Runner` is chosen once per instance when the routes are built, and everything that differs
+between an engine on this machine and one on a host goes through it: starting, parking, waking
+and stopping a launched engine, the engine's load as one `LoadSample`, the process to show, and
+the exchanges in flight (a host that goes away ends them at once). The local runner
+(``_lifecycle/local.py``) runs a process and reads the collector; the host runner
+(``_machines/runner.py``) sends orders to the host and reads its reports. A third kind (a
+container, a pod) is one more class with these methods.
+
+Never imports the HTTP surface, the relay, the lifecycle or the machines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._errors import EngineControlError
+
+__all__ = ["EngineControlError", "LoadSample", "ProcessView", "Runner", "Tracked"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """An engine's load as one fresh sample says it: what routing weighs, what the router log
+    line, ``status`` and a host's report show. A number the engine did not report is None."""
+
+    running: float | None
+    waiting: float | None
+    usage: float | None
+    """KV-cache usage (0..1), or slot usage for engines that have slots instead."""
+    age_s: float
+    """How old the sample is now."""
+    source: str
+    """Where it came from: ``collector`` (this machine) or ``host <name>``."""
+
+    @property
+    def counted(self) -> bool:
+        """Whether the engine reported both its running and its waiting requests."""
+        return self.running is not None and self.waiting is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessView:
+    """The engine process as ``status`` shows it."""
+
+    pid: int
+    """The engine's own pid."""
+    port: int | None
+    argv: list[str]
+
+
+class Tracked(Protocol):
+    """What a runner may end from outside: an exchange in flight."""
+
+    def abortable(self) -> None: ...
+
+    def abort(self, why: str) -> None: ...
+
+
+class Runner(Protocol):
+    """Where one instance's engine runs, and how the gateway drives and reads it."""
+
+    @property
+    def host(self) -> str | None:
+        """The host machine it runs on; None for this machine."""
+        ...
+
+    @property
+    def outlives_gateway(self) -> bool:
+        """Whether the engine keeps running when this gateway stops (a host's does: a server
+        that comes back finds it as it was)."""
+        ...
+
+    def sample(self) -> LoadSample | None:
+        """The engine's load from a fresh sample; None without one."""
+        ...
+
+    def process(self) -> ProcessView | None:
+        """The running engine process, when the gateway runs it."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What ``status`` shows of the engine as this runner sees it (its state, load and
+        their ages; a host's session and ingress)."""
+        ...
+
+    def why_unreachable(self) -> str:
+        """Why requests cannot reach its machine (``host_session_lost``, ``dispatch_closed``)."""
+        ...
+
+    def begin(self, exchange: Tracked) -> None:
+        """An exchange with the engine starts (a host runner ends it if its host goes)."""
+        ...
+
+    def end(self, exchange: Tracked) -> None: ...
+
+    async def start(self, reason: str) -> str:
+        """Start the engine; once it answers, say how (for the log). Raises
+        EngineControlError."""
+        ...
+
+    async def park(self, reason: str) -> None:
+        """Park it with its process up. Raises EngineControlError."""
+        ...
+
+    async def wake(self, reason: str) -> None:
+        """Wake a parked engine. Raises EngineControlError."""
+        ...
+
+    async def stop(self, reason: str) -> bool:
+        """Stop it; whether the stop is proven (a proven stop settles its cut requests)."""
+        ...
+
+    def exited(self) -> str | None:
+        """Why a running engine is gone without being asked to stop; None while it runs."""
+        ...

@@ -1,0 +1,233 @@
+"""The fleet: every engine one process serves, and everything that watches and drives them.
+
+`open_fleet` opens the parts in the order each needs the one before: the store, the engine
+connections, the collector, settlement (given the collector's poll control), the routes with
+a runner for each instance (`LocalRunner` on this machine, `HostRunner` on a host), the
+cut requests a previous run left, the lifecycle, and the server's view of its hosts. Nothing in
+a `Fleet` is missing or filled in later; closing it ends them in the reverse order (the engines
+this process started are stopped before the collector and the connections close).
+
+A gateway opens one fleet for its public listener (``_http/app.py``); a host opens one for the
+deployments its server placed on it (``_host.py``). Never imports the HTTP surface, the relay
+or management.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions
+
+from ._config import GatewayConfig
+from ._deployments.checks import CheckWatch
+from ._deployments.routes import EngineInstance, Route, build_routes
+from ._deployments.runner import Runner
+from ._deployments.settle import CutRequest, Settlement
+from ._engine_client import EngineClient
+from ._lifecycle.controller import Lifecycle
+from ._lifecycle.local import LocalRunner
+from ._lifecycle.states import Launched
+from ._loop import running_loop
+from ._machines.enroll import Invites, ServerIdentity
+from ._machines.runner import HostLink, HostRunner
+from ._machines.server import Machines
+from ._store import Store, restore
+from ._telemetry import Telemetry
+
+__all__ = ["IDLE_CONNECTION_S", "Fleet", "open_fleet"]
+
+IDLE_CONNECTION_S = 4.0
+"""How long an idle engine connection stays pooled: under the 5 s after which llama-server and
+uvicorn (vLLM, SGLang) close one, so that the gateway never sends on a connection the engine
+is closing at that moment (measured on llama-server b10798: idle 5.5 s, then the next request
+met a closed connection)."""
+COLLECTOR_CONNECTIONS_PER_ENGINE = 4
+
+
+@dataclass(eq=False)
+class Fleet:
+    """The engines of one process and what watches and drives them (see `open_fleet`)."""
+
+    config: GatewayConfig
+    clock: Callable[[], float]
+    routes: dict[str, Route]
+    settlement: Settlement
+    session: aiohttp.ClientSession
+    """For the engines' other routes (health checks, sleep and wake, the router's loads)."""
+    engines: EngineClient
+    """What sends chat and decision requests to the engines."""
+    drains: set[asyncio.Task[None]]
+    """Engine connections waiting for the end of a finished answer's body."""
+    collector: Collector
+    lifecycle: Lifecycle
+    machines: Machines | None
+    """The server role's hosts; None on a gateway that has none."""
+    store: Store | None
+    """Operator intent and cut requests kept across restarts; None without a state directory."""
+
+    def now(self) -> float:
+        return self.clock()
+
+
+@contextlib.asynccontextmanager
+async def open_fleet(
+    config: GatewayConfig,
+    *,
+    env: Mapping[str, str],
+    telemetry: Telemetry,
+    collector_options: ProviderOptions | None = None,
+    clock: Callable[[], float] = time.time,
+    engine_logs: Path | None = None,
+    state_dir: Path | None = None,
+    server: ServerIdentity | None = None,
+) -> AsyncIterator[Fleet]:
+    """Open the fleet for ``config`` (raises ConfigError for an engine key not in ``env``).
+
+    ``server``: the control identity of a gateway in the server role (its instances on hosts
+    are reached through them). ``engine_logs``: where launched engines write their output
+    (default: ``<state_dir>/logs``, or a new temporary directory). ``state_dir``: where operator
+    intent and cut requests outlive the process (``gateway.sqlite3``)."""
+    options = collector_options or ProviderOptions()
+    logs = engine_logs or (
+        state_dir / "logs"
+        if state_dir is not None
+        else Path(tempfile.mkdtemp(prefix="capyctl-engines-"))
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        store = Store(state_dir / "gateway.sqlite3") if state_dir is not None else None
+        if store is not None:
+            stack.callback(store.close)  # last: after the engines' stops have settled
+        session = await stack.enter_async_context(_engine_session(config))
+        engines = EngineClient(connect_timeout=config.queue.connect_timeout)
+        stack.push_async_callback(engines.close)
+        drains: set[asyncio.Task[None]] = set()
+        stack.push_async_callback(_cancel, drains)
+        collector = await stack.enter_async_context(_collector(options, clock))
+        settlement = Settlement(
+            clock,
+            poll=_poll_control(collector),
+            on_cut=store.add_cut if store is not None else None,
+            on_settled=_settled(telemetry, store),
+        )
+        links = {name: HostLink(name) for name in config.hosts} if server else {}
+        now = running_loop().time
+
+        def runner_for(inst: EngineInstance, host: str | None) -> Runner:
+            if host is not None:
+                link = links.setdefault(host, HostLink(host))
+                return HostRunner(inst, link, settlement, loop_time=now)
+            dep = next(d for d in config.deployments if d.name == inst.deployment)
+            return LocalRunner(
+                inst, dep, collector=collector, session=session, log_dir=logs, clock=clock
+            )
+
+        routes = build_routes(config, env, settlement, runner_for)
+        collector.subscribe(CheckWatch(routes))
+        collector.subscribe(settlement)
+        for route in routes.values():
+            for inst in route.instances:
+                if isinstance(inst.runner, LocalRunner) and inst.launch is None:
+                    inst.runner.watch()  # a launched one is watched once it answers
+        lifecycle = Lifecycle(
+            config,
+            routes,
+            settlement,
+            remember=(lambda n, s, t: store.set_intent(n, stopped=s, started=t)) if store else None,
+        )
+        lifecycle.engines.observers.append(_transitions(telemetry))
+        if store is not None:  # the collector polls: a restored cut is polled fast at once
+            restore(store, routes, settlement, lifecycle)
+        machines = None
+        if server is not None:
+            invites = Invites((state_dir or server.directory.parent) / "machines.sqlite3")
+            machines = Machines(
+                config, links, identity=server, invites=invites, found=lifecycle.found, clock=clock
+            )
+        watch = running_loop().create_task(lifecycle.run())
+        stack.push_async_callback(_stop_lifecycle, lifecycle, watch)
+        yield Fleet(
+            config, clock, routes, settlement, session, engines, drains, collector, lifecycle,
+            machines, store,
+        )  # fmt: skip
+
+
+def _engine_session(config: GatewayConfig) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=IDLE_CONNECTION_S
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.queue.connect_timeout),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar
+    )
+
+
+@contextlib.asynccontextmanager
+async def _collector(
+    options: ProviderOptions, clock: Callable[[], float]
+) -> AsyncIterator[Collector]:
+    """The collector, fetching through its own aiohttp session (cheaper per GET than the SDK's
+    default httpx client): a few kept-alive connections per engine, each GET bounded by the
+    collector's request timeout."""
+    timeout_s = options.request_timeout_s
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            limit=0,
+            limit_per_host=COLLECTOR_CONNECTIONS_PER_ENGINE,
+            keepalive_timeout=IDLE_CONNECTION_S,
+        ),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    ) as http:
+        fetcher = AiohttpFetcher(http, timeout_s=timeout_s, clock=clock)
+        async with Collector(options=options, fetcher=fetcher, clock=clock) as collector:
+            yield collector
+
+
+def _poll_control(collector: Collector) -> Callable[[str, int | None], None]:
+    def poll(key: str, interval_ms: int | None) -> None:
+        if key in collector.keys():  # noqa: SIM118 (a stopped engine, or one on a host, is not)
+            collector.set_poll_interval(key, interval_ms)
+
+    return poll
+
+
+def _settled(
+    telemetry: Telemetry, store: Store | None
+) -> Callable[[str, list[CutRequest], str], None]:
+    def settled(key: str, cuts: list[CutRequest], why: str) -> None:
+        deployment, _, index = key.rpartition("/")
+        telemetry.settled[(deployment, index, why)] += len(cuts)
+        if store is not None:
+            store.settled(key, cuts)
+
+    return settled
+
+
+def _transitions(telemetry: Telemetry) -> Callable[[Launched], None]:
+    def count(lc: Launched) -> None:
+        telemetry.transitions[(lc.inst.deployment, lc.state.value)] += 1
+
+    return count
+
+
+async def _stop_lifecycle(lifecycle: Lifecycle, watch: asyncio.Task[None]) -> None:
+    """The idle watch ends, then every engine this process started is stopped."""
+    watch.cancel()
+    await asyncio.gather(watch, return_exceptions=True)
+    await lifecycle.shutdown()
+
+
+async def _cancel(drains: set[asyncio.Task[None]]) -> None:
+    for task in list(drains):
+        task.cancel()  # each closes its connection
+    await asyncio.gather(*drains, return_exceptions=True)

@@ -1,0 +1,168 @@
+"""An engine on this machine (a `Runner`): a process the gateway runs (``launch:``) or one
+someone else runs (``url:``), its load read from the collector.
+
+Starting runs the process (``process.py``) and waits for its ``/health``; once it answers, the
+collector watches it. Parking and waking go to the engine's own routes (``parking.py``);
+stopping stops its process group. The collector stops watching an engine that stops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from canopyx_provider import Collector, adapter_for
+
+from .._config import Deployment
+from .._deployments.routes import EngineInstance
+from .._deployments.runner import LoadSample, ProcessView, Tracked
+from .._errors import StartFailedError
+from .parking import drive
+from .process import EngineProcess, free_port, launch_argv, launch_env
+
+__all__ = ["LocalRunner"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+
+class LocalRunner:
+    """One instance's engine on this machine."""
+
+    host = None
+    outlives_gateway = False
+
+    def __init__(
+        self,
+        inst: EngineInstance,
+        deployment: Deployment,
+        *,
+        collector: Collector,
+        session: aiohttp.ClientSession,
+        log_dir: Path,
+        clock: Callable[[], float],
+    ) -> None:
+        self._inst = inst
+        self._dep = deployment
+        self._collector = collector
+        self._session = session
+        self._log_dir = log_dir
+        self._clock = clock
+        self._proc: EngineProcess | None = None
+        self._watched = False
+
+    # -- what it reads ------------------------------------------------------------------------
+    def watch(self) -> None:
+        """Have the collector poll the engine (once it has an address)."""
+        inst, d = self._inst, self._dep
+        if self._watched or inst.url is None:
+            return
+        adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key, router=d.router)
+        self._collector.add(inst.key, adapter, model_id=d.engine_model)
+        self._watched = True
+
+    def _unwatch(self) -> None:
+        if self._watched:
+            self._collector.remove(self._inst.key)
+            self._watched = False
+
+    def sample(self) -> LoadSample | None:
+        if not self._watched:
+            return None
+        snap = self._collector.snapshot(self._inst.key)
+        if snap is None:
+            return None
+        m = snap.metrics
+        usage = m.kv_cache_usage_ratio if m.kv_cache_usage_ratio is not None else m.slot_usage_ratio
+        age = max(self._clock() - snap.requested_at, 0.0)
+        return LoadSample(m.running_requests, m.waiting_requests, usage, age, "collector")
+
+    def process(self) -> ProcessView | None:
+        proc = self._proc
+        if proc is None or proc.pid is None:
+            return None
+        return ProcessView(proc.pid, proc.port, proc.argv)
+
+    def describe(self) -> dict[str, Any]:
+        if not self._watched:
+            return {}
+        status = self._collector.status(self._inst.key)
+        row: dict[str, Any] = {"state": status.state.value}
+        snap = status.latest
+        if snap is not None:
+            row["running"] = snap.metrics.running_requests
+            row["waiting"] = snap.metrics.waiting_requests
+            row["snapshot_age_s"] = round(snap.age_s(self._clock()), 3)
+        if status.error:
+            row["error"] = status.error
+        return row
+
+    def why_unreachable(self) -> str:
+        return "dispatch_closed"  # never: this machine is always reached
+
+    def begin(self, exchange: Tracked) -> None:
+        """Nothing ends an exchange on this machine from outside."""
+
+    def end(self, exchange: Tracked) -> None:
+        """See `begin`."""
+
+    # -- what it does -------------------------------------------------------------------------
+    async def start(self, reason: str) -> str:
+        inst, d = self._inst, self._dep
+        launch = inst.launch
+        if launch is None:
+            raise StartFailedError(f"{inst.where} is an engine someone else runs")
+        port = free_port()
+        log = self._log_dir / f"{d.name}-{inst.index}.log"
+        sleep = d.parks and not d.router  # a router parks by unloading: no flags
+        argv = launch_argv(d.engine, launch, port, sleep=sleep)
+        proc = EngineProcess(argv, launch_env(d.engine, launch, sleep=sleep), log, port)
+        self._proc = proc
+        try:
+            await proc.start(self._session, launch.startup_timeout)
+        except StartFailedError as exc:
+            self._proc = None
+            logger.error(
+                "%s did not start: %s; its log %s ends:\n%s", inst.where, exc.message, log,
+                exc.log_tail.rstrip(),
+            )  # fmt: skip
+            raise
+        except BaseException:
+            await proc.stop()
+            self._proc = None
+            raise
+        inst.bind(proc.url)
+        self.watch()
+        return f"answered on port {port}"
+
+    async def park(self, reason: str) -> None:
+        await self._drive(park=True)
+
+    async def wake(self, reason: str) -> None:
+        await self._drive(park=False)
+
+    async def _drive(self, *, park: bool) -> None:
+        inst, d = self._inst, self._dep
+        if inst.url is None:
+            raise StartFailedError(f"{inst.where} has no engine to drive")
+        key = inst.engine_key
+        auth = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        model = d.engine_model if d.router else None
+        await drive(self._session, d.engine, inst.url, auth, model, park=park)
+
+    async def stop(self, reason: str) -> bool:
+        self._unwatch()
+        if self._proc is not None:
+            await self._proc.stop()
+            self._proc = None
+        return True  # its process group is gone: nothing it counted can still run
+
+    def exited(self) -> str | None:
+        proc = self._proc
+        if proc is None or not proc.exited():
+            return None
+        code = proc.proc.returncode if proc.proc is not None else None
+        return f"the engine exited with status {code}"
