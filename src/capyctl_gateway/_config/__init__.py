@@ -6,13 +6,11 @@ import re
 from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -22,8 +20,16 @@ from pydantic import (
 from canopyx_provider import CanopyxError, EngineKind
 from canopyx_provider.adapters import origin
 
-from ._engines import FACTS, launch_problem
-from ._errors import OperatorError
+from .._engines import FACTS, launch_problem
+from .parts import (
+    STRICT,
+    ConfigError,
+    Launch,
+    Lifecycle,
+    Memory,
+    Resources,
+    Seconds,
+)
 
 __all__ = [
     "Api",
@@ -33,55 +39,15 @@ __all__ = [
     "Deployment",
     "GatewayConfig",
     "Instance",
+    "Launch",
     "QueueConfig",
+    "Seconds",
     "load_config",
 ]
 
 HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 REMOTE_MAX_BODY_BYTES = 8 * 1024 * 1024
 """A request for a deployment on another machine must fit in this (413 otherwise)."""
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-class ConfigError(OperatorError):
-    """The configuration cannot be used; the message names the key and the problem."""
-
-
-def _seconds(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("a duration such as 600s, not true or false")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m is None:
-            raise ValueError(f"{value!r} is not a duration such as 600s, 2m or 500ms")
-        return float(m.group(1)) * _UNITS[m.group(2)]
-    return value
-
-
-Seconds = Annotated[float, BeforeValidator(_seconds), Field(gt=0, allow_inf_nan=False)]
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
-_SIZE_UNITS = {
-    None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-}  # fmt: skip
-
-
-def _bytes(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("a size such as 2GiB or 0, not true or false")
-    if isinstance(value, str):
-        m = _SIZE.match(value)
-        if m is None:
-            raise ValueError(f"{value!r} is not a size such as 40GiB, 512MiB or 0")
-        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-    return value
-
-
-Bytes = Annotated[int, BeforeValidator(_bytes), Field(ge=0)]
-_STRICT = ConfigDict(frozen=True, extra="forbid")
 
 
 class Api(StrEnum):
@@ -90,7 +56,7 @@ class Api(StrEnum):
 
 
 class QueueConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     request_deadline: Seconds = 600.0
     """First output must arrive within this, counted from arrival (waiting included)."""
@@ -105,7 +71,7 @@ class QueueConfig(BaseModel):
 
 
 class Limits(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Chat request bodies above this are refused with 413."""
@@ -125,41 +91,8 @@ class Limits(BaseModel):
     may be this large; past it, 502 engine_error."""
 
 
-class Resources(BaseModel):
-    model_config = _STRICT
-
-    memory_budget: Bytes | None = None
-    """What launched deployments may hold at once (ready and parked); absent: no limit."""
-
-
-class Memory(BaseModel):
-    model_config = _STRICT
-
-    ready: Bytes
-    parked: Bytes = 0
-
-
-class Lifecycle(BaseModel):
-    model_config = _STRICT
-
-    activation: Literal["on_request", "explicit"] = "on_request"
-    park: Literal["auto", "sleep", "stop"] = "auto"
-    ready_idle_timeout: Seconds | None = None
-    parked_idle_timeout: Seconds | None = None
-    drain_timeout: Seconds = 30.0
-
-
-class Launch(BaseModel):
-    model_config = _STRICT
-
-    command: list[str] = Field(min_length=1)
-    env: dict[str, str] = Field(default_factory=dict)
-    """Added to the gateway's environment."""
-    startup_timeout: Seconds = 600.0
-
-
 class Instance(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     url: str | None = None
     """An engine someone else runs (never launched, parked or stopped by the gateway)."""
@@ -202,7 +135,7 @@ class Instance(BaseModel):
 
 
 class Deployment(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     name: str = Field(min_length=1, max_length=256)
     """The public model id clients send."""
@@ -279,7 +212,7 @@ class Deployment(BaseModel):
 
 
 class GatewayConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     queue: QueueConfig = QueueConfig()
     limits: Limits = Limits()

@@ -1,0 +1,101 @@
+"""The configuration's building blocks: durations and sizes as operators write them, the
+configuration's error, and the small models of what the gateway runs (`Launch`, `Lifecycle`,
+`Memory`, `Resources`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from .._errors import OperatorError
+
+__all__ = [
+    "STRICT",
+    "Bytes",
+    "ConfigError",
+    "Launch",
+    "Lifecycle",
+    "Memory",
+    "Resources",
+    "Seconds",
+]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class ConfigError(OperatorError):
+    """The configuration cannot be used; the message names the key and the problem."""
+
+
+def _seconds(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a duration such as 600s, not true or false")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m is None:
+            raise ValueError(f"{value!r} is not a duration such as 600s, 2m or 500ms")
+        return float(m.group(1)) * _UNITS[m.group(2)]
+    return value
+
+
+Seconds = Annotated[float, BeforeValidator(_seconds), Field(gt=0, allow_inf_nan=False)]
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
+_SIZE_UNITS = {
+    None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+}  # fmt: skip
+
+
+def _bytes(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a size such as 2GiB or 0, not true or false")
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m is None:
+            raise ValueError(f"{value!r} is not a size such as 40GiB, 512MiB or 0")
+        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    return value
+
+
+Bytes = Annotated[int, BeforeValidator(_bytes), Field(ge=0)]
+
+
+STRICT = ConfigDict(frozen=True, extra="forbid")
+
+
+class Resources(BaseModel):
+    model_config = STRICT
+
+    memory_budget: Bytes | None = None
+    """What launched deployments may hold at once (ready and parked); absent: no limit."""
+
+
+class Memory(BaseModel):
+    model_config = STRICT
+
+    ready: Bytes
+    parked: Bytes = 0
+
+
+class Lifecycle(BaseModel):
+    model_config = STRICT
+
+    activation: Literal["on_request", "explicit"] = "on_request"
+    park: Literal["auto", "sleep", "stop"] = "auto"
+    ready_idle_timeout: Seconds | None = None
+    parked_idle_timeout: Seconds | None = None
+    drain_timeout: Seconds = 30.0
+
+
+class Launch(BaseModel):
+    model_config = STRICT
+
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    """Added to the gateway's environment."""
+    startup_timeout: Seconds = 600.0
