@@ -74,7 +74,7 @@ __all__ = ["PHASES", "Plan", "main", "make_plans"]
 PHASES = ("none", "body", "queued", "first_token", "mid_stream", "working")
 DEPLOYMENT = "bench"
 IDLE_CONNECTION_S = 4.0
-"""How long the gateway keeps an idle engine connection pooled (``_gateway.IDLE_CONNECTION_S``)."""
+"""How long the gateway keeps an idle engine connection pooled (``_engine_client.IDLE_S``)."""
 
 # Every (phase, engine mode, streamed) a plan may take.
 COMBOS: tuple[tuple[str, str, bool], ...] = (

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ipaddress
+import os
 import socket
+from pathlib import Path
 
 import typer
 from aiohttp import web
@@ -17,6 +20,8 @@ from ._management.api import create_management_app, create_metrics_app
 
 __all__ = [
     "CONTROL_MAX_CONNECTIONS",
+    "DEFAULT_MANAGEMENT",
+    "DEFAULT_STATE",
     "GC_THRESHOLDS",
     "HEAD_TIMEOUT_S",
     "INGRESS_MAX_CONNECTIONS",
@@ -26,12 +31,17 @@ __all__ = [
     "bind",
     "bounded",
     "enough_files",
+    "fail",
     "files_wanted",
     "local_runners",
+    "management_address",
     "settle_heap",
+    "state_path",
     "use_uvloop",
 ]
 
+DEFAULT_MANAGEMENT = "127.0.0.1:7443"
+DEFAULT_STATE = Path("~/.local/state/capyctl")
 GC_THRESHOLDS = (10_000, 10, 10)
 """The cycle collector's generation thresholds once serving (Python's are 700, 10, 10)."""
 
@@ -87,6 +97,32 @@ def address(value: str, flag: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{flag} takes HOST:PORT, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 - the documented default
+
+
+def state_path(state_dir: Path | None) -> Path:
+    """The state directory: ``--state-dir``, else ``CAPYCTL_STATE_DIR``, else `DEFAULT_STATE`."""
+    return (state_dir or Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE)).expanduser()
+
+
+def management_address(value: str | None) -> tuple[str, int]:
+    """The management listener's address (``--management``, else ``CAPYCTL_MANAGEMENT_ADDR``,
+    else `DEFAULT_MANAGEMENT`); it stays on loopback."""
+    host, port = address(
+        value or os.environ.get("CAPYCTL_MANAGEMENT_ADDR") or DEFAULT_MANAGEMENT, "--management"
+    )
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise ConfigError(f"the management endpoint stays on loopback; {host} is not")
+    return host, port
+
+
+def fail(message: str) -> typer.Exit:
+    """Say what went wrong on stderr; the exit (status 2) for the command to raise."""
+    typer.echo(f"capyctl-gateway: {message}", err=True)
+    return typer.Exit(2)
 
 
 def enough_files(wanted: int) -> None:

@@ -43,7 +43,10 @@ __all__ = [
 ]
 
 IDLE_S = 4.0
-"""How long an idle connection is kept (llama-server and uvicorn close theirs after 5 s)."""
+"""How long an idle engine connection stays pooled, by this client and by the gateway's aiohttp
+sessions alike: under the 5 s after which llama-server and uvicorn (vLLM, SGLang) close one, so
+that the gateway never sends on a connection the engine is closing at that moment (measured on
+llama-server b10798: idle 5.5 s, then the next request met a closed connection)."""
 MAX_IDLE_PER_ENGINE = 256
 SWEEP_S = 0.5
 """How often idle connections are looked at (so none lives much past `IDLE_S`)."""

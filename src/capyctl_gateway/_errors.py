@@ -27,7 +27,7 @@ message and exits 1):
     ├── ConfigError               the configuration (``_config.py``)
     ├── CredentialsError          the key or credentials file (``_identity.py``)
     ├── JoinError                 a join file or enrollment (``_machines/enroll.py``)
-    └── PkiError                  a control key, CSR or certificate (``_machines/pki.py``)
+    └── PkiError                  a control key, CSR or certificate (``_machines/certs.py``)
 
 Driving an engine (the lifecycle and the runners; never shown to a client as it is, but
 turned into ``activation_failed`` or ``unavailable`` by the lifecycle):

@@ -31,7 +31,7 @@ from ._deployments.checks import CheckWatch
 from ._deployments.routes import EngineInstance, Route, build_routes
 from ._deployments.runner import Runner
 from ._deployments.settle import CutRequest, Settlement
-from ._engine_client import EngineClient
+from ._engine_client import IDLE_S, EngineClient
 from ._lifecycle.controller import Lifecycle
 from ._lifecycle.local import LocalRunner
 from ._lifecycle.states import Launched
@@ -42,13 +42,8 @@ from ._machines.server import Machines
 from ._store import Store, restore
 from ._telemetry import Telemetry
 
-__all__ = ["IDLE_CONNECTION_S", "Fleet", "open_fleet"]
+__all__ = ["Fleet", "open_fleet"]
 
-IDLE_CONNECTION_S = 4.0
-"""How long an idle engine connection stays pooled: under the 5 s after which llama-server and
-uvicorn (vLLM, SGLang) close one, so that the gateway never sends on a connection the engine
-is closing at that moment (measured on llama-server b10798: idle 5.5 s, then the next request
-met a closed connection)."""
 COLLECTOR_CONNECTIONS_PER_ENGINE = 4
 
 
@@ -154,14 +149,23 @@ async def open_fleet(
         watch = running_loop().create_task(lifecycle.run())
         stack.push_async_callback(_stop_lifecycle, lifecycle, watch)
         yield Fleet(
-            config, clock, routes, settlement, session, engines, drains, collector, lifecycle,
-            machines, store,
-        )  # fmt: skip
+            config,
+            clock,
+            routes,
+            settlement,
+            session,
+            engines,
+            drains,
+            collector,
+            lifecycle,
+            machines,
+            store,
+        )
 
 
 def _engine_session(config: GatewayConfig) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=IDLE_CONNECTION_S
+        limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=IDLE_S
     )
     return aiohttp.ClientSession(
         connector=connector,
@@ -183,7 +187,7 @@ async def _collector(
         connector=aiohttp.TCPConnector(
             limit=0,
             limit_per_host=COLLECTOR_CONNECTIONS_PER_ENGINE,
-            keepalive_timeout=IDLE_CONNECTION_S,
+            keepalive_timeout=IDLE_S,
         ),
         timeout=aiohttp.ClientTimeout(total=timeout_s),
         cookie_jar=aiohttp.DummyCookieJar(),

@@ -49,13 +49,17 @@ def candidates(
             continue
         s = i.runner.sample()
         engine = s is not None and s.counted
-        chosen.append({
-            "instance": i.index, "host": i.host, "router_in_flight": i.ledger.running,
-            "engine_running": s.running if s else None,
-            "engine_waiting": s.waiting if s else None,
-            "usage": s.usage if s else None,
-            "sample_age_ms": round(s.age_s * 1000) if s else None,
-            "load_source": "engine" if engine else "router_in_flight",
-            "score": load_of(i, s),
-        })  # fmt: skip
+        chosen.append(
+            {
+                "instance": i.index,
+                "host": i.host,
+                "router_in_flight": i.ledger.running,
+                "engine_running": s.running if s else None,
+                "engine_waiting": s.waiting if s else None,
+                "usage": s.usage if s else None,
+                "sample_age_ms": round(s.age_s * 1000) if s else None,
+                "load_source": "engine" if engine else "router_in_flight",
+                "score": load_of(i, s),
+            }
+        )
     return chosen, skipped_

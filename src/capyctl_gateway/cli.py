@@ -3,33 +3,30 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import os
-import signal
-import socket
-import ssl
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import typer
-from aiohttp import web
 from rich.console import Console
 
 from ._cli_common import (
     address,
     bind,
     enough_files,
+    fail,
     files_wanted,
-    local_runners,
-    settle_heap,
+    management_address,
+    state_path,
     use_uvloop,
 )
+from ._cli_serve import run
 from ._config import ConfigError, load_config
 from ._errors import OperatorError
-from ._http.app import GATEWAY_KEY, GatewayRunner, create_app
+from ._http.app import GATEWAY_KEY, create_app
 from ._identity import (
     credentials_path,
     load_or_create_api_key,
@@ -48,8 +45,6 @@ app = typer.Typer(
 )
 status_app = typer.Typer(help="Report on the running gateway.", no_args_is_help=True)
 app.add_typer(status_app, name="status")
-SHUTDOWN_S = 60.0
-"""How long a stopping gateway waits for requests in flight before closing them."""
 
 
 def _version(value: bool) -> None:
@@ -80,8 +75,6 @@ def _main(
 
 
 DEFAULT_LISTEN = "0.0.0.0:8443"
-DEFAULT_MANAGEMENT = "127.0.0.1:7443"
-DEFAULT_STATE = Path("~/.local/state/capyctl")
 DEFAULT_CONTROL = "0.0.0.0:7445"
 
 StateOpt = Annotated[
@@ -91,23 +84,6 @@ ManagementOpt = Annotated[
     str | None,
     typer.Option("--management", help="Management HOST:PORT (env CAPYCTL_MANAGEMENT_ADDR)."),
 ]
-
-
-def _state(state_dir: Path | None) -> Path:
-    return (state_dir or Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE)).expanduser()
-
-
-def _management(value: str | None) -> tuple[str, int]:
-    host, port = address(
-        value or os.environ.get("CAPYCTL_MANAGEMENT_ADDR") or DEFAULT_MANAGEMENT, "--management"
-    )
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
-        raise ConfigError(f"the management endpoint stays on loopback; {host} is not")
-    return host, port
 
 
 @app.command()
@@ -140,14 +116,14 @@ def serve(
     """Serve until interrupted."""
     fmt = log_format if log_format != "auto" else ("text" if sys.stderr.isatty() else "json")
     if fmt not in ("text", "json"):
-        raise _fail("--log-format takes text or json")
+        raise fail("--log-format takes text or json")
     configure_logging(fmt)
-    state = _state(state_dir)
+    state = state_path(state_dir)
     try:
         host, port = address(
             listen or os.environ.get("CAPYCTL_INFERENCE_ADDR") or DEFAULT_LISTEN, "--listen"
         )
-        mhost, mport = _management(management)
+        mhost, mport = management_address(management)
         cfg = load_config(config)
         if role not in ("single", "server"):
             raise ConfigError("--role takes single or server")
@@ -169,7 +145,7 @@ def serve(
         metrics = metrics or os.environ.get("CAPYCTL_METRICS_ADDR")
         xsock = bind(*address(metrics, "--metrics")) if metrics else None
     except OperatorError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     use_uvloop()
     keyfile = credentials_path(state) if role == "single" else server_credentials_path(state)
     listening = (
@@ -179,66 +155,14 @@ def serve(
         + (f"; metrics on {metrics}" if metrics else "")
         + ")"
     )
-    asyncio.run(_run(application, sock, msock, listening, xsock, extra))
-
-
-async def _run(
-    application: web.Application,
-    sock: socket.socket,
-    msock: socket.socket,
-    listening: str,
-    xsock: socket.socket | None = None,
-    extra: list[tuple[web.AppRunner, socket.socket, ssl.SSLContext]] | None = None,
-) -> None:
-    runner = GatewayRunner(application, shutdown_timeout=SHUTDOWN_S)
-    await runner.setup()
-    mrunner, xrunner = local_runners(application[GATEWAY_KEY])
-    await mrunner.setup()
-    await xrunner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    received: list[signal.Signals] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        await web.SockSite(runner, sock, backlog=4096).start()
-        await web.SockSite(mrunner, msock).start()
-        if xsock is not None:
-            await web.SockSite(xrunner, xsock).start()
-        for erunner, esock, context in extra or []:
-            await erunner.setup()
-            await control_site(erunner, esock, context).start()
-        settle_heap()
-        typer.echo(listening, err=True)  # once it is true, and signals are handled
-        await stop.wait()
-        routes = application[GATEWAY_KEY].fleet.routes
-        running = sum(r.queue.running for r in routes.values())
-        waiting = sum(r.queue.waiting for r in routes.values())
-        typer.echo(
-            f"capyctl-gateway: stopping on {received[0].name}: no new connections; waiting up "
-            f"to {SHUTDOWN_S:.0f} s for {running} running and {waiting} waiting request(s), "
-            "then closing their engine connections",
-            err=True,
-        )
-    finally:
-        await xrunner.cleanup()
-        await mrunner.cleanup()
-        await runner.cleanup()  # requests through hosts finish first: their sessions stay up
-        for erunner, _, _ in extra or []:
-            await erunner.cleanup()
-    typer.echo("capyctl-gateway: stopped", err=True)
+    asyncio.run(run(application, sock, msock, listening, xsock, extra))
 
 
 def _call(method: str, path: str, state_dir: Path | None, management: str | None) -> Any:
     """One call to the running gateway's management API; its JSON answer."""
     try:
-        host, port = _management(management)
-        state = _state(state_dir)
+        host, port = management_address(management)
+        state = state_path(state_dir)
         try:
             key = read_api_key(state)
         except FileNotFoundError:  # a server's key, if this is a server's state
@@ -246,23 +170,23 @@ def _call(method: str, path: str, state_dir: Path | None, management: str | None
                 raise
             key = load_or_create_server_key(state)
     except FileNotFoundError as exc:
-        raise _fail(
+        raise fail(
             f"no credentials at {exc.filename}: is this the gateway's --state-dir?"
         ) from None
     except OperatorError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     url = f"http://{host}:{port}/management/v1/{path}"
     try:
         # A start waits for the engine: as long as its startup_timeout allows.
         resp = httpx.request(method, url, headers={"Authorization": f"Bearer {key}"}, timeout=3600)
     except httpx.TransportError as exc:
-        raise _fail(f"no gateway answers on {host}:{port}: {exc}") from None
+        raise fail(f"no gateway answers on {host}:{port}: {exc}") from None
     if resp.status_code != 200:
         try:
             message = resp.json().get("message", resp.text)
         except ValueError:
             message = resp.text
-        raise _fail(f"{resp.status_code}: {message}")
+        raise fail(f"{resp.status_code}: {message}")
     return resp.json()
 
 
@@ -330,14 +254,9 @@ def park(
     _act("park", name, state_dir, management)
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"capyctl-gateway: {message}", err=True)
-    return typer.Exit(2)
+from ._cli_machines import control_runner, register, server_control  # noqa: E402
 
-
-from ._cli_machines import control_runner, control_site, register, server_control  # noqa: E402
-
-register(app, _state, _fail)
+register(app, state_path, fail)
 
 
 def main() -> None:

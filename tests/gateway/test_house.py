@@ -226,7 +226,8 @@ def test_a_reset_while_writing_to_the_client_is_a_hang_up_not_an_engine_failure(
     from yarl import URL
 
     from capyctl_gateway._errors import ClientGoneError, EngineError
-    from capyctl_gateway._relay.exchange import Exchange, _failure
+    from capyctl_gateway._relay.ending import _failure
+    from capyctl_gateway._relay.exchange import Exchange
 
     ex = Exchange(
         None,  # type: ignore[arg-type]  # the mapping never touches the session

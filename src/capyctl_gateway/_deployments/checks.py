@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 
-from canopyx_provider import ChecksCompleted, Event
+from canopyx_provider import CheckReport, ChecksCompleted, Event
 
-from .routes import Route, same_version, unusable_reason
+from .._config import Deployment
+from .routes import Route
 
-__all__ = ["CheckWatch"]
+__all__ = ["CheckWatch", "same_version", "unusable_reason"]
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -64,3 +65,33 @@ class CheckWatch:
                     "; it is not routed to" if reason else " (version_mismatch: warn)",
                 )
         inst.unusable = reason
+
+
+def unusable_reason(deployment: Deployment, report: CheckReport) -> str | None:
+    """Why an instance whose startup checks ended with ``report`` must not be routed to.
+
+    An engine that is down or slow (health, discovery, metrics) is still offered requests: a
+    refused connection moves them to the next instance, and the metrics are the SDK's concern,
+    not the answers'. One that answers but does not serve the model would answer every request
+    wrongly.
+    """
+    failed = report.failed
+    if failed is not None and failed.name == "models":
+        return f"{failed.name} check failed: {failed.reason}"
+    reported = report.engine_version
+    if (
+        deployment.version_mismatch == "refuse"
+        and reported is not None
+        and not same_version(reported, deployment.engine_version)
+    ):
+        return (
+            f"the engine reports version {reported}, not engine_version "
+            f"{deployment.engine_version} (version_mismatch: refuse)"
+        )
+    return None
+
+
+def same_version(reported: str, configured: str) -> bool:
+    return reported.strip().lower().removeprefix("v") == configured.strip().lower().removeprefix(
+        "v"
+    )

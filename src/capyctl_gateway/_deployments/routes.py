@@ -22,8 +22,6 @@ from urllib.parse import urlsplit
 
 from yarl import URL
 
-from canopyx_provider import CheckReport
-
 from .._config import ConfigError, Deployment, GatewayConfig, Instance, Launch
 from .._engines import facts
 from .._log import event
@@ -39,8 +37,6 @@ __all__ = [
     "check_engine_keys",
     "load",
     "load_of",
-    "same_version",
-    "unusable_reason",
     "usage_penalty",
 ]
 
@@ -140,10 +136,16 @@ class EngineInstance:
         if now is before:
             return
         event(
-            "dispatch", "%s: %s (%s)", self.where, "takes requests" if now else "takes none",
-            why, deployment=self.deployment, instance=self.index,
-            state="open" if now else "closed", reason=why,
-        )  # fmt: skip
+            "dispatch",
+            "%s: %s (%s)",
+            self.where,
+            "takes requests" if now else "takes none",
+            why,
+            deployment=self.deployment,
+            instance=self.index,
+            state="open" if now else "closed",
+            reason=why,
+        )
         if now:
             self.waiters.notify()
 
@@ -203,36 +205,6 @@ def usage_penalty(usage: float | None) -> int:
     if usage is None or usage <= 0.8:
         return 0
     return math.ceil((min(usage, 1.0) - 0.8) / 0.2 * 8)
-
-
-def unusable_reason(deployment: Deployment, report: CheckReport) -> str | None:
-    """Why an instance whose startup checks ended with ``report`` must not be routed to.
-
-    An engine that is down or slow (health, discovery, metrics) is still offered requests: a
-    refused connection moves them to the next instance, and the metrics are the SDK's concern,
-    not the answers'. One that answers but does not serve the model would answer every request
-    wrongly.
-    """
-    failed = report.failed
-    if failed is not None and failed.name == "models":
-        return f"{failed.name} check failed: {failed.reason}"
-    reported = report.engine_version
-    if (
-        deployment.version_mismatch == "refuse"
-        and reported is not None
-        and not same_version(reported, deployment.engine_version)
-    ):
-        return (
-            f"the engine reports version {reported}, not engine_version "
-            f"{deployment.engine_version} (version_mismatch: refuse)"
-        )
-    return None
-
-
-def same_version(reported: str, configured: str) -> bool:
-    return reported.strip().lower().removeprefix("v") == configured.strip().lower().removeprefix(
-        "v"
-    )
 
 
 def _engine_key(instance: Instance, env: Mapping[str, str]) -> str | None:

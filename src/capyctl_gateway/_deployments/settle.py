@@ -28,7 +28,7 @@ from canopyx_provider import (
     ScrapeSucceeded,
 )
 
-__all__ = ["CutRequest", "InstanceLedger", "SettleRule", "Settled", "Settlement"]
+__all__ = ["CutRequest", "InstanceLedger", "SettleRule", "Settled", "Settlement", "settle_remote"]
 
 logger = logging.getLogger(__name__)
 FAST_POLL_MS = 250
@@ -133,66 +133,18 @@ class Settlement:
         if cuts:
             self._poll(ledger.key, self.fast_poll_ms)
 
-    def remote(
-        self,
-        ledger: InstanceLedger,
-        *,
-        idle_after: float | None,
-        restarted_before: float | None,
-    ) -> None:
-        """A host's report on a remote instance: its ingress and engine were seen idle in a
-        sample taken no earlier than ``idle_after``, or its engine restarted or stopped no
-        earlier than ``restarted_before`` (both on this settlement's clock)."""
-        if restarted_before is not None:
-            self._settle(
-                ledger, lambda c: c.cut_at < restarted_before, "engine restarted on its host"
-            )
-        if idle_after is not None:
-            self._settle(
-                ledger,
-                lambda c: c.rule is SettleRule.WHEN_IDLE and c.cut_at < idle_after,
-                "engine and ingress idle on its host",
-                sample_requested_at=idle_after,
-            )
-
     def settle_all(self, ledger: InstanceLedger, why: str) -> None:
         """The engine was stopped by the gateway: nothing it counted can still run."""
-        self._settle(ledger, lambda c: True, why)
+        self.settle(ledger, lambda c: True, why)
 
     def __call__(self, event: Event, /) -> None:
         ledger = self.ledgers.get(event.key)
         if ledger is not None:
-            self._apply(ledger, event)
+            _by_event(self, ledger, event)
         for observer in self.observers:
             observer(event)
 
-    def _apply(self, ledger: InstanceLedger, event: Event) -> None:
-        match event:
-            case ScrapeSucceeded(snapshot=snap):
-                recovered_from = ledger.down_since
-                ledger.down_since = None
-                if not ledger.cut:
-                    return
-                idle = snap.metrics.idle is True
-                self._settle(
-                    ledger,
-                    lambda c: (
-                        (c.rule is SettleRule.WHEN_IDLE and idle and c.cut_at < snap.requested_at)
-                        or (recovered_from is not None and c.cut_at < recovered_from)
-                    ),
-                    "engine recovered" if recovered_from is not None else "engine idle",
-                    sample_requested_at=snap.requested_at,
-                )
-            case ScrapeFailed(check=check, at=at):
-                if check == "health" and ledger.down_since is None:
-                    ledger.down_since = at
-            case EngineRestarted():
-                now = self._clock()
-                self._settle(ledger, lambda c: c.cut_at < now, "engine restarted")
-            case ChecksCompleted():
-                pass
-
-    def _settle(
+    def settle(
         self,
         ledger: InstanceLedger,
         done: Callable[[CutRequest], bool],
@@ -200,6 +152,8 @@ class Settlement:
         *,
         sample_requested_at: float | None = None,
     ) -> None:
+        """Settle the cut requests of ``ledger`` that ``done`` picks, for ``why`` (the
+        evidence: the functions below)."""
         keep = [c for c in ledger.cut if not done(c)]
         gone = len(ledger.cut) - len(keep)
         if not gone:
@@ -217,3 +171,58 @@ class Settlement:
         logger.info("%s: %d cut request(s) settled (%s)", ledger.key, gone, why)
         if not keep:
             self._poll(ledger.key, None)
+
+
+# --- the evidence: what a collector event, or a host's report, settles --------------------------
+
+
+def _by_event(settlement: Settlement, ledger: InstanceLedger, event: Event) -> None:
+    """A collector event of ``ledger``'s instance: an idle sample, a recovery from failed health
+    checks, or a restart (a failed health check is noted for the recovery)."""
+    match event:
+        case ScrapeSucceeded(snapshot=snap):
+            recovered_from = ledger.down_since
+            ledger.down_since = None
+            if not ledger.cut:
+                return
+            idle = snap.metrics.idle is True
+            settlement.settle(
+                ledger,
+                lambda c: (
+                    (c.rule is SettleRule.WHEN_IDLE and idle and c.cut_at < snap.requested_at)
+                    or (recovered_from is not None and c.cut_at < recovered_from)
+                ),
+                "engine recovered" if recovered_from is not None else "engine idle",
+                sample_requested_at=snap.requested_at,
+            )
+        case ScrapeFailed(check=check, at=at):
+            if check == "health" and ledger.down_since is None:
+                ledger.down_since = at
+        case EngineRestarted():
+            now = settlement.now()
+            settlement.settle(ledger, lambda c: c.cut_at < now, "engine restarted")
+        case ChecksCompleted():
+            pass
+
+
+def settle_remote(
+    settlement: Settlement,
+    ledger: InstanceLedger,
+    *,
+    idle_after: float | None,
+    restarted_before: float | None,
+) -> None:
+    """A host's report on a remote instance: its ingress and engine were seen idle in a
+    sample taken no earlier than ``idle_after``, or its engine restarted or stopped no
+    earlier than ``restarted_before`` (both on the settlement's clock)."""
+    if restarted_before is not None:
+        settlement.settle(
+            ledger, lambda c: c.cut_at < restarted_before, "engine restarted on its host"
+        )
+    if idle_after is not None:
+        settlement.settle(
+            ledger,
+            lambda c: c.rule is SettleRule.WHEN_IDLE and c.cut_at < idle_after,
+            "engine and ingress idle on its host",
+            sample_requested_at=idle_after,
+        )

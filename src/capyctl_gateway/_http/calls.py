@@ -107,9 +107,27 @@ def log_route(
         fields["caller_request_id"] = call.caller
     caller = f" (caller {call.caller})" if call.caller is not None else ""
     if name == "router_selection":
-        event(name, "request %s%s %s -> %s instance %d", call.rid, caller, call.dep.name, host,
-              index, **fields)  # fmt: skip
+        event(
+            name,
+            "request %s%s %s -> %s instance %d",
+            call.rid,
+            caller,
+            call.dep.name,
+            host,
+            index,
+            **fields,
+        )
     else:
-        event(name, "request %s%s %s: instance %d on %s did not take it (%s)", call.rid, caller,
-              call.dep.name, index, host, detail, **fields, reason="not_accepted",
-              detail=detail)  # fmt: skip
+        event(
+            name,
+            "request %s%s %s: instance %d on %s did not take it (%s)",
+            call.rid,
+            caller,
+            call.dep.name,
+            index,
+            host,
+            detail,
+            **fields,
+            reason="not_accepted",
+            detail=detail,
+        )

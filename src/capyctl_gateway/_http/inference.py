@@ -68,8 +68,9 @@ async def _chat(call: Call, ex: Exchange, cap: int) -> web.StreamResponse:
 
 async def _decide(call: Call, ex: Exchange, cap: int) -> web.StreamResponse:
     arrival = call.tally.arrival
-    body = await relay_decision(ex, call.payload, public=call.dep.name, arrival=arrival,
-                                max_bytes=cap)  # fmt: skip
+    body = await relay_decision(
+        ex, call.payload, public=call.dep.name, arrival=arrival, max_bytes=cap
+    )
     return web.Response(body=body, headers=call.headers, content_type="application/json")
 
 
@@ -184,12 +185,7 @@ class Inference:
                         detail="; ".join(skipped(route)),
                     )
                 continue
-            if len(route.instances) > 1 or call.dep.remote:
-                shown, skipped_ = candidates(route, refused)
-                log_route("router_selection", call, instance.index, instance.host,
-                          candidates=shown, skipped=skipped_)  # fmt: skip
-            else:
-                log_route("router_selection", call, instance.index, instance.host)
+            _log_choice(call, route, instance, refused)
             ex = Exchange(
                 fleet.engines,
                 surface.url(instance),
@@ -212,3 +208,20 @@ class Inference:
             f"deployment {name}: its instances could not be reached",
             detail="; ".join(details) or "no instance to send it to",
         )
+
+
+def _log_choice(call: Call, route: Route, instance: EngineInstance, refused: set[int]) -> None:
+    """The ``router_selection`` line: with the candidates weighed and the instances skipped
+    when there was a choice (or the instance is on a host)."""
+    if len(route.instances) > 1 or call.dep.remote:
+        shown, skipped_ = candidates(route, refused)
+        log_route(
+            "router_selection",
+            call,
+            instance.index,
+            instance.host,
+            candidates=shown,
+            skipped=skipped_,
+        )
+    else:
+        log_route("router_selection", call, instance.index, instance.host)

@@ -28,7 +28,7 @@ from .._errors import (
     UnavailableError,
 )
 from .budget import MemoryBudget
-from .rest import put_to_rest
+from .rest import drain_and_rest, rest_for
 from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
 from .watch import look, reported
@@ -60,8 +60,9 @@ class Lifecycle:
             for name, r in routes.items()
             if r.deployment.launched
         }
-        self._launched = {lc.inst.key: (life, lc) for life in self.lives.values()
-                          for lc in life.launched}  # fmt: skip
+        self._launched = {
+            lc.inst.key: (life, lc) for life in self.lives.values() for lc in life.launched
+        }
         self._tasks: set[asyncio.Task[None]] = set()
         self.budget = MemoryBudget(config, self.lives, self._switch_out)
         self.engines = Transitions(self.lives, settlement)
@@ -81,18 +82,9 @@ class Lifecycle:
         life.last_used = time.monotonic()
         if life.ready and life.closing is None:
             return
-        dep = life.deployment
-        if life.operator_stopped:
-            raise DeploymentStoppedError(
-                f"deployment {name} was stopped by an operator; "
-                f"`capyctl-gateway start {name}` starts it again"
-            )
-        if dep.lifecycle.activation == "explicit" and not life.operator_started:
-            raise DeploymentStoppedError(
-                f"deployment {name} starts only when an operator starts it "
-                "(lifecycle.activation: explicit)",
-                code="deployment_inactive",
-            )
+        refused = _refusal(life, name)
+        if refused is not None:
+            raise refused
         loop = asyncio.get_running_loop()
         if life.closing is not None:  # being switched out: it comes back after
             await _within(asyncio.shield(life.closing), deadline, name)
@@ -103,22 +95,6 @@ class Lifecycle:
         life.last_used = time.monotonic()
         if loop.time() > deadline:
             raise UnavailableError(f"deployment {name} was not ready within queue.request_deadline")
-
-    async def _activate(self, life: DeploymentLife) -> None:
-        name = life.deployment.name
-        todo = [lc for lc in life.launched if lc.state in STARTABLE]
-        parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
-        await self.budget.make_room(life, todo, parked)
-        jobs = [*(self.engines.start(lc) for lc in todo), *(self.engines.wake(lc) for lc in parked)]
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        if not life.ready:
-            failed = next((r for r in results if isinstance(r, EngineControlError)), None)
-            detail = failed.message if failed is not None else "no instance became ready"
-            raise ActivationFailedError(
-                f"deployment {name} could not be started; the gateway's log has the engine's "
-                "last words",
-                detail=detail,
-            )
 
     # -- time -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -135,41 +111,19 @@ class Lifecycle:
     def activate(self, life: DeploymentLife) -> asyncio.Task[None]:
         """The deployment's activation (the one running, or a new one)."""
         if life.activation is None or life.activation.done():
-            life.activation = self._spawn(self._activate(life))
+            life.activation = self._spawn(_activate(self, life))
         return life.activation
 
     def _switch_out(self, life: DeploymentLife) -> asyncio.Task[None]:
         """Start switching ``life`` out (once); the task that does it."""
         if life.closing is None:
-            life.closing = self._spawn(self._drain_and_stop(life))
+            life.closing = self._spawn(drain_and_rest(self.engines, life))
         return life.closing
-
-    async def _drain_and_stop(self, life: DeploymentLife) -> None:
-        try:
-            for lc in life.launched:  # requests that arrive wait for it to come back
-                lc.inst.set_open(admitting=False, why="switching out for another deployment")
-            # Running requests finish on their own, within the drain timeout.
-            await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
-            # A second turn for a deployment already parked: parking did not free enough.
-            at_rest = all(lc.state is not InstanceState.READY for lc in life.launched)
-            why = "switched out for another deployment"
-            await put_to_rest(self.engines, life, why, may_park=not at_rest)
-        finally:
-            life.closing = None
 
     def rest(self, life: DeploymentLife, reason: str, *, may_park: bool = True) -> None:
         """Put ``life`` to rest in the background (the idle watch's doing)."""
         if life.closing is None:
-            life.closing = self._spawn(self._rest(life, reason, may_park))
-
-    async def _rest(self, life: DeploymentLife, reason: str, may_park: bool) -> None:
-        if life.operator_started:
-            life.operator_started = False  # an explicit deployment waits to be started again
-            self.remember(life)
-        try:
-            await put_to_rest(self.engines, life, reason, may_park=may_park)
-        finally:
-            life.closing = None
+            life.closing = self._spawn(rest_for(self, life, reason, may_park))
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
@@ -199,6 +153,43 @@ class Lifecycle:
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_retrieve)  # its waiters may all have left
         return task
+
+
+def _refusal(life: DeploymentLife, name: str) -> DeploymentStoppedError | None:
+    """Why a request may not start ``life`` (deployment ``name``): an operator stopped it, or it
+    starts only when an operator starts it (``activation: explicit``); None when it may."""
+    if life.operator_stopped:
+        return DeploymentStoppedError(
+            f"deployment {name} was stopped by an operator; "
+            f"`capyctl-gateway start {name}` starts it again"
+        )
+    if life.deployment.lifecycle.activation == "explicit" and not life.operator_started:
+        return DeploymentStoppedError(
+            f"deployment {name} starts only when an operator starts it "
+            "(lifecycle.activation: explicit)",
+            code="deployment_inactive",
+        )
+    return None
+
+
+async def _activate(lifecycle: Lifecycle, life: DeploymentLife) -> None:
+    """One activation of ``life``: room made in the memory budget, then every instance that
+    can be started started and every parked one woken; it failed if none became ready."""
+    name = life.deployment.name
+    todo = [lc for lc in life.launched if lc.state in STARTABLE]
+    parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
+    await lifecycle.budget.make_room(life, todo, parked)
+    engines = lifecycle.engines
+    jobs = [*(engines.start(lc) for lc in todo), *(engines.wake(lc) for lc in parked)]
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    if not life.ready:
+        failed = next((r for r in results if isinstance(r, EngineControlError)), None)
+        detail = failed.message if failed is not None else "no instance became ready"
+        raise ActivationFailedError(
+            f"deployment {name} could not be started; the gateway's log has the engine's "
+            "last words",
+            detail=detail,
+        )
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

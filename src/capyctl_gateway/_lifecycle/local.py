@@ -72,13 +72,7 @@ class LocalRunner:
     def sample(self) -> LoadSample | None:
         if not self._watched:
             return None
-        snap = self._collector.snapshot(self._inst.key)
-        if snap is None:
-            return None
-        m = snap.metrics
-        usage = m.kv_cache_usage_ratio if m.kv_cache_usage_ratio is not None else m.slot_usage_ratio
-        age = max(self._clock() - snap.requested_at, 0.0)
-        return LoadSample(m.running_requests, m.waiting_requests, usage, age, "collector")
+        return _sample(self._collector, self._inst.key, self._clock)
 
     def process(self) -> ProcessView | None:
         proc = self._proc
@@ -89,16 +83,7 @@ class LocalRunner:
     def describe(self) -> dict[str, Any]:
         if not self._watched:
             return {}
-        status = self._collector.status(self._inst.key)
-        row: dict[str, Any] = {"state": status.state.value}
-        snap = status.latest
-        if snap is not None:
-            row["running"] = snap.metrics.running_requests
-            row["waiting"] = snap.metrics.waiting_requests
-            row["snapshot_age_s"] = round(snap.age_s(self._clock()), 3)
-        if status.error:
-            row["error"] = status.error
-        return row
+        return _row(self._collector, self._inst.key, self._clock)
 
     def why_unreachable(self) -> str:
         return "dispatch_closed"  # never: this machine is always reached
@@ -126,9 +111,12 @@ class LocalRunner:
         except StartFailedError as exc:
             self._proc = None
             logger.error(
-                "%s did not start: %s; its log %s ends:\n%s", inst.where, exc.message, log,
+                "%s did not start: %s; its log %s ends:\n%s",
+                inst.where,
+                exc.message,
+                log,
                 exc.log_tail.rstrip(),
-            )  # fmt: skip
+            )
             raise
         except BaseException:
             await proc.stop()
@@ -139,19 +127,10 @@ class LocalRunner:
         return f"answered on port {port}"
 
     async def park(self, reason: str) -> None:
-        await self._drive(park=True)
+        await _drive(self._session, self._inst, self._dep, park=True)
 
     async def wake(self, reason: str) -> None:
-        await self._drive(park=False)
-
-    async def _drive(self, *, park: bool) -> None:
-        inst, d = self._inst, self._dep
-        if inst.url is None:
-            raise StartFailedError(f"{inst.where} has no engine to drive")
-        key = inst.engine_key
-        auth = {"Authorization": f"Bearer {key}"} if key is not None else {}
-        model = d.engine_model if d.router else None
-        await drive(self._session, d.engine, inst.url, auth, model, park=park)
+        await _drive(self._session, self._inst, self._dep, park=False)
 
     async def stop(self, reason: str) -> bool:
         self._unwatch()
@@ -166,3 +145,45 @@ class LocalRunner:
             return None
         code = proc.proc.returncode if proc.proc is not None else None
         return f"the engine exited with status {code}"
+
+
+async def _drive(
+    session: aiohttp.ClientSession, inst: EngineInstance, d: Deployment, *, park: bool
+) -> None:
+    """Park or wake the engine through its own routes (``parking.py``), with its key, and the
+    model's name for a router."""
+    if inst.url is None:
+        raise StartFailedError(f"{inst.where} has no engine to drive")
+    key = inst.engine_key
+    auth = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    model = d.engine_model if d.router else None
+    await drive(session, d.engine, inst.url, auth, model, park=park)
+
+
+# --- what the collector says of a watched engine ----------------------------------------------
+
+
+def _sample(collector: Collector, key: str, clock: Callable[[], float]) -> LoadSample | None:
+    """The engine's load from its latest snapshot (KV-cache usage, else slot usage)."""
+    snap = collector.snapshot(key)
+    if snap is None:
+        return None
+    m = snap.metrics
+    usage = m.kv_cache_usage_ratio if m.kv_cache_usage_ratio is not None else m.slot_usage_ratio
+    age = max(clock() - snap.requested_at, 0.0)
+    return LoadSample(m.running_requests, m.waiting_requests, usage, age, "collector")
+
+
+def _row(collector: Collector, key: str, clock: Callable[[], float]) -> dict[str, Any]:
+    """What ``status`` shows of the engine: the collector's state, its latest load and the
+    snapshot's age, and its last error."""
+    status = collector.status(key)
+    row: dict[str, Any] = {"state": status.state.value}
+    snap = status.latest
+    if snap is not None:
+        row["running"] = snap.metrics.running_requests
+        row["waiting"] = snap.metrics.waiting_requests
+        row["snapshot_age_s"] = round(snap.age_s(clock()), 3)
+    if status.error:
+        row["error"] = status.error
+    return row

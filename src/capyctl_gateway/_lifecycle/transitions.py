@@ -115,10 +115,20 @@ class Transitions:
             observe(lc)
         inst = lc.inst
         event(
-            "lifecycle", "%s: %s -> %s (%s; %.1f s)", inst.where, before.value, to.value, reason,
-            took, deployment=inst.deployment, instance=inst.index, **{"from": before.value},
-            to=to.value, reason=reason, duration_s=round(took, 3),
-        )  # fmt: skip
+            "lifecycle",
+            "%s: %s -> %s (%s; %.1f s)",
+            inst.where,
+            before.value,
+            to.value,
+            reason,
+            took,
+            deployment=inst.deployment,
+            instance=inst.index,
+            **{"from": before.value},
+            to=to.value,
+            reason=reason,
+            duration_s=round(took, 3),
+        )
 
 
 def _on(lc: Launched, reason: str) -> str:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._config import Deployment, GatewayConfig
-from .._relay.refusal import NOT_FORWARDED as _NOT_FORWARDED
 
 __all__ = [
     "LOST_AFTER_S",
@@ -44,9 +43,9 @@ STALE_AFTER_S = 3.0
 """A host's engine sample older than this is not load (routing falls back to the server's own
 in-flight count)."""
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-# Set by a host's ingress on every answer it gives without forwarding the request: the engine
-# never saw it, so the server may offer it to another instance.
-NOT_FORWARDED = _NOT_FORWARDED
+NOT_FORWARDED = "X-CapyCTL-Not-Forwarded"
+"""Set by a host's ingress on every answer it gives without forwarding the request: the engine
+never saw it, so the server may offer it to another instance (the relay reads it)."""
 
 
 def ingress_path(deployment: str, index: int) -> str:

@@ -10,6 +10,7 @@ ends the exchanges in flight through the host when the session is lost.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import orjson
 
 from .._deployments.routes import EngineInstance
 from .._deployments.runner import LoadSample, ProcessView, Tracked
-from .._deployments.settle import Settlement
+from .._deployments.settle import Settlement, settle_remote
 from .._errors import HostGoneError, OrderRefusedError
 from .._log import shown
 from .control import HostSession
@@ -76,8 +77,14 @@ class HostLink:
         n = next(session.ids)
         done: asyncio.Future[dict[str, Any]] = loop.create_future()
         session.pending[n] = done
-        msg = {"t": "order", "id": n, "op": op, "deployment": inst.deployment,
-               "instance": inst.index, "reason": reason}  # fmt: skip
+        msg = {
+            "t": "order",
+            "id": n,
+            "op": op,
+            "deployment": inst.deployment,
+            "instance": inst.index,
+            "reason": reason,
+        }
         try:
             await session.ws.send_bytes(orjson.dumps(msg))
             return await asyncio.wait_for(done, max(end - loop.time(), 0.1))
@@ -141,23 +148,7 @@ class HostRunner:
         return ProcessView(r.pid, r.port, r.command)
 
     def describe(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"session": "live" if self._link.live else "lost"}
-        s = self.latest
-        if s is None:
-            return row
-        r = s.report
-        row["state"] = "ready" if r.gate is not None and self._link.live else r.state
-        row["report_age_s"] = round(self._time() - s.received_at, 3)
-        fresh = self.fresh()
-        if fresh is not None:
-            row["running"], row["waiting"] = fresh[0].running, fresh[0].waiting
-            row["snapshot_age_s"] = round(fresh[1], 3)
-        row["ingress_in_flight"] = r.ingress_in_flight
-        if r.pid is not None and r.command is not None:
-            row["process"] = {"pid": r.pid, "port": r.port, "command": shown(r.command)}
-        if r.failure is not None:
-            row["failure"] = r.failure
-        return row
+        return _row(self, self._link.live, self._time)
 
     def why_unreachable(self) -> str:
         return "dispatch_closed" if self._link.live else "host_session_lost"
@@ -222,6 +213,29 @@ class HostRunner:
         return None  # a host reports its engine's exit (`Lifecycle.found`)
 
 
+def _row(runner: HostRunner, live: bool, loop_time: Callable[[], float]) -> dict[str, Any]:
+    """What ``status`` shows of the engine as the host last reported it: the session, the
+    engine's state and load with their ages, the ingress's requests in flight, the process,
+    and why it failed."""
+    row: dict[str, Any] = {"session": "live" if live else "lost"}
+    s = runner.latest
+    if s is None:
+        return row
+    r = s.report
+    row["state"] = "ready" if r.gate is not None and live else r.state
+    row["report_age_s"] = round(loop_time() - s.received_at, 3)
+    fresh = runner.fresh()
+    if fresh is not None:
+        row["running"], row["waiting"] = fresh[0].running, fresh[0].waiting
+        row["snapshot_age_s"] = round(fresh[1], 3)
+    row["ingress_in_flight"] = r.ingress_in_flight
+    if r.pid is not None and r.command is not None:
+        row["process"] = {"pid": r.pid, "port": r.port, "command": shown(r.command)}
+    if r.failure is not None:
+        row["failure"] = r.failure
+    return row
+
+
 def _settle(
     settlement: Settlement,
     inst: EngineInstance,
@@ -244,4 +258,4 @@ def _settle(
     quiet = report.quiet_ping
     if quiet is not None and report.running == 0 and report.waiting == 0:
         idle_after = session.pinged.get(quiet)
-    settlement.remote(inst.ledger, idle_after=idle_after, restarted_before=restarted_before)
+    settle_remote(settlement, inst.ledger, idle_after=idle_after, restarted_before=restarted_before)

@@ -98,8 +98,15 @@ class Machines:
                 fut.set_exception(ConnectionError(why))
         for runner in link.runners.values():
             runner.lost(why)
-        event("host_session", "host %s: session lost (%s)", host, why, host=host,
-              state="lost", reason=why)  # fmt: skip
+        event(
+            "host_session",
+            "host %s: session lost (%s)",
+            host,
+            why,
+            host=host,
+            state="lost",
+            reason=why,
+        )
         closing = asyncio.get_running_loop().create_task(session.ws.close())
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)

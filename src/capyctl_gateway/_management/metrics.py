@@ -19,7 +19,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from .._gateway import Gateway
 from .._lifecycle.states import InstanceState
-from .._telemetry import BUCKETS, PHASES
+from .._telemetry import BUCKETS, PHASES, Telemetry
 
 __all__ = ["exposition"]
 
@@ -28,141 +28,161 @@ _COLLECTOR_STATES = ("connecting", "ready", "failed")
 
 
 class _GatewayCollector:
+    """The families, in their order on the page, each read at scrape time."""
+
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
     def collect(self) -> Iterator[Metric]:
         gw, t = self.gw, self.gw.telemetry
-        requests = CounterMetricFamily(
-            "capyctl_requests",
-            "Requests answered, by outcome.",
-            labels=["deployment", "api", "outcome"],
+        yield from _answers(t)
+        yield from _slots(gw)
+        yield from _settled(t)
+        yield from _collector_state(gw)
+        yield from _lifecycle(gw)
+        yield from _timings(t)
+
+
+def _answers(t: Telemetry) -> Iterator[Metric]:
+    requests = CounterMetricFamily(
+        "capyctl_requests",
+        "Requests answered, by outcome.",
+        labels=["deployment", "api", "outcome"],
+    )
+    for (dep, api, outcome), n in sorted(t.requests.items()):
+        requests.add_metric([dep, api, outcome], n)
+    yield requests
+    refusals = CounterMetricFamily(
+        "capyctl_refusals",
+        "Requests refused, by the documented code.",
+        labels=["deployment", "code"],
+    )
+    for (dep, code), n in sorted(t.refusals.items()):
+        refusals.add_metric([dep, code], n)
+    yield refusals
+
+
+def _slots(gw: Gateway) -> Iterator[Metric]:
+    """What each deployment's queue and each instance's ledger hold now."""
+    running = GaugeMetricFamily(
+        "capyctl_running", "Requests holding a running slot.", labels=["deployment"]
+    )
+    waiting = GaugeMetricFamily(
+        "capyctl_waiting", "Requests waiting for a running slot.", labels=["deployment"]
+    )
+    in_flight = GaugeMetricFamily(
+        "capyctl_in_flight",
+        "Requests the gateway has at an instance now.",
+        labels=["deployment", "instance"],
+    )
+    cut = GaugeMetricFamily(
+        "capyctl_cut_requests",
+        "Cut requests still counted against an instance, by how they settle.",
+        labels=["deployment", "instance", "settles"],
+    )
+    for name, route in gw.fleet.routes.items():
+        running.add_metric([name], route.queue.running)
+        waiting.add_metric([name], route.queue.waiting)
+        for inst in route.instances:
+            idx = str(inst.index)
+            in_flight.add_metric([name, idx], inst.ledger.running)
+            rules = {"when_idle": 0, "at_restart": 0}
+            for c in inst.ledger.cut:
+                rules["when_idle" if c.rule.name == "WHEN_IDLE" else "at_restart"] += 1
+            for rule, n in rules.items():
+                cut.add_metric([name, idx, rule], n)
+    yield from (running, waiting, in_flight, cut)
+
+
+def _settled(t: Telemetry) -> Iterator[Metric]:
+    settled = CounterMetricFamily(
+        "capyctl_cut_settled",
+        "Cut requests settled, by what settled them.",
+        labels=["deployment", "instance", "how"],
+    )
+    for (dep, idx, how), n in sorted(t.settled.items()):
+        settled.add_metric([dep, idx, how], n)
+    yield settled
+
+
+def _collector_state(gw: Gateway) -> Iterator[Metric]:
+    state = GaugeMetricFamily(
+        "capyctl_collector_state",
+        "Where the collector stands with each instance (1 for its state).",
+        labels=["deployment", "instance", "state"],
+    )
+    age = GaugeMetricFamily(
+        "capyctl_sample_age_seconds",
+        "Age of the instance's latest sample (absent when it has none).",
+        labels=["deployment", "instance"],
+    )
+    fleet = gw.fleet
+    collector = fleet.collector
+    keys = set(collector.keys())
+    now = gw.now()
+    for name, route in fleet.routes.items():
+        for inst in route.instances:
+            if inst.key not in keys:
+                continue
+            status = collector.status(inst.key)
+            for s in _COLLECTOR_STATES:
+                state.add_metric([name, str(inst.index), s], 1.0 if status.state == s else 0.0)
+            if status.latest is not None:
+                age.add_metric([name, str(inst.index)], status.latest.age_s(now))
+    yield from (state, age)
+
+
+def _lifecycle(gw: Gateway) -> Iterator[Metric]:
+    state = GaugeMetricFamily(
+        "capyctl_lifecycle_state",
+        "The state of each instance the gateway runs (1 for its state).",
+        labels=["deployment", "instance", "state"],
+    )
+    for name, life in gw.fleet.lifecycle.lives.items():
+        for lc in life.launched:
+            for s in _LIFECYCLE_STATES:
+                state.add_metric([name, str(lc.inst.index), s], 1.0 if lc.state == s else 0.0)
+    yield state
+    moves = CounterMetricFamily(
+        "capyctl_lifecycle_transitions",
+        "Lifecycle transitions of the instances the gateway runs, by the state entered.",
+        labels=["deployment", "to"],
+    )
+    for (dep, to), n in sorted(gw.telemetry.transitions.items()):
+        moves.add_metric([dep, to], n)
+    yield moves
+    held = GaugeMetricFamily(
+        "capyctl_memory_held_bytes", "Memory held by launched deployments (their memory:)."
+    )
+    held.add_metric([], gw.fleet.lifecycle.budget.held())
+    yield held
+    budget = gw.config.resources.memory_budget
+    if budget is not None:
+        yield GaugeMetricFamily(
+            "capyctl_memory_budget_bytes", "resources.memory_budget.", value=budget
         )
-        for (dep, api, outcome), n in sorted(t.requests.items()):
-            requests.add_metric([dep, api, outcome], n)
-        yield requests
-        refusals = CounterMetricFamily(
-            "capyctl_refusals",
-            "Requests refused, by the documented code.",
-            labels=["deployment", "code"],
-        )
-        for (dep, code), n in sorted(t.refusals.items()):
-            refusals.add_metric([dep, code], n)
-        yield refusals
-        running = GaugeMetricFamily(
-            "capyctl_running", "Requests holding a running slot.", labels=["deployment"]
-        )
-        waiting = GaugeMetricFamily(
-            "capyctl_waiting", "Requests waiting for a running slot.", labels=["deployment"]
-        )
-        in_flight = GaugeMetricFamily(
-            "capyctl_in_flight",
-            "Requests the gateway has at an instance now.",
+
+
+def _timings(t: Telemetry) -> Iterator[Metric]:
+    """One histogram per phase; an instance's series appear once it has an observation."""
+    for phase in PHASES:
+        h = HistogramMetricFamily(
+            f"capyctl_{phase}_seconds",
+            f"Seconds of {phase.replace('_', ' ')}, counted from the request's arrival "
+            "(waits: their own length).",
             labels=["deployment", "instance"],
         )
-        cut = GaugeMetricFamily(
-            "capyctl_cut_requests",
-            "Cut requests still counted against an instance, by how they settle.",
-            labels=["deployment", "instance", "settles"],
-        )
-        for name, route in gw.fleet.routes.items():
-            running.add_metric([name], route.queue.running)
-            waiting.add_metric([name], route.queue.waiting)
-            for inst in route.instances:
-                idx = str(inst.index)
-                in_flight.add_metric([name, idx], inst.ledger.running)
-                rules = {"when_idle": 0, "at_restart": 0}
-                for c in inst.ledger.cut:
-                    rules["when_idle" if c.rule.name == "WHEN_IDLE" else "at_restart"] += 1
-                for rule, n in rules.items():
-                    cut.add_metric([name, idx, rule], n)
-        yield from (running, waiting, in_flight, cut)
-        settled = CounterMetricFamily(
-            "capyctl_cut_settled",
-            "Cut requests settled, by what settled them.",
-            labels=["deployment", "instance", "how"],
-        )
-        for (dep, idx, how), n in sorted(t.settled.items()):
-            settled.add_metric([dep, idx, how], n)
-        yield settled
-        yield from self._collector_state()
-        yield from self._lifecycle()
-        for phase in PHASES:
-            h = HistogramMetricFamily(
-                f"capyctl_{phase}_seconds",
-                f"Seconds of {phase.replace('_', ' ')}, counted from the request's arrival "
-                "(waits: their own length).",
-                labels=["deployment", "instance"],
-            )
-            at = PHASES.index(phase)
-            for (dep, idx), group in sorted(t.timings.items()):
-                hist = group[at]
-                if not hist.total and not any(hist.counts):
-                    continue
-                cumulative, buckets = 0, []
-                for bound, n in zip((*BUCKETS, float("inf")), hist.counts, strict=True):
-                    cumulative += n
-                    buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-                h.add_metric([dep, idx], buckets, hist.total)
-            yield h
-
-    def _collector_state(self) -> Iterator[Metric]:
-        gw = self.gw
-        state = GaugeMetricFamily(
-            "capyctl_collector_state",
-            "Where the collector stands with each instance (1 for its state).",
-            labels=["deployment", "instance", "state"],
-        )
-        age = GaugeMetricFamily(
-            "capyctl_sample_age_seconds",
-            "Age of the instance's latest sample (absent when it has none).",
-            labels=["deployment", "instance"],
-        )
-        fleet = gw.fleet
-        collector = fleet.collector
-        keys = set(collector.keys())
-        now = gw.now()
-        for name, route in fleet.routes.items():
-            for inst in route.instances:
-                if inst.key not in keys:
-                    continue
-                status = collector.status(inst.key)
-                for s in _COLLECTOR_STATES:
-                    state.add_metric([name, str(inst.index), s], 1.0 if status.state == s else 0.0)
-                if status.latest is not None:
-                    age.add_metric([name, str(inst.index)], status.latest.age_s(now))
-        yield from (state, age)
-
-    def _lifecycle(self) -> Iterator[Metric]:
-        gw = self.gw
-        state = GaugeMetricFamily(
-            "capyctl_lifecycle_state",
-            "The state of each instance the gateway runs (1 for its state).",
-            labels=["deployment", "instance", "state"],
-        )
-        for name, life in gw.fleet.lifecycle.lives.items():
-            for lc in life.launched:
-                for s in _LIFECYCLE_STATES:
-                    state.add_metric([name, str(lc.inst.index), s], 1.0 if lc.state == s else 0.0)
-        yield state
-        moves = CounterMetricFamily(
-            "capyctl_lifecycle_transitions",
-            "Lifecycle transitions of the instances the gateway runs, by the state entered.",
-            labels=["deployment", "to"],
-        )
-        for (dep, to), n in sorted(gw.telemetry.transitions.items()):
-            moves.add_metric([dep, to], n)
-        yield moves
-        held = GaugeMetricFamily(
-            "capyctl_memory_held_bytes", "Memory held by launched deployments (their memory:)."
-        )
-        held.add_metric([], gw.fleet.lifecycle.budget.held())
-        yield held
-        budget = gw.config.resources.memory_budget
-        if budget is not None:
-            yield GaugeMetricFamily(
-                "capyctl_memory_budget_bytes", "resources.memory_budget.", value=budget
-            )
+        at = PHASES.index(phase)
+        for (dep, idx), group in sorted(t.timings.items()):
+            hist = group[at]
+            if not hist.total and not any(hist.counts):
+                continue
+            cumulative, buckets = 0, []
+            for bound, n in zip((*BUCKETS, float("inf")), hist.counts, strict=True):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            h.add_metric([dep, idx], buckets, hist.total)
+        yield h
 
 
 def exposition(gateway: Gateway) -> bytes:

@@ -12,9 +12,7 @@ from .exchange import Exchange
 from .figures import Figures, num, put
 from .refusal import forwarded, refusal
 
-__all__ = ["MAX_ANSWER_BYTES", "decision_figures", "relay_decision"]
-
-MAX_ANSWER_BYTES = 64 * 1024 * 1024
+__all__ = ["decision_figures", "relay_decision"]
 
 
 def decision_figures(
@@ -55,7 +53,7 @@ def _answer(raw: bytes, where: str, max_bytes: int) -> dict[str, Any]:
 
 
 async def relay_decision(
-    ex: Exchange, payload: bytes, *, public: str, arrival: float, max_bytes: int = MAX_ANSWER_BYTES
+    ex: Exchange, payload: bytes, *, public: str, arrival: float, max_bytes: int
 ) -> bytes:
     """Forward ``payload`` (addressed to the engine); return the client's answer's bytes."""
     loop = running_loop()

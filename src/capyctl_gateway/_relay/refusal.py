@@ -11,13 +11,13 @@ import orjson
 
 from .._engine_client import EngineConnectionError
 from .._errors import EngineError, EngineRejectedError, NotAcceptedError
+from .._machines.protocol import NOT_FORWARDED
 
 if TYPE_CHECKING:
     from .exchange import Answer, Exchange
 
 __all__ = [
     "MAX_ERROR_BODY",
-    "NOT_FORWARDED",
     "REJECTION_STATUSES",
     "engine_message",
     "forwarded",
@@ -27,8 +27,6 @@ __all__ = [
 REJECTION_STATUSES = frozenset({400, 413, 422})
 """An engine answering one of these refused the request itself: its status is kept."""
 MAX_ERROR_BODY = 16 * 1024
-NOT_FORWARDED = "X-CapyCTL-Not-Forwarded"
-"""The header a host's ingress sets when it answers without forwarding to its engine."""
 
 
 def forwarded(ex: Exchange, resp: Answer) -> None:
