@@ -26,7 +26,7 @@ _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
 }  # fmt: skip
-for _leaf in ("_loop", "_ulid", "_log", "_engine_answer", "_engine_client"):
+for _leaf in ("_loop", "_ulid", "_log", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM
 
 
