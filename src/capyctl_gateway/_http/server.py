@@ -13,23 +13,33 @@ server's control port, a host's ingress) through a protocol that:
 
 `GatewayRunner` is the public listener's, with the settings its correctness depends on.
 `TLSSite` bounds the TLS handshake that comes before all of it.
+
+aiohttp has no public hooks for any of it: this module reaches aiohttp's internals only through
+``_aiohttp.py`` (`TLSSite` is defined there), never directly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import ssl
 from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
 
+from .._aiohttp import (
+    Protocol,
+    Runner,
+    Server,
+    TLSSite,
+    answer_started,
+    recast,
+    request_count,
+    task_handler,
+)
 from .._errors import GatewayError
 from .._log import SparseLog
+from .._loop import running_loop
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import error_response
 
@@ -109,7 +119,7 @@ def _busy_answer(extra: bytes) -> bytes:
     )
 
 
-class _Protocol(RequestHandler):
+class _Protocol(Protocol):
     """aiohttp's request handler, with the gateway's answers to what never became a request."""
 
     __slots__ = ("_head_timer", "_limits", "_heads_seen")
@@ -123,16 +133,17 @@ class _Protocol(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if not transport.is_closing():
-            self._head_timer = self._loop.call_later(self._limits.header_timeout, self._no_head)
-        elif self._task_handler is not None:
+            self._head_timer = running_loop().call_later(self._limits.header_timeout, self._no_head)
+        elif (task := task_handler(self)) is not None:
             # Refused (past max_connections): its request loop must not start, for aiohttp
             # cancels it on the close only where handlers are cancelled on hang-ups.
-            self._task_handler.cancel()
+            task.cancel()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._request_count != self._heads_seen:  # a whole request head arrived
-            self._heads_seen = self._request_count
+        heads = request_count(self)
+        if heads != self._heads_seen:  # a whole request head arrived
+            self._heads_seen = heads
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
@@ -145,16 +156,12 @@ class _Protocol(RequestHandler):
 
     def _no_head(self) -> None:
         self._head_timer = None
-        if self._request_count == self._heads_seen and self.transport is not None:
+        if request_count(self) == self._heads_seen and self.transport is not None:
             self._limits.protocol_log.warning("connection closed: %s", self._limits.head())
             self.transport.close()
 
-    def handle_error(
-        self,
-        request: BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
+    def answer_error(
+        self, request: web.BaseRequest, status: int, exc: BaseException | None
     ) -> web.StreamResponse:
         rid = new_ulid()
         if status == 400:
@@ -169,29 +176,28 @@ class _Protocol(RequestHandler):
         else:
             logger.error("request %s: the gateway failed (%d)", rid, status, exc_info=exc)
             err = GatewayError("the gateway failed on this request; it is logged", status=status)
-        if request.writer.output_size > 0:
+        if answer_started(request):
             raise ConnectionError("an answer was started already; the connection is closed")
         resp = error_response(err, {REQUEST_ID: rid})
         resp.force_close()
         return resp
 
 
-class _Server(web.Server):
+class _Server(Server):
     limits: Limits
 
-    def __call__(self) -> RequestHandler:
-        return _Protocol(self, loop=self._loop, **self._kwargs)
+    def make_protocol(self, **kwargs: Any) -> web.RequestHandler:
+        return _Protocol(self, **kwargs)
 
-    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
-        super().connection_made(handler, transport)
+    def connected(self, transport: asyncio.Transport, open_connections: int) -> None:
         limits = self.limits
-        if len(self._connections) > limits.max_connections:
+        if open_connections > limits.max_connections:
             limits.refusal_log.warning("connection refused: %s", limits.cap())
             transport.write(_busy_answer(limits.busy_headers))
             transport.close()
 
 
-class BoundedRunner(web.AppRunner):
+class BoundedRunner(Runner):
     """An `aiohttp.web.AppRunner` whose connections go through the connection layer above:
     at most ``limits.max_connections`` open, each closed when its request head does not come
     within ``limits.header_timeout``, malformed HTTP answered in JSON. Every listener of the
@@ -205,14 +211,12 @@ class BoundedRunner(web.AppRunner):
         self._limits = limits
         super().__init__(app, **kwargs)
 
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
+    def adopt(self, server: web.Server) -> web.Server:
         # aiohttp builds its Server and has no hook for the protocol class: the instance is
         # made a _Server, which changes only the protocol it makes and the connection count.
-        server.__class__ = _Server
-        assert isinstance(server, _Server)
-        server.limits = self._limits if self._limits is not None else self._app[LIMITS]
-        return server
+        bounded = recast(server, _Server)
+        bounded.limits = self._limits if self._limits is not None else self.app[LIMITS]
+        return bounded
 
 
 class GatewayRunner(BoundedRunner):
@@ -224,34 +228,3 @@ class GatewayRunner(BoundedRunner):
         kwargs["handler_cancellation"] = True
         app[HANGUPS_SEEN] = True
         super().__init__(app, **kwargs)
-
-
-class TLSSite(web.SockSite):
-    """A `web.SockSite` on TLS whose handshakes must end within ``handshake_timeout`` seconds
-    (asyncio's own bound is 60 s): a connection that never finishes one is closed then, before
-    it reaches the connection layer's count."""
-
-    def __init__(
-        self,
-        runner: web.BaseRunner,
-        sock: socket.socket,
-        *,
-        ssl_context: ssl.SSLContext,
-        handshake_timeout: float,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(runner, sock, ssl_context=ssl_context, **kwargs)
-        self._handshake_timeout = handshake_timeout
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # not SockSite's: its server has asyncio's timeout
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-        self._server = await loop.create_server(
-            server,
-            sock=self._sock,
-            ssl=self._ssl_context,
-            backlog=self._backlog,
-            ssl_handshake_timeout=self._handshake_timeout,
-        )

@@ -14,6 +14,7 @@ import logging
 import orjson
 from aiohttp import web
 
+from .._aiohttp import HeadWithFirstWrite
 from .._config import Deployment
 from .._errors import (
     ClientGoneError,
@@ -153,19 +154,10 @@ def _figures(dep: Deployment, verifier: ChunkVerifier, sent_at: float) -> Figure
     )
 
 
-class _EventStream(web.StreamResponse):
-    """A stream whose head leaves with its first write: every caller of `start_stream` writes
-    at once, and one ``send`` for the head and the first events is one less per stream (a
-    whole short answer is then a single write). aiohttp's ``web.Response`` does the same; a
-    StreamResponse opts in with this attribute (should aiohttp drop it, heads go alone)."""
-
-    _send_headers_immediately = False
-
-
 async def start_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
     """Start the client's event stream; its head leaves with the first write, which the
-    caller makes next."""
-    out = _EventStream(status=200, headers={**SSE_HEADERS, **headers})
+    caller makes next (one ``send`` less per stream: `HeadWithFirstWrite`)."""
+    out = HeadWithFirstWrite(status=200, headers={**SSE_HEADERS, **headers})
     await out.prepare(request)
     return out
 

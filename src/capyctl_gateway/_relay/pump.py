@@ -16,7 +16,8 @@ is a hang-up), the end of the answer, and a fault. The bytes the client gets, th
 writes and the verdicts are those of the task's loop; only the number of wake-ups changes.
 
 Used only where its writes are the same bytes aiohttp's would be: a chunked, uncompressed
-answer (any HTTP/1.1 client) whose engine answer comes through the lean client.
+answer (any HTTP/1.1 client) whose engine answer comes through the lean client. What it knows
+of aiohttp's writer (its framing, its counts) is named in ``_aiohttp.py``, checked by the canary.
 
 `Fold` does the same for a client that asked for no stream: each read is verified and folded
 into the answer where it arrives, and the task wakes once, at the end (or at a fault).
@@ -29,8 +30,8 @@ from typing import TypeGuard
 
 import aiohttp
 from aiohttp import web
-from aiohttp.http_writer import StreamWriter
 
+from .._aiohttp import StreamWriter, chunk, chunk_writer
 from .._engine_answer import Body
 from .._errors import EngineError
 from .._loop import running_loop
@@ -41,22 +42,10 @@ from .exchange import Exchange
 __all__ = ["Fold", "Pump", "chunk", "pump_rest", "pumpable"]
 
 
-def chunk(data: bytes) -> bytes:
-    """``data`` as one chunk of a chunked HTTP/1.1 body, framed as aiohttp frames it."""
-    return b"%x\r\n%b\r\n" % (len(data), data)
-
-
 def pumpable(content: object, out: web.StreamResponse) -> TypeGuard[Body]:
     """Whether ``content`` can be pumped into ``out``: the lean client's body, and an answer
     whose every write aiohttp would frame as one plain chunk."""
-    writer = out._payload_writer  # aiohttp has no public view of its framing
-    return (
-        type(content) is Body
-        and type(writer) is StreamWriter
-        and writer.chunked
-        and writer._compress is None
-        and writer.transport is not None
-    )
+    return type(content) is Body and chunk_writer(out) is not None
 
 
 async def pump_rest(
@@ -65,8 +54,8 @@ async def pump_rest(
     """Relay the rest of the engine's stream into the started ``out`` (see `pumpable`) from
     the connection's reads. Returns whether ``[DONE]`` came, and the verified events of the
     answer's end that are still to be written (with its figures, by the caller)."""
-    writer = out._payload_writer
-    assert isinstance(writer, StreamWriter)
+    writer = chunk_writer(out)
+    assert writer is not None
     pump = Pump(content, reader, ex, writer)
     content.attach(pump)
     try:
@@ -150,7 +139,9 @@ class Pump:
                 return
             framed = chunk(events[0] if len(events) == 1 else b"".join(events))
             w = self._writer
-            w.buffer_size += len(framed)  # aiohttp's count: its next write drains by it
+            # aiohttp's counts, kept here (not in a call to _aiohttp): its next write drains by
+            # buffer_size; the canary checks that write counts both.
+            w.buffer_size += len(framed)
             w.output_size += len(framed)
             tr.write(framed)
 

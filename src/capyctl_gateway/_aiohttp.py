@@ -1,0 +1,213 @@
+"""aiohttp's private and undocumented names: the one module of the gateway that touches them.
+
+aiohttp has no public API for some of what the gateway does. Each name relied on is listed here
+with the reason, and ``tests/gateway/test_aiohttp_canary.py`` checks, on a real server over a
+real socket, that it still has the shape relied on. ``pyproject.toml`` bounds aiohttp below the
+first minor that the canary has not passed on.
+
+The connection layer (``_http/server.py``: the connection cap, the head timeout, the JSON
+answer to malformed HTTP):
+
+* ``web.RequestHandler`` (``aiohttp.web_protocol``) is subclassed (`Protocol`): its
+  ``__init__(manager, *, loop, **kwargs)``, its ``__slots__``, and its ``handle_error(request,
+  status, exc, message)`` hook, through which aiohttp answers what never became a request
+  (`Protocol.answer_error`).
+* ``RequestHandler._request_count``, the request heads parsed on the connection
+  (`request_count`): the head timeout stops once it moves.
+* ``RequestHandler._task_handler``, the connection's request loop, set by ``connection_made``
+  (`task_handler`): cancelled for a connection refused past the cap.
+* ``web.Server._loop`` and ``._kwargs``, what ``Server.__call__`` makes a handler with
+  (`Server.make_protocol`), and ``Server._connections``, the open connections, the new one
+  counted when ``Server.connection_made(handler, transport)`` is called (`Server.connected`).
+* ``web.AppRunner._make_server()``, which builds a plain ``web.Server``: aiohttp has no hook for
+  the protocol class, so the instance is made a `Server` by ``server.__class__ = ...``
+  (`Runner.adopt`, `recast`).
+* ``web.BaseRequest.writer`` and its ``output_size`` (`answer_started`).
+* ``web.SockSite``'s ``_runner``, ``_sock``, ``_ssl_context``, ``_backlog`` and ``_server``, and
+  ``web.BaseSite.start``: `TLSSite` starts as ``SockSite.start`` does, with a bound on the TLS
+  handshake that aiohttp does not pass on.
+
+The relay (``_relay/pump.py``, ``_relay/chat.py``: chunk framing, back-pressure, one send):
+
+* ``StreamResponse._payload_writer``, and its ``StreamWriter``'s (``aiohttp.http_writer``)
+  ``chunked``, ``_compress`` and ``transport``: whether each write is framed as one plain chunk,
+  as `chunk` frames it (`chunk_writer`).
+* ``StreamWriter.buffer_size`` and ``output_size``: the pump writes to the client's socket
+  itself and adds its bytes to both, as ``StreamWriter.write`` does, so that aiohttp's next
+  ``write`` drains once more than its ``LIMIT`` (64 KiB) is unsent. The pump adds them in its
+  per-read path itself (``Pump.__call__``), on the writer it got from `chunk_writer`: a function
+  here would be one more Python call per relayed chunk, so this module names them and the
+  canary checks them instead.
+* ``StreamResponse._send_headers_immediately`` (aiohttp 3.12 and later): False on
+  `HeadWithFirstWrite`, whose head leaves with its first write, as ``web.Response``'s does.
+
+Checked against aiohttp 3.12.0, 3.12.15, 3.13.0, 3.13.5, 3.14.0 and 3.14.5: the canary passes on
+each, the cancel and pump suites on 3.12.0 and 3.14.0, the gateway's whole suite on 3.14.5. On
+3.10 and 3.11 every name but ``_send_headers_immediately`` has its shape (heads leave alone
+there), hence ``aiohttp>=3.12,<3.15`` in ``pyproject.toml``.
+
+Never imports a module of the gateway: only asyncio, socket, ssl and aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from typing import Any, TypeVar
+
+from aiohttp import web
+from aiohttp.http_writer import StreamWriter
+
+__all__ = [
+    "HeadWithFirstWrite",
+    "Protocol",
+    "Runner",
+    "Server",
+    "StreamWriter",
+    "TLSSite",
+    "answer_started",
+    "chunk",
+    "chunk_writer",
+    "recast",
+    "request_count",
+    "task_handler",
+]
+
+S = TypeVar("S", bound="Server")
+
+
+# -- the connection layer -------------------------------------------------------------------------
+class Protocol(web.RequestHandler):
+    """aiohttp's request handler (one per connection), whose answer to a request that failed
+    before reaching a handler (not valid HTTP, or a handler's crash) is `answer_error`."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        return self.answer_error(request, status, exc)
+
+    def answer_error(
+        self, request: web.BaseRequest, status: int, exc: BaseException | None
+    ) -> web.StreamResponse:
+        """The answer to ``request``, which failed with ``status`` (400: not valid HTTP) and
+        ``exc``; aiohttp's unless overridden. Raising closes the connection."""
+        return super().handle_error(request, status, exc)
+
+
+def request_count(proto: web.RequestHandler) -> int:
+    """The request heads parsed so far on ``proto``'s connection (a malformed one too)."""
+    return proto._request_count
+
+
+def task_handler(proto: web.RequestHandler) -> asyncio.Task[None] | None:
+    """``proto``'s request loop: the task started by ``connection_made``, None once lost."""
+    return proto._task_handler
+
+
+class Server(web.Server):
+    """aiohttp's low-level server as `Runner` serves it: its handlers are `make_protocol`'s, and
+    `connected` hears of each connection with the number open. Keeps no state of its own."""
+
+    def __call__(self) -> web.RequestHandler:
+        return self.make_protocol(loop=self._loop, **self._kwargs)
+
+    def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.connected(transport, len(self._connections))
+
+    def make_protocol(self, **kwargs: Any) -> web.RequestHandler:
+        """The handler of a new connection; ``kwargs`` are the runner's handler settings."""
+        return web.RequestHandler(self, **kwargs)
+
+    def connected(self, transport: asyncio.Transport, open_connections: int) -> None:
+        """``transport`` connected: ``open_connections`` are open, this one among them."""
+
+
+class Runner(web.AppRunner):
+    """An `aiohttp.web.AppRunner` whose server is `adopt`'s."""
+
+    async def _make_server(self) -> web.Server:
+        return self.adopt(await super()._make_server())
+
+    def adopt(self, server: web.Server) -> web.Server:
+        """The server to serve with, given the plain one aiohttp built (see `recast`)."""
+        return server
+
+
+def recast(server: web.Server, cls: type[S]) -> S:
+    """``server`` made a ``cls``: the protocol it makes and what it does on a connection change,
+    nothing else (a `Server` keeps no state of its own)."""
+    server.__class__ = cls
+    assert isinstance(server, cls)
+    return server
+
+
+def answer_started(request: web.BaseRequest) -> bool:
+    """Whether bytes of an answer to ``request`` were written to its connection."""
+    return request.writer.output_size > 0
+
+
+class TLSSite(web.SockSite):
+    """A `web.SockSite` on TLS whose handshakes must end within ``handshake_timeout`` seconds
+    (asyncio's own bound is 60 s): a connection that never finishes one is closed then, before
+    it reaches the connection layer's count."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        sock: socket.socket,
+        *,
+        ssl_context: ssl.SSLContext,
+        handshake_timeout: float,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context, **kwargs)
+        self._handshake_timeout = handshake_timeout
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # not SockSite's: its server has asyncio's timeout
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        self._server = await loop.create_server(
+            server,
+            sock=self._sock,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout,
+        )
+
+
+# -- the relay ----------------------------------------------------------------------------------
+class HeadWithFirstWrite(web.StreamResponse):
+    """A stream whose head leaves with its first write, in one ``send`` (a whole short answer is
+    then a single write). aiohttp's ``web.Response`` does the same; a StreamResponse opts in
+    with this attribute (should aiohttp drop it, heads go alone)."""
+
+    _send_headers_immediately = False
+
+
+def chunk(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked HTTP/1.1 body, framed as aiohttp frames it."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def chunk_writer(out: web.StreamResponse) -> StreamWriter | None:
+    """The writer of the started ``out`` if its every write is framed as one plain `chunk`
+    (aiohttp's HTTP/1.1 writer, chunked, uncompressed, connected); else None."""
+    writer = out._payload_writer
+    if (
+        type(writer) is StreamWriter
+        and writer.chunked
+        and writer._compress is None
+        and writer.transport is not None
+    ):
+        return writer
+    return None
