@@ -92,7 +92,7 @@ def openapi_route(monkeypatch: pytest.MonkeyPatch) -> None:
     def create_app(config: GatewayConfig, api_key: str, **kw: Any) -> web.Application:
         app = real_create_app(config, api_key, **kw)
         if not any(r.canonical == "/openapi.json" for r in app.router.resources()):
-            app.router.add_get("/openapi.json", openapi_handler(app[GATEWAY_KEY].authorized))
+            app.router.add_get("/openapi.json", openapi_handler(app[GATEWAY_KEY]))
         return app
 
     monkeypatch.setattr(conftest, "create_app", create_app)

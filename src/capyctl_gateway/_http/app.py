@@ -84,7 +84,7 @@ def create_app(
     app.router.add_route("*", "/v1/chat/completions", wrong_method("POST"))
     app.router.add_post("/v1/systemone", handlers.decide)
     app.router.add_route("*", "/v1/systemone", wrong_method("POST"))
-    app.router.add_get("/openapi.json", openapi_handler(gateway.authorized))
+    app.router.add_get("/openapi.json", openapi_handler(gateway))
     app.router.add_route("*", "/openapi.json", wrong_method("GET"))
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

@@ -13,10 +13,11 @@ from importlib.resources import files
 import orjson
 from aiohttp import web
 
-from .._errors import GatewayError, UnauthorizedError
+from .._errors import GatewayError
+from .._gateway import Gateway
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import error_response
-from .validate import caller_request_id
+from .calls import identify
 
 __all__ = ["OPENAPI_DOCUMENT", "openapi_handler"]
 
@@ -27,27 +28,17 @@ OPENAPI_DOCUMENT: bytes = orjson.dumps(
 
 
 def openapi_handler(
-    authorized: Callable[[str], bool],
+    gateway: Gateway,
 ) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """The handler of ``GET /openapi.json``; ``authorized`` tells whether an ``Authorization``
-    value carries the gateway's key (`Gateway.authorized`). The key and ``X-Request-Id`` are
-    judged as on every other route: the key first, a caller's ID handed back when valid."""
+    """The handler of ``GET /openapi.json``. The key and ``X-Request-Id`` are judged as on
+    every other route (`identify`): the key first, a caller's ID handed back when valid."""
 
     async def openapi(request: web.Request) -> web.Response:
         headers = {REQUEST_ID: new_ulid()}
-        problem: GatewayError | None = None
         try:
-            caller = caller_request_id(request.headers.getall("X-Request-Id", []))
+            identify(gateway, request, headers)
         except GatewayError as err:
-            problem = err
-        else:
-            if caller is not None:
-                headers["X-Request-Id"] = caller
-        keys = request.headers.getall("Authorization", [])
-        if len(keys) != 1 or not authorized(keys[0]):
-            return error_response(UnauthorizedError(), headers)
-        if problem is not None:
-            return error_response(problem, headers)
+            return error_response(err, headers)
         return web.Response(body=OPENAPI_DOCUMENT, headers=headers, content_type="application/json")
 
     return openapi
