@@ -56,7 +56,8 @@ class Gw:
 
     def client(self, **kw: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.key}"}
-        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30, **kw)
+        kw.setdefault("timeout", 30)
+        return httpx.AsyncClient(base_url=self.url, headers=headers, **kw)
 
 
 def deployments(engine_url: str, **over: Any) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 tests.gateway.launchable_engine --served NAME [engine flags] --host H --port P``.
 
 It answers every request with the same short vLLM-shaped stream (its text names the served
-model, so a test can tell which deployment answered). Flags it does not know, such as the ones
+model, so a test can tell which deployment answered). A request whose last message is
+``take:S`` is a long generation: S seconds pass between its first chunk and the rest (while it
+runs the engine reports it in ``vllm:num_requests_running``); one whose last message is
+``crash`` makes the engine exit with status 3 after its first chunk. Flags it does not know, such as the ones
 the gateway forces, are accepted and ignored; ``--exit-at-once N`` exits with status N before
 listening, and ``--slow-start S`` waits S seconds first.
 
@@ -16,6 +19,7 @@ or released, it answers chat requests 503, so a test shows the gateway woke it f
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import time
@@ -102,6 +106,29 @@ def main(argv: list[str] | None = None) -> None:
         app.router.add_post("/sleep", sleep)
         app.router.add_post("/wake_up", wake_up)
         app.router.add_get("/is_sleeping", is_sleeping)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        said = str(body["messages"][-1].get("content", ""))
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        engine.running += 1
+        try:
+            await out.write(script[0])
+            if said == "crash":
+                sys.stdout.write("fake engine: crashing as asked\n")
+                sys.stdout.flush()
+                os._exit(3)
+            if said.startswith("take:"):
+                await asyncio.sleep(float(said.removeprefix("take:")))
+            for item in script[1:]:
+                await out.write(item)
+            await out.write_eof()
+        finally:
+            engine.running -= 1
+        return out
+
+    app.router.add_post("/v1/chat/completions", chat)
     engine.routes(app)
     sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
     sys.stdout.flush()
