@@ -1,13 +1,23 @@
 """Admission: at most N requests run per deployment, first come first served; a bounded number
-wait, per deployment and in total. A waiter that hangs up or misses its deadline leaves at once."""
+wait, per deployment and in total. A waiter that hangs up or misses its deadline leaves at once.
+
+A deployment the gateway launches has a gate on its queue: shut while no instance of it serves
+(stopped, parked, starting, or being switched out, parked or stopped), open while one does.
+Requests that arrive while it is shut wait in the same FIFO as those waiting for a slot, count
+against the same bounds and never hold a running slot, so a drain waits only for requests that
+really run. When the gate opens, waiters are let in together, oldest first, up to the running
+bound; when the activation they wait for fails, each is given its own error. An engine someone
+else runs (``url:``) has no gate: its queue is always open."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
+from collections.abc import Callable
 
-from .._errors import QueueFullError, UnavailableError
+from .._errors import GatewayError, QueueFullError, UnavailableError
 from .._loop import running_loop
 
 __all__ = ["Admission", "BodyBudget", "DeploymentQueue", "Slot"]
@@ -24,11 +34,17 @@ class Admission:
 class DeploymentQueue:
     """Running slots and the FIFO of waiters of one deployment."""
 
-    def __init__(self, admission: Admission, *, max_running: int, max_waiting: int) -> None:
+    def __init__(
+        self, admission: Admission, *, max_running: int, max_waiting: int, gated: bool = False
+    ) -> None:
         self._admission = admission
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.running = 0
+        self.open = not gated
+        """Whether requests may take running slots now (see the module's docstring)."""
+        self.idle_since = time.monotonic()
+        """When the last running request ended (``time.monotonic()``): the idle clock."""
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._drained: asyncio.Event | None = None
 
@@ -43,7 +59,7 @@ class DeploymentQueue:
             QueueFullError: 429 ``queue_full`` when no place is left to wait.
             UnavailableError: 503 ``unavailable`` when the deadline passes while waiting.
         """
-        if self.running < self.max_running and not self._waiters:
+        if self.open and self.running < self.max_running and not self._waiters:
             self.running += 1
             return
         if len(self._waiters) >= self.max_waiting:
@@ -57,12 +73,17 @@ class DeploymentQueue:
             async with asyncio.timeout_at(deadline):
                 await waiter
         except TimeoutError:
-            if waiter.done() and not waiter.cancelled():
+            if _granted(waiter):
                 return  # the slot arrived together with the deadline: keep it
+            if not self.open:
+                raise UnavailableError(
+                    "the deployment was not ready within queue.request_deadline; "
+                    "it goes on starting"
+                ) from None
             raise UnavailableError("no running slot within queue.request_deadline") from None
         except BaseException:
             # A slot handed over just as we were cancelled must not be lost.
-            if waiter.done() and not waiter.cancelled():
+            if _granted(waiter):
                 self.release()
             raise
         finally:
@@ -73,15 +94,40 @@ class DeploymentQueue:
                 self._waiters.remove(waiter)
 
     def release(self) -> None:
-        """Give the slot back: to the longest waiter if there is one."""
+        """Give the slot back: to the longest waiter if there is one (and the gate is open)."""
+        if self.open and self._hand_over():
+            return  # the slot passes on: running stays the same
+        self.running -= 1
+        if self.running == 0:
+            self.idle_since = time.monotonic()
+            if self._drained is not None:
+                self._drained.set()
+
+    def _hand_over(self) -> bool:
+        """Give a slot to the longest waiter still waiting; whether there was one."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)  # the slot passes on: running stays the same
-                return
-        self.running -= 1
-        if self.running == 0 and self._drained is not None:
-            self._drained.set()
+                waiter.set_result(None)
+                return True
+        return False
+
+    def set_open(self, open_: bool) -> None:
+        """Open or shut the gate; opening lets waiters in, oldest first, up to the bound."""
+        self.open = open_
+        while open_ and self.running < self.max_running and self._hand_over():
+            self.running += 1
+
+    def fail_waiters(self, error: Callable[[], GatewayError]) -> int:
+        """Every waiter leaves with its own ``error()`` (what they waited for failed); how
+        many there were."""
+        failed = 0
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error())
+                failed += 1
+        return failed
 
     def slot(self, deadline: float) -> Slot:
         """``async with queue.slot(deadline)``: a running slot, held for the block."""
@@ -100,6 +146,11 @@ class DeploymentQueue:
         finally:
             self._drained = None
         return True
+
+
+def _granted(waiter: asyncio.Future[None]) -> bool:
+    """Whether ``waiter`` was handed a slot (not failed, not cancelled)."""
+    return waiter.done() and not waiter.cancelled() and waiter.exception() is None
 
 
 class Slot:

@@ -249,6 +249,7 @@ def build_routes(
             admission,
             max_running=config.queue.max_running_per_deployment,
             max_waiting=config.queue.max_waiting_per_deployment,
+            gated=d.launched,
         )
         routes[d.name] = Route(d, instances, queue, waiters)
     return routes

@@ -140,12 +140,11 @@ class Inference:
             route = fleet.routes[name]
             deadline = tally.arrival + config.queue.request_deadline
             call = Call(request, surface.api, dep, payload, stream, headers, rid, caller, tally)
+            if dep.launched:
+                tally.launched, tally.gated = True, not route.queue.open
+                fleet.lifecycle.want(name)  # refused now, or waits in the queue for its start
             async with route.queue.slot(deadline):
                 tally.slot = loop.time()
-                if dep.launched:
-                    tally.launched = True
-                    await fleet.lifecycle.ensure_ready(name, deadline)
-                    tally.ready = loop.time()
                 response = await self._offer(fleet, route, surface, call)
             tally.ended()
             return response

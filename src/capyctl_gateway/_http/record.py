@@ -18,7 +18,7 @@ class Tally:
     with, and its last exchange and instance."""
 
     __slots__ = ("api", "arrival", "code", "deployment", "ending", "ex", "instance", "launched",
-                 "ready", "slot")  # fmt: skip
+                 "gated", "slot")  # fmt: skip
 
     def __init__(self, api: str, arrival: float) -> None:
         self.api = api
@@ -26,7 +26,9 @@ class Tally:
         self.deployment = ""
         """Known once the body names one (refusals before that count under "")."""
         self.slot: float | None = None
-        self.ready: float | None = None
+        self.gated = False
+        """A launched deployment that served no request when it arrived: its wait for a slot
+        was a wait for a start or wake."""
         self.ending = Ending.HANG_UP
         """What a cancellation leaves (a client that hung up); set on every other way out."""
         self.code: str | None = None
@@ -65,8 +67,8 @@ def record(t: Telemetry, r: Tally) -> None:
     )
     if r.slot is not None:
         queue.observe(r.slot - arrival)
-        if r.launched and r.ready is not None:
-            activation.observe(r.ready - r.slot)
+        if r.launched:
+            activation.observe(r.slot - arrival if r.gated else 0.0)
     ex = r.ex
     if ex is not None:
         out = ex.outcome

@@ -1,6 +1,18 @@
-"""The memory budget of launched deployments: what they hold, and making room for a start by
-switching idle deployments out (longest unused first; never one with waiting requests, nor one
-that is starting).
+"""The memory budget of launched deployments, kept as a ledger: what each instance holds or has
+been promised, and making room for a start or wake by switching other deployments out.
+
+A start or wake reserves its memory in the same step that checks it (`reserve`: no await
+between), so two activations can never both find the same room. After that each transition
+sets what the instance holds (`note`): ready memory from its start until it parks or stops,
+parked memory while parked (a parked instance that is stopped never holds more on its way
+down), nothing once its engine is provably gone. A stop that is not proven (a host that
+did not answer) keeps the memory counted.
+
+Making room switches out other deployments, longest unused first and idle before busy; never
+one with requests waiting for it, one being activated, or one already closing. When none can
+go now but another activation or closing is under way, it waits for that and looks again;
+when nothing can change, or a switch fails (its running requests did not finish within its
+``drain_timeout``), the waiters get a retryable 503.
 
 The budget is per machine: with hosts (the server role), each host's instances are counted
 against it separately (a host is None on a single machine)."""
@@ -22,74 +34,128 @@ class MemoryBudget:
         self,
         config: GatewayConfig,
         lives: dict[str, DeploymentLife],
-        switch_out: Callable[[DeploymentLife], asyncio.Task[None]],
+        switch_out: Callable[[DeploymentLife], asyncio.Task[bool]],
     ) -> None:
         self._config = config
         self.lives = lives
         self._switch_out = switch_out
+        self._holds: dict[Launched, int] = {}
 
     def held(self) -> int:
-        """Memory the launched instances hold now (ready, or on their way in or out)."""
-        return self.held_on(None, everywhere=True)
+        """Memory the launched instances hold or were promised now, on every machine."""
+        return sum(self._holds.values())
 
-    def held_on(self, host: str | None, *, everywhere: bool = False) -> int:
-        """What they hold on ``host`` (None: this machine)."""
-        total = 0
-        for life in self.lives.values():
-            memory = life.deployment.memory
-            if memory is None:
-                continue
-            for lc in life.launched:
-                if not everywhere and lc.inst.runner.host != host:
-                    continue
-                if lc.state in HOLDING:
-                    total += memory.ready
-                elif lc.state is InstanceState.PARKED:
-                    total += memory.parked
-        return total
+    def held_on(self, host: str | None) -> int:
+        """What they hold or were promised on ``host`` (None: this machine)."""
+        return sum(n for lc, n in self._holds.items() if lc.inst.runner.host == host)
+
+    def held_by(self, life: DeploymentLife) -> int:
+        return sum(self._holds.get(lc, 0) for lc in life.launched)
+
+    def note(self, lc: Launched) -> None:
+        """Set what ``lc`` holds from the state it just entered."""
+        memory = self.lives[lc.inst.deployment].deployment.memory
+        if memory is None:
+            return
+        if lc.state in (InstanceState.PARKING, InstanceState.STOPPING):
+            return  # on its way down: what it held until now, never more
+        if lc.state in HOLDING:  # starting, ready, waking: reserved before it began
+            self._holds[lc] = memory.ready
+        elif lc.state is InstanceState.PARKED:
+            self._holds[lc] = memory.parked
+        elif not lc.unconfirmed:  # stopped or failed, and provably gone
+            self._holds.pop(lc, None)
+
+    def reserve(
+        self, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
+    ) -> bool:
+        """Check and reserve, in one step, the memory ``starting`` and ``waking`` need on each
+        machine; whether there was room (nothing is reserved when there was not)."""
+        budget = self._config.resources.memory_budget
+        memory = life.deployment.memory
+        if budget is None or memory is None:
+            return True
+        todo = [*starting, *waking]
+        for host in {lc.inst.runner.host for lc in todo}:
+            need = sum(
+                memory.ready - self._holds.get(lc, 0) for lc in todo if lc.inst.runner.host == host
+            )
+            if self.held_on(host) + need > budget:
+                return False
+        for lc in todo:
+            self._holds[lc] = memory.ready
+        return True
 
     async def make_room(
         self, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
     ) -> None:
-        budget = self._config.resources.memory_budget
-        memory = life.deployment.memory
-        if budget is None or memory is None:
-            return
-        for host in {lc.inst.runner.host for lc in [*starting, *waking]}:
-            need = memory.ready * sum(1 for lc in starting if lc.inst.runner.host == host) + (
-                memory.ready - memory.parked
-            ) * sum(1 for lc in waking if lc.inst.runner.host == host)
-            while self.held_on(host) + need > budget:
-                victim = self._victim(life, host)
-                where = "" if host is None else f" on host {host}"
-                if victim is None:
-                    raise UnavailableError(
-                        f"deployment {life.deployment.name} needs {need} bytes of the memory "
-                        f"budget ({budget}){where}; {self.held_on(host)} are held and no idle "
-                        "deployment can give them back now"
-                    )
-                await asyncio.shield(self._switch_out(victim))
+        """Reserve what ``life``'s activation needs, switching others out as it must.
 
-    def _victim(self, target: DeploymentLife, host: str | None) -> DeploymentLife | None:
+        Raises:
+            UnavailableError: no room can be made now (retryable).
+        """
+        while not self.reserve(life, starting, waking):
+            hosts = {lc.inst.runner.host for lc in [*starting, *waking]}
+            victim = self._victim(life, hosts)
+            if victim is not None:
+                life.blocked = True
+                try:
+                    came_to_rest = await asyncio.shield(self._switch_out(victim))
+                finally:
+                    life.blocked = False
+                if not came_to_rest:
+                    raise UnavailableError(
+                        f"deployment {life.deployment.name} needs memory that deployment "
+                        f"{victim.deployment.name} holds, and its running requests did not "
+                        "finish within its lifecycle.drain_timeout; it serves on",
+                    )
+                continue
+            under_way = _under_way(self.lives, life)
+            if not under_way:
+                budget = self._config.resources.memory_budget
+                raise UnavailableError(
+                    f"deployment {life.deployment.name} needs more of the memory budget "
+                    f"({budget}) than is free, and every deployment holding it has requests "
+                    "waiting or running that it must serve first"
+                )
+            life.blocked = True
+            try:
+                await asyncio.wait(under_way, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                life.blocked = False
+
+    def _victim(self, target: DeploymentLife, hosts: set[str | None]) -> DeploymentLife | None:
         candidates = [
             life
             for life in self.lives.values()
             if life is not target
-            and any(
-                lc.inst.runner.host == host
-                and (
-                    lc.state in HOLDING
-                    or (lc.state is InstanceState.PARKED and memory_of(life) > 0)
-                )
-                for lc in life.launched
-            )
+            and life.closing is None
+            and not life.activating
             and life.route.queue.waiting == 0
-            and (life.activation is None or life.activation.done())
+            and any(
+                lc.inst.runner.host in hosts and self._holds.get(lc, 0) > 0 for lc in life.launched
+            )
         ]
-        return min(candidates, key=lambda life: life.last_used, default=None)
+        return min(candidates, key=_unused_first, default=None)
 
 
-def memory_of(life: DeploymentLife) -> int:
-    """What one parked instance of ``life`` holds."""
-    memory = life.deployment.memory
-    return memory.parked if memory is not None else 0
+def _under_way(
+    lives: dict[str, DeploymentLife], target: DeploymentLife
+) -> list[asyncio.Task[None] | asyncio.Task[bool]]:
+    """Activations (not themselves waiting for room) and closings under way besides
+    ``target``'s: what may free or settle memory soon."""
+    tasks: list[asyncio.Task[None] | asyncio.Task[bool]] = []
+    for life in lives.values():
+        if life is target:
+            continue
+        if life.closing is not None:
+            tasks.append(life.closing)
+        if life.activation is not None and life.activating and not life.blocked:
+            tasks.append(life.activation)
+    return tasks
+
+
+def _unused_first(life: DeploymentLife) -> tuple[bool, float]:
+    """Idle deployments before busy ones; among them the longest unused first."""
+    since = life.idle_since
+    return (since is None, since or 0.0)

@@ -1,13 +1,20 @@
-"""The state of every launched deployment, and the transitions between states.
+"""The state of every launched deployment, and what moves it.
 
-A request for a launched deployment calls `Lifecycle.ensure_ready` once it has a queue slot:
-when no instance is ready, it joins the deployment's activation (one per wave of waiting
-requests, run as a task of its own so that a waiter who leaves does not cancel it) and waits
-for it within the request's deadline. An activation that would pass the memory budget first
-switches out idle deployments (longest unused first; never one with waiting requests), letting
-their running requests finish within ``drain_timeout``. A deployment ready and unused for
-``ready_idle_timeout`` is stopped (a park is a stop for the engines this gateway can run on
-this platform). Stopping an engine settles every cut request still counted against it.
+A request for a launched deployment first calls `Lifecycle.want`: an operator's stop (or
+``activation: explicit``) refuses it at once; a deployment that does not serve now gets its
+activation under way. The request then waits in the deployment's queue, whose gate is open
+exactly while the deployment serves (`DeploymentLife.regate`): waiting, it holds no running
+slot, so a drain waits only for requests that really run. One activation serves a wave of
+waiting requests; it runs as a task of its own so that a waiter who leaves does not cancel it;
+when it fails, every waiter gets its own error.
+
+Every closing (switched out for another deployment, idle, an operator's park or stop) is one
+`close`: the gate shuts, running requests finish within ``drain_timeout``, then the deployment
+is parked or stopped. A switch or a park whose drain fails does not happen: the deployment
+serves on. An operator's stop happens regardless, once the drain is over. Requests that arrived
+meanwhile wait and are served by the activation that follows (none follows an operator's stop:
+they are refused). A deployment ready and unused for ``ready_idle_timeout`` (counted from the
+end of its last request) is closed the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from .._config import GatewayConfig
 from .._deployments.routes import EngineInstance, Route
@@ -28,7 +36,7 @@ from .._errors import (
     UnavailableError,
 )
 from .budget import MemoryBudget
-from .rest import drain_and_rest, rest_for
+from .rest import closing
 from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
 from .watch import look, reported
@@ -63,38 +71,49 @@ class Lifecycle:
         self._launched = {
             lc.inst.key: (life, lc) for life in self.lives.values() for lc in life.launched
         }
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.budget = MemoryBudget(config, self.lives, self._switch_out)
-        self.engines = Transitions(self.lives, settlement)
+        self.engines = Transitions(self.lives, settlement, self.budget)
 
     # -- requests ------------------------------------------------------------------------
-    async def ensure_ready(self, name: str, deadline: float) -> None:
-        """Return once deployment ``name`` has a ready instance, starting it if it must.
+    def want(self, name: str) -> None:
+        """A request for deployment ``name`` arrived: refuse it now if it may not start the
+        deployment, else see that an activation is under way unless it serves now.
 
         Raises:
-            DeploymentStoppedError: it starts only when told to (``activation: explicit``).
-            ActivationFailedError: the start failed (the next request tries again).
-            UnavailableError: not ready by ``deadline`` (loop time), or no room in the budget.
+            DeploymentStoppedError: an operator stopped it, or it starts only when told to
+                (``activation: explicit``).
         """
         life = self.lives.get(name)
-        if life is None:
+        if life is None or life.route.queue.open:
             return
-        life.last_used = time.monotonic()
-        if life.ready and life.closing is None:
-            return
-        refused = _refusal(life, name)
+        refused = life.refusal()
         if refused is not None:
             raise refused
-        loop = asyncio.get_running_loop()
-        if life.closing is not None:  # being switched out: it comes back after
-            await _within(asyncio.shield(life.closing), deadline, name)
-        try:
-            await _within(asyncio.shield(self.activate(life)), deadline, name)
-        except (ActivationFailedError, UnavailableError) as exc:
-            raise fresh(exc) from None  # each waiter its own error, never the task's one
-        life.last_used = time.monotonic()
-        if loop.time() > deadline:
-            raise UnavailableError(f"deployment {name} was not ready within queue.request_deadline")
+        self.activate(life)
+
+    def activate(self, life: DeploymentLife) -> asyncio.Task[None]:
+        """The deployment's activation (the one running, or a new one)."""
+        if life.activation is None or life.activation.done():
+            life.activation = self._spawn(_activate(self, life))
+        return life.activation
+
+    # -- closing ------------------------------------------------------------------------------
+    def close(
+        self, life: DeploymentLife, reason: str, *, may_park: bool = True, must: bool = False
+    ) -> asyncio.Task[bool]:
+        """Close ``life`` for ``reason`` (see the module's docstring); the task that does it,
+        whose result says whether it came to rest. ``must``: stop or park even when running
+        requests outlast the drain (an operator's stop); else the closing fails and it serves
+        on. A closing already under way is the one returned."""
+        if life.closing is None:
+            life.closing_why = reason
+            life.closing = self._spawn(closing(self, life, reason, may_park, must))
+            life.regate(reason)
+        return life.closing
+
+    def _switch_out(self, life: DeploymentLife) -> asyncio.Task[bool]:
+        return self.close(life, "switched out for another deployment")
 
     # -- time -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -107,23 +126,6 @@ class Lifecycle:
         """Keep an operator's intent for ``life`` across the gateway's restarts."""
         if self._remember is not None:
             self._remember(life.deployment.name, life.operator_stopped, life.operator_started)
-
-    def activate(self, life: DeploymentLife) -> asyncio.Task[None]:
-        """The deployment's activation (the one running, or a new one)."""
-        if life.activation is None or life.activation.done():
-            life.activation = self._spawn(_activate(self, life))
-        return life.activation
-
-    def _switch_out(self, life: DeploymentLife) -> asyncio.Task[None]:
-        """Start switching ``life`` out (once); the task that does it."""
-        if life.closing is None:
-            life.closing = self._spawn(drain_and_rest(self.engines, life))
-        return life.closing
-
-    def rest(self, life: DeploymentLife, reason: str, *, may_park: bool = True) -> None:
-        """Put ``life`` to rest in the background (the idle watch's doing)."""
-        if life.closing is None:
-            life.closing = self._spawn(rest_for(self, life, reason, may_park))
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
@@ -147,34 +149,37 @@ class Lifecycle:
         if entry is not None:
             reported(self, *entry, state, failure)
 
-    def _spawn(self, coro: object) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_retrieve)  # its waiters may all have left
         return task
 
 
-def _refusal(life: DeploymentLife, name: str) -> DeploymentStoppedError | None:
-    """Why a request may not start ``life`` (deployment ``name``): an operator stopped it, or it
-    starts only when an operator starts it (``activation: explicit``); None when it may."""
-    if life.operator_stopped:
-        return DeploymentStoppedError(
-            f"deployment {name} was stopped by an operator; "
-            f"`capyctl-gateway start {name}` starts it again"
-        )
-    if life.deployment.lifecycle.activation == "explicit" and not life.operator_started:
-        return DeploymentStoppedError(
-            f"deployment {name} starts only when an operator starts it "
-            "(lifecycle.activation: explicit)",
-            code="deployment_inactive",
-        )
-    return None
-
-
 async def _activate(lifecycle: Lifecycle, life: DeploymentLife) -> None:
-    """One activation of ``life``: room made in the memory budget, then every instance that
-    can be started started and every parked one woken; it failed if none became ready."""
+    """One activation of ``life``: after any closing under way, room reserved in the memory
+    budget, then every instance that can be started started and every parked one woken; it
+    failed if none became ready, and then every request waiting for it gets its own error."""
+    try:
+        if life.closing is not None:
+            await asyncio.shield(life.closing)
+        if life.ready:
+            return  # a closing that failed: it serves on
+        await _bring_up(lifecycle, life)
+    except GatewayError as exc:
+        failure = exc
+        refused = life.route.queue.fail_waiters(lambda: fresh(failure))
+        logger.info(
+            "deployment %s: %d waiting requests refused: %s",
+            life.deployment.name,
+            refused,
+            exc.message,
+        )
+        raise
+
+
+async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife) -> None:
     name = life.deployment.name
     todo = [lc for lc in life.launched if lc.state in STARTABLE]
     parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
@@ -192,22 +197,15 @@ async def _activate(lifecycle: Lifecycle, life: DeploymentLife) -> None:
         )
 
 
-def _retrieve(task: asyncio.Task[None]) -> None:
+def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 
 
 def fresh(exc: GatewayError) -> GatewayError:
+    """A copy of ``exc`` for one waiter (errors are never shared between requests)."""
     if isinstance(exc, ActivationFailedError):
         return ActivationFailedError(exc.message, detail=exc.detail)
+    if isinstance(exc, DeploymentStoppedError):
+        return DeploymentStoppedError(exc.message, code=exc.code)
     return UnavailableError(exc.message, detail=exc.detail)
-
-
-async def _within(waiting: asyncio.Future[None], deadline: float, name: str) -> None:
-    timeout = deadline - asyncio.get_running_loop().time()
-    try:
-        await asyncio.wait_for(waiting, timeout=max(timeout, 0))
-    except TimeoutError:
-        raise UnavailableError(
-            f"deployment {name} was not ready within queue.request_deadline; it goes on starting"
-        ) from None

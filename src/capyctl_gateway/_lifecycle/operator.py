@@ -13,8 +13,8 @@ from .._errors import (
     UnknownModelError,
 )
 from .controller import Lifecycle, fresh
-from .rest import put_to_rest
-from .states import HOLDING, DeploymentLife, InstanceState
+from .rest import quiesce
+from .states import DeploymentLife
 
 __all__ = ["deployments_list", "operator_park", "operator_start", "operator_stop"]
 
@@ -39,9 +39,10 @@ async def operator_start(lifecycle: Lifecycle, name: str, *, known: bool) -> Non
     life.operator_stopped = False
     life.operator_started = True
     lifecycle.remember(life)
-    if life.closing is not None:
-        await asyncio.shield(life.closing)
-    if not life.ready:
+    while not life.serves_now:
+        if life.closing is not None:
+            await asyncio.gather(asyncio.shield(life.closing), return_exceptions=True)
+            continue
         try:
             await asyncio.shield(lifecycle.activate(life))
         except (ActivationFailedError, UnavailableError) as exc:
@@ -49,34 +50,34 @@ async def operator_start(lifecycle: Lifecycle, name: str, *, known: bool) -> Non
 
 
 async def operator_stop(lifecycle: Lifecycle, name: str, *, known: bool) -> None:
-    """Stop it and keep it stopped: requests get 409 deployment_stopped until a start. Its
-    running requests finish within drain_timeout first."""
+    """Stop it and keep it stopped: requests get 409 deployment_stopped until a start, those
+    waiting for it at once. Its running requests finish within drain_timeout first; what still
+    runs then is cut (each such stream ends with an in-band error)."""
     life = _life(lifecycle, name, known)
     life.operator_stopped = True
     life.operator_started = False
     lifecycle.remember(life)
-    await _drain_and_rest(lifecycle, life, "stopped by an operator", may_park=False)
+    refusal = life.refusal()  # deployment_stopped
+    if refusal is not None:
+        life.route.queue.fail_waiters(lambda: fresh(refusal))
+    await quiesce(life)
+    if life.operator_stopped:  # not started again meanwhile
+        await lifecycle.close(life, "stopped by an operator", may_park=False, must=True)
 
 
 async def operator_park(lifecycle: Lifecycle, name: str, *, known: bool) -> None:
-    """Park it (a stop where it cannot park); the next request wakes or starts it again."""
+    """Park it (a stop where it cannot park); the next request wakes or starts it again, and
+    requests that arrive meanwhile wait for that. A park whose running requests do not finish
+    within drain_timeout does not happen (409 ``park_refused``): it serves on."""
     life = _life(lifecycle, name, known)
-    await _drain_and_rest(lifecycle, life, "parked by an operator", may_park=True)
-
-
-async def _drain_and_rest(
-    lifecycle: Lifecycle, life: DeploymentLife, reason: str, *, may_park: bool
-) -> None:
-    life.draining = True
-    try:
-        for lc in life.launched:
-            lc.inst.set_open(admitting=False, why=reason)
-        if life.activation is not None and not life.activation.done():
-            await asyncio.gather(asyncio.shield(life.activation), return_exceptions=True)
-        await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
-        await put_to_rest(lifecycle.engines, life, reason, may_park=may_park)
-    finally:
-        life.draining = False
+    await quiesce(life)
+    if not await lifecycle.close(life, "parked by an operator", may_park=True):
+        raise GatewayError(
+            f"deployment {name} was not parked: its running requests did not finish within "
+            "lifecycle.drain_timeout; it serves on",
+            status=409,
+            code="park_refused",
+        )
 
 
 def deployments_list(
@@ -101,11 +102,7 @@ def deployments_list(
             row["run_by"] = "the gateway (launch)"
             row["state"] = "stopped by an operator" if life.operator_stopped else life.state
             if d.memory is not None:
-                row["memory_held"] = sum(
-                    d.memory.ready if lc.state in HOLDING else d.memory.parked
-                    for lc in life.launched
-                    if lc.state in HOLDING or lc.state is InstanceState.PARKED
-                )
+                row["memory_held"] = lifecycle.budget.held_by(life)
         rows.append(row)
     return {
         "deployments": rows,

@@ -1,5 +1,5 @@
-"""Putting a deployment to rest: parked with its process up where ``park: sleep`` allows it,
-stopped otherwise.
+"""Closing a deployment and putting it to rest: parked with its process up where ``park:
+sleep`` allows it, stopped otherwise.
 
 A cut request that waits for "the engine's next stop or restart" (it was cut before the
 engine's first token, so the engine may still run it) would never be settled by a park: an
@@ -9,6 +9,7 @@ instance that counts one stops instead, which settles it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from .._deployments.settle import SettleRule
@@ -18,7 +19,9 @@ from .transitions import Transitions
 if TYPE_CHECKING:
     from .controller import Lifecycle
 
-__all__ = ["drain_and_rest", "put_to_rest", "rest_for", "waits_for_restart"]
+__all__ = ["closing", "put_to_rest", "quiesce", "waits_for_restart"]
+
+logger = logging.getLogger("capyctl_gateway")
 
 
 def waits_for_restart(lc: Launched) -> bool:
@@ -45,30 +48,42 @@ async def put_to_rest(
     await asyncio.gather(*jobs)
 
 
-async def rest_for(lifecycle: Lifecycle, life: DeploymentLife, reason: str, may_park: bool) -> None:
-    """`Lifecycle.rest`'s task: ``life`` put to rest for ``reason`` (an explicit deployment that
-    an operator started waits to be started again); it is no longer closing once done."""
-    if life.operator_started:
-        life.operator_started = False  # an explicit deployment waits to be started again
-        lifecycle.remember(life)
+async def closing(
+    lifecycle: Lifecycle, life: DeploymentLife, reason: str, may_park: bool, must: bool
+) -> bool:
+    """`Lifecycle.close`'s task (its gate is shut): the running requests drain within
+    ``drain_timeout``, then ``life`` is put to rest; whether it was. Without ``must``, a drain
+    that fails ends the closing: it serves on. Requests that came meanwhile get an activation."""
+    rested = False
     try:
-        await put_to_rest(lifecycle.engines, life, reason, may_park=may_park)
-    finally:
-        life.closing = None
-
-
-async def drain_and_rest(engines: Transitions, life: DeploymentLife) -> None:
-    """Switching ``life`` out for another deployment: it admits no new request, its running
-    ones finish within its ``drain_timeout``, then it is put to rest (stopped, when it was at
-    rest already); it is no longer closing once done."""
-    try:
-        for lc in life.launched:  # requests that arrive wait for it to come back
-            lc.inst.set_open(admitting=False, why="switching out for another deployment")
-        # Running requests finish on their own, within the drain timeout.
-        await life.route.queue.drained(life.deployment.lifecycle.drain_timeout)
+        within = life.deployment.lifecycle.drain_timeout
+        drained = await life.route.queue.drained(within)
+        if not drained and not must:
+            logger.warning(
+                "deployment %s: %d requests still ran after lifecycle.drain_timeout (%.0f s): "
+                "not %s; it serves on",
+                life.deployment.name,
+                life.route.queue.running,
+                within,
+                reason,
+            )
+            return False
         # A second turn for a deployment already parked: parking did not free enough.
         at_rest = all(lc.state is not InstanceState.READY for lc in life.launched)
-        why = "switched out for another deployment"
-        await put_to_rest(engines, life, why, may_park=not at_rest)
+        await put_to_rest(lifecycle.engines, life, reason, may_park=may_park and not at_rest)
+        rested = True
+        return True
     finally:
         life.closing = None
+        life.regate(f"{reason}: done" if rested else "serves on")
+        if life.route.queue.waiting and life.refusal() is None:
+            lifecycle.activate(life)  # requests came while it closed: they wait for it
+
+
+async def quiesce(life: DeploymentLife) -> None:
+    """Wait until no activation or closing of ``life`` is under way."""
+    while True:
+        busy = [t for t in (life.activation, life.closing) if t is not None and not t.done()]
+        if not busy:
+            return
+        await asyncio.gather(*(asyncio.shield(t) for t in busy), return_exceptions=True)

@@ -9,6 +9,8 @@ from enum import StrEnum
 
 from .._config import Deployment
 from .._deployments.routes import EngineInstance, Route
+from .._errors import DeploymentStoppedError
+from .._log import event
 
 __all__ = ["HOLDING", "STARTABLE", "DeploymentLife", "InstanceState", "Launched"]
 
@@ -45,17 +47,23 @@ class Launched:
     state: InstanceState = InstanceState.STOPPED
     since: float = field(default_factory=time.monotonic)
     failure: str | None = None
+    unconfirmed: bool = False
+    """Its last stop was not proven (a host that did not answer): the memory it held stays
+    counted until a proven stop or its host's report that the engine is gone."""
 
 
 @dataclass(eq=False)
 class DeploymentLife:
     route: Route
     launched: list[Launched]
-    last_used: float = field(default_factory=time.monotonic)
     activation: asyncio.Task[None] | None = None
-    closing: asyncio.Task[None] | None = None
-    draining: bool = False
-    """An operator's stop or park is letting its running requests finish."""
+    """The activation of the current wave of waiting requests, while it runs."""
+    blocked: bool = False
+    """Its activation waits for memory that another deployment holds (see `MemoryBudget`)."""
+    closing: asyncio.Task[bool] | None = None
+    """Its closing (a switch out, an idle park or stop, an operator's park or stop), while it
+    runs: the queue's gate is shut meanwhile. Its result: whether it came to rest."""
+    closing_why: str = ""
     operator_stopped: bool = False
     """An operator stopped it: requests get 409 deployment_stopped until an operator starts it."""
     operator_started: bool = False
@@ -73,6 +81,57 @@ class DeploymentLife:
     @property
     def ready(self) -> bool:
         return any(lc.state is InstanceState.READY for lc in self.launched)
+
+    def refusal(self) -> DeploymentStoppedError | None:
+        """Why a request may not start it: an operator stopped it, or it starts only when an
+        operator starts it (``activation: explicit``); None when it may."""
+        name = self.deployment.name
+        if self.operator_stopped:
+            return DeploymentStoppedError(
+                f"deployment {name} was stopped by an operator; "
+                f"`capyctl-gateway start {name}` starts it again"
+            )
+        if self.deployment.lifecycle.activation == "explicit" and not self.operator_started:
+            return DeploymentStoppedError(
+                f"deployment {name} starts only when an operator starts it "
+                "(lifecycle.activation: explicit)",
+                code="deployment_inactive",
+            )
+        return None
+
+    @property
+    def serves_now(self) -> bool:
+        """Whether requests may take running slots: an instance is ready and nothing closes
+        the deployment."""
+        return self.ready and self.closing is None
+
+    @property
+    def activating(self) -> bool:
+        return self.activation is not None and not self.activation.done()
+
+    @property
+    def idle_since(self) -> float | None:
+        """Since when no request has run (``time.monotonic()``); None while one runs."""
+        queue = self.route.queue
+        return None if queue.running or queue.waiting else queue.idle_since
+
+    def regate(self, why: str) -> None:
+        """Open the queue's gate exactly while the deployment serves now (the one place the
+        gate of a launched deployment changes); log the change."""
+        queue, now = self.route.queue, self.serves_now
+        if queue.open is now:
+            return
+        queue.set_open(now)
+        event(
+            "dispatch",
+            "deployment %s: %s (%s)",
+            self.deployment.name,
+            "admits requests" if now else "admits none; requests wait",
+            why,
+            deployment=self.deployment.name,
+            state="open" if now else "closed",
+            reason=why,
+        )
 
     @property
     def state(self) -> str:

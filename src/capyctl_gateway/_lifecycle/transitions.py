@@ -13,11 +13,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .._deployments.settle import Settlement
 from .._errors import EngineControlError, StartFailedError
 from .._log import event
 from .states import HOLDING, DeploymentLife, InstanceState, Launched
+
+if TYPE_CHECKING:
+    from .budget import MemoryBudget
 
 __all__ = ["Transitions"]
 
@@ -25,9 +29,12 @@ logger = logging.getLogger("capyctl_gateway")
 
 
 class Transitions:
-    def __init__(self, lives: dict[str, DeploymentLife], settlement: Settlement) -> None:
+    def __init__(
+        self, lives: dict[str, DeploymentLife], settlement: Settlement, budget: MemoryBudget
+    ) -> None:
         self.lives = lives
         self._settlement = settlement
+        self._budget = budget
         self.observers: list[Callable[[Launched], None]] = []
         """Called after each transition (telemetry, tests)."""
 
@@ -88,12 +95,14 @@ class Transitions:
         self.move(lc, InstanceState.STOPPING, reason)
         try:
             proven = await inst.runner.stop(reason)
-        except EngineControlError as exc:  # its cut requests stay counted: unproven
+        except EngineControlError as exc:  # its cut requests and memory stay counted: unproven
             logger.warning("%s: the stop is not confirmed (%s)", inst.where, exc)
+            lc.unconfirmed = True
             self.move(lc, InstanceState.STOPPED, f"{reason}; unconfirmed: {exc}")
             return
         finally:
             inst.unusable = None  # its next process is checked afresh
+        lc.unconfirmed = not proven
         if proven:  # a stopped engine runs nothing: every cut request it counted is settled
             where = "its host" if inst.runner.host is not None else "the gateway"
             self._settlement.settle_all(inst.ledger, f"engine stopped by {where}")
@@ -111,8 +120,7 @@ class Transitions:
         now = time.monotonic()
         before, took = lc.state, now - lc.since
         lc.state, lc.since = to, now
-        for observe in self.observers:
-            observe(lc)
+        self._budget.note(lc)
         inst = lc.inst
         event(
             "lifecycle",
@@ -129,6 +137,11 @@ class Transitions:
             reason=reason,
             duration_s=round(took, 3),
         )
+        life = self.lives.get(inst.deployment)
+        if life is not None:
+            life.regate(f"instance {inst.index} {to.value}")
+        for observe in self.observers:
+            observe(lc)
 
 
 def _on(lc: Launched, reason: str) -> str:

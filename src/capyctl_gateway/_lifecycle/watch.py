@@ -14,14 +14,14 @@ if TYPE_CHECKING:
 __all__ = ["look", "reported"]
 
 
-def _quiet(life: DeploymentLife) -> bool:
-    queue = life.route.queue
-    return (
-        life.closing is None
-        and (life.activation is None or life.activation.done())
-        and queue.running == 0
-        and queue.waiting == 0
-    )
+def _idle_for(life: DeploymentLife, now: float) -> float | None:
+    """How long ``life`` has been idle: since its last request ended, or since it became
+    ready or parked if that came later; None while a request runs or waits, or while it is
+    being activated or closed."""
+    since = life.idle_since
+    if since is None or life.closing is not None or life.activating:
+        return None
+    return now - max([since, *(lc.since for lc in life.launched)])
 
 
 async def look(lifecycle: Lifecycle, now: float) -> None:
@@ -34,20 +34,25 @@ async def look(lifecycle: Lifecycle, now: float) -> None:
                 lc.failure = gone
                 await engines.stop_one(lc, gone)
                 engines.move(lc, InstanceState.FAILED, gone)
-        if not _quiet(life):
+                if life.route.queue.waiting and not life.ready:
+                    lifecycle.activate(life)  # its waiting requests wait for a new start
+        idle_for = _idle_for(life, now)
+        if idle_for is None:
             continue
         cycle = life.deployment.lifecycle
-        idle_for = now - life.last_used
         if life.ready and cycle.ready_idle_timeout is not None:
             if idle_for >= cycle.ready_idle_timeout:
-                lifecycle.rest(life, "idle for lifecycle.ready_idle_timeout")
+                if life.operator_started:  # an explicit deployment waits to be started again
+                    life.operator_started = False
+                    lifecycle.remember(life)
+                lifecycle.close(life, "idle for lifecycle.ready_idle_timeout")
         elif (
             cycle.parked_idle_timeout is not None
             and life.launched
             and all(lc.state is InstanceState.PARKED for lc in life.launched)
-            and now - max(lc.since for lc in life.launched) >= cycle.parked_idle_timeout
+            and idle_for >= cycle.parked_idle_timeout
         ):
-            lifecycle.rest(life, "parked for lifecycle.parked_idle_timeout", may_park=False)
+            lifecycle.close(life, "parked for lifecycle.parked_idle_timeout", may_park=False)
 
 
 def reported(
@@ -65,10 +70,13 @@ def reported(
             engines.move(lc, InstanceState.FAILED, lc.failure)
             inst.set_open(admitting=False, why=lc.failure)
         return
-    busy = life.closing is not None or (life.activation is not None and not life.activation.done())
+    if lc.unconfirmed and state in ("stopped", "failed"):
+        lc.unconfirmed = False  # its host says the engine is gone: its memory is free
+        lifecycle.budget.note(lc)
+    busy = life.closing is not None or life.activating
     if busy or lc.state not in STARTABLE or state not in ("ready", "parked"):
         return
     seen = InstanceState.READY if state == "ready" else InstanceState.PARKED
     engines.found(lc, seen, f"found {state} {where}")
     if life.operator_stopped:
-        lifecycle.rest(life, "stopped by an operator", may_park=False)
+        lifecycle.close(life, "stopped by an operator", may_park=False, must=True)

@@ -1,0 +1,263 @@
+"""The lifecycle under concurrent traffic: many clients at once against launched engines (the
+launchable fake engine, real processes over real sockets), with switches under a memory budget,
+operator commands and the idle clock beside them. Each test is a regression test of a race that
+lost requests before the queue's gate and the memory ledger (issue 23)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tests.gateway.conftest import Gw
+from tests.gateway.test_lifecycle import chat, launched, management, pid_of, transitions
+
+pytestmark = pytest.mark.anyio
+MakeGateway = Callable[..., Awaitable[Gw]]
+GiB = 2**30
+RUN = uuid.uuid4().hex[:8]
+
+
+def served(name: str) -> str:
+    """The model a test's engine for deployment ``name`` serves: unique to this test run, so
+    that counting its processes never counts another run's."""
+    return f"model-{name}-{RUN}"
+
+
+def engines_running(served: str) -> list[int]:
+    """The pids of launchable fake engines serving ``served`` that really run now."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or b"tests.gateway.launchable_engine" not in argv:
+            continue
+        if b"capyctl_gateway._lifecycle.reaper" in argv:
+            continue  # the engine's keeper, not the engine
+        if served.encode() in argv:
+            found.append(int(proc.name))
+    return found
+
+
+def said(what: str, model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": what}]}
+
+
+async def long_stream(c: httpx.AsyncClient, model: str, seconds: float) -> asyncio.Task[str]:
+    """Start a streamed generation of ``seconds`` and return once its first chunk arrived (it
+    runs on the engine then); the task gives its status and body."""
+    begun = asyncio.Event()
+
+    async def run() -> str:
+        body = {**said(f"take:{seconds}", model), "stream": True}
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            text = f"{r.status_code}\n"
+            async for line in r.aiter_lines():
+                text += line + "\n"
+                begun.set()
+            return text
+
+    task = asyncio.ensure_future(run())
+    first = asyncio.ensure_future(begun.wait())
+    with anyio.fail_after(30):
+        await asyncio.wait([task, first], return_when=asyncio.FIRST_COMPLETED)
+    first.cancel()
+    assert begun.is_set(), task.result()
+    return task
+
+
+class Gates(logging.Handler):
+    """The gateway's ``dispatch`` log events for deployments' gates, as they are emitted."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.shut: dict[str, asyncio.Event] = {}
+        logging.getLogger("capyctl_gateway").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "fields", {})
+        if getattr(record, "event", "") != "dispatch":
+            return  # the deployment's gate, or (before the gate) its instance's
+        if fields.get("state") == "closed":
+            self.shut.setdefault(fields["deployment"], asyncio.Event()).set()
+
+    async def until_shut(self, name: str) -> None:
+        with anyio.fail_after(30):
+            await self.shut.setdefault(name, asyncio.Event()).wait()
+
+    def close(self) -> None:
+        logging.getLogger("capyctl_gateway").removeHandler(self)
+        super().close()
+
+
+@pytest.fixture
+def gates(caplog: pytest.LogCaptureFixture) -> Iterator[Gates]:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    watch = Gates()
+    yield watch
+    watch.close()
+
+
+async def test_first_requests_in_one_tick_never_run_more_engines_than_the_budget_holds(
+    make_gateway: MakeGateway,
+) -> None:
+    """Three deployments of 10 GiB under a 15 GiB budget, first requested together: the budget
+    was checked in one step and reserved a loop turn later, so all three started at once."""
+    memory = {"ready": "10GiB"}
+    names = ("a", "b", "c")
+    deps = [launched(n, served=served(n), memory=memory) for n in names]
+    gw = await make_gateway({"resources": {"memory_budget": "15GiB"}, "deployments": deps})
+    lifecycle = gw.gateway.fleet.lifecycle
+    peaks: list[tuple[int, int]] = []
+
+    def watch(lc: Any) -> None:
+        really = sum(len(engines_running(served(n))) for n in names)
+        peaks.append((lifecycle.budget.held(), really))
+
+    lifecycle.engines.observers.append(watch)
+    async with gw.client() as c:
+        answers = await asyncio.gather(
+            *(c.post("/v1/chat/completions", json=chat(n)) for n in names for _ in range(4))
+        )
+    assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers]
+    assert max(held for held, _ in peaks) <= 15 * GiB
+    assert max(really for _, really in peaks) <= 1
+
+
+async def test_a_switch_under_concurrent_traffic_serves_every_request(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two deployments that fit one at a time, three clients on each, four requests each:
+    half were refused (the switched-out model's requests took running slots, so every drain
+    ran to drain_timeout and the waiters' own activation then found no victim)."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    memory, cycle = {"ready": "1GiB"}, {"drain_timeout": "3s"}
+    deps = [launched(n, served=served(n), memory=memory, lifecycle=cycle) for n in ("a", "b")]
+    gw = await make_gateway({"resources": {"memory_budget": "1GiB"}, "deployments": deps})
+    codes: list[int] = []
+
+    async def client(c: httpx.AsyncClient, name: str) -> None:
+        for _ in range(4):
+            r = await c.post("/v1/chat/completions", json=said("take:1", name))
+            codes.append(r.status_code)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == f"from {served(name)}"
+
+    async with gw.client(timeout=120) as c:
+        await asyncio.gather(*(client(c, n) for n in ("a", "b") for _ in range(3)))
+    assert codes == [200] * 24
+    switches = [t for t in transitions(caplog, "stopping") if "switched out" in t["reason"]]
+    assert switches  # it did switch, under load
+
+
+async def test_a_switch_whose_drain_fails_fails_and_the_old_model_serves_on(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A switch past drain_timeout parked or stopped the old model anyway."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    memory, cycle = {"ready": "1GiB"}, {"drain_timeout": "300ms"}
+    deps = [launched(n, served=served(n), memory=memory, lifecycle=cycle) for n in ("a", "b")]
+    gw = await make_gateway({"resources": {"memory_budget": "1GiB"}, "deployments": deps})
+    async with gw.client(timeout=60) as c:
+        assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
+        pid = pid_of(gw, "a")
+        long = await long_stream(c, "a", 3)
+        other = await c.post("/v1/chat/completions", json=chat("b"))
+        assert (other.status_code, other.json()["code"]) == (503, "unavailable")
+        assert other.json()["retryable"] is True
+        assert not long.done()  # refused while the old model's generation still runs
+        finished = await long
+        assert finished.startswith("200") and "[DONE]" in finished, finished
+        assert f"from {served('a')}" in finished
+        assert pid_of(gw, "a") == pid and engines_running(served("b")) == []
+        again = await c.post("/v1/chat/completions", json=chat("a"))
+        assert again.status_code == 200
+    assert gw.gateway.fleet.lifecycle.lives["a"].state == "ready"
+    assert not [t for t in transitions(caplog, "stopping") if t["deployment"] == "a"]
+
+
+async def test_a_request_that_meets_an_operators_park_waits_for_the_wake(
+    make_gateway: MakeGateway, gates: Gates
+) -> None:
+    """During the park's drain a request was let through and then waited out its deadline;
+    arriving while the engine parked it got a 500 activation_failed."""
+    dep = launched(lifecycle={"park": "sleep", "drain_timeout": "20s"})
+    gw = await make_gateway({"deployments": [dep], "queue": {"request_deadline": "30s"}})
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    try:
+        async with gw.client(timeout=60) as c, httpx.AsyncClient(headers=auth, timeout=60) as m:
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+            pid = pid_of(gw)
+            long = await long_stream(c, "my-model", 1)
+            park = asyncio.ensure_future(m.post(f"{base}/deployments/my-model/park"))
+            await gates.until_shut("my-model")
+            during = await asyncio.gather(
+                *(c.post("/v1/chat/completions", json=chat()) for _ in range(3))
+            )
+            assert [r.status_code for r in during] == [200] * 3, [r.text for r in during]
+            assert "[DONE]" in await long
+            assert (await park).status_code == 200
+            assert pid_of(gw) == pid  # parked and woken, never restarted
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_request_that_meets_an_operators_stop_is_refused_at_once(
+    make_gateway: MakeGateway, gates: Gates
+) -> None:
+    dep = launched(lifecycle={"drain_timeout": "20s"})
+    gw = await make_gateway({"deployments": [dep]})
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    try:
+        async with gw.client(timeout=60) as c, httpx.AsyncClient(headers=auth, timeout=60) as m:
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+            long = await long_stream(c, "my-model", 2)
+            stop = asyncio.ensure_future(m.post(f"{base}/deployments/my-model/stop"))
+            await gates.until_shut("my-model")
+            refused = await c.post("/v1/chat/completions", json=chat())
+            assert (refused.status_code, refused.json()["code"]) == (409, "deployment_stopped")
+            assert not long.done()  # refused at once, not after the drain
+            assert "[DONE]" in await long  # the running one finished in the drain
+            assert (await stop).status_code == 200
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_idle_clock_runs_from_the_last_requests_end(
+    make_gateway: MakeGateway,
+) -> None:
+    """An engine that had just streamed for longer than its ready_idle_timeout was stopped
+    as soon as the stream ended: the clock ran from the request's start."""
+    dep = launched(lifecycle={"ready_idle_timeout": "1s"})
+    gw = await make_gateway({"deployments": [dep]})
+    stopping: list[float] = []
+    stopped = asyncio.Event()
+
+    def watch(lc: Any) -> None:
+        if lc.state.value == "stopping":
+            stopping.append(time.monotonic())
+            stopped.set()
+
+    gw.gateway.fleet.lifecycle.engines.observers.append(watch)
+    async with gw.client(timeout=60) as c:
+        r = await c.post("/v1/chat/completions", json=said("take:2.5", "my-model"))
+        ended = time.monotonic()
+        assert r.status_code == 200
+    with anyio.fail_after(10):
+        await stopped.wait()
+    assert stopping[0] - ended >= 0.9  # a second after the end, less the clock's tick
