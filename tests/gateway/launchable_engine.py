@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--exit-at-once", type=int, default=None)
     p.add_argument("--slow-start", type=float, default=0.0)
     p.add_argument("--child-pid-file", default=None, help="fork a child, as vLLM does")
+    p.add_argument("--stray-pid-file", default=None, help="fork a child that leaves the group")
     args, _unknown = p.parse_known_args(argv)
     if args.exit_at_once is not None:
         sys.stdout.write(f"fake engine: exiting with {args.exit_at_once} as asked\n")
@@ -48,6 +49,14 @@ def main(argv: list[str] | None = None) -> None:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         with open(args.child_pid_file, "w") as f:
             f.write(str(child.pid))
+    if args.stray_pid_file:
+        import subprocess
+
+        stray = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True
+        )
+        with open(args.stray_pid_file, "w") as f:
+            f.write(str(stray.pid))
     if args.slow_start:
         time.sleep(args.slow_start)  # an engine loading its weights
     served = args.served

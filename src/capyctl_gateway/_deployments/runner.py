@@ -45,10 +45,12 @@ class LoadSample:
 class ProcessView:
     """The engine process as ``status`` shows it."""
 
-    pid: int
-    """The engine's own pid."""
+    pid: int | None
+    """The engine's own pid (None when it could not be seen)."""
     port: int | None
     argv: list[str]
+    reaper_pid: int | None = None
+    """The pid of the engine's keeper on this machine (``_lifecycle/reaper.py``)."""
 
 
 class Tracked(Protocol):
@@ -115,4 +117,10 @@ class Runner(Protocol):
 
     def exited(self) -> str | None:
         """Why a running engine is gone without being asked to stop; None while it runs."""
+        ...
+
+    async def gone(self) -> str:
+        """Return, saying why, once the running engine has exited without being asked to stop
+        (at once, not at the next look); a runner told of exits another way (a host's reports)
+        never returns."""
         ...

@@ -132,8 +132,10 @@ class Placement:
         for p in self.placed.values():
             inst, gate = p.inst, p.gate
             proc = inst.runner.process() if p.launched is not None else None
-            if proc is not None and proc.pid != p.pid:
-                p.pid = proc.pid
+            # One engine process per reaper: the reaper's pid names the run.
+            run = None if proc is None else (proc.reaper_pid or proc.pid)
+            if proc is not None and run != p.pid:
+                p.pid = run
                 p.generation += 1
                 gate.key = None  # a new engine process: a new key
             gate.url = inst.url

@@ -36,6 +36,7 @@ from .._errors import (
     UnavailableError,
 )
 from .budget import MemoryBudget
+from .crash import backoff_left, exit_watch
 from .rest import closing
 from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
@@ -74,6 +75,7 @@ class Lifecycle:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.budget = MemoryBudget(config, self.lives, self._switch_out)
         self.engines = Transitions(self.lives, settlement, self.budget)
+        self.engines.observers.append(exit_watch(self))
 
     # -- requests ------------------------------------------------------------------------
     def want(self, name: str) -> None:
@@ -95,7 +97,7 @@ class Lifecycle:
     def activate(self, life: DeploymentLife) -> asyncio.Task[None]:
         """The deployment's activation (the one running, or a new one)."""
         if life.activation is None or life.activation.done():
-            life.activation = self._spawn(_activate(self, life))
+            life.activation = self.spawn(_activate(self, life))
         return life.activation
 
     # -- closing ------------------------------------------------------------------------------
@@ -108,7 +110,7 @@ class Lifecycle:
         on. A closing already under way is the one returned."""
         if life.closing is None:
             life.closing_why = reason
-            life.closing = self._spawn(closing(self, life, reason, may_park, must))
+            life.closing = self.spawn(closing(self, life, reason, may_park, must))
             life.regate(reason)
         return life.closing
 
@@ -149,7 +151,7 @@ class Lifecycle:
         if entry is not None:
             reported(self, *entry, state, failure)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -184,6 +186,10 @@ async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife) -> None:
     todo = [lc for lc in life.launched if lc.state in STARTABLE]
     parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
     await lifecycle.budget.make_room(life, todo, parked)
+    wait = max((backoff_left(lc, time.monotonic()) for lc in todo), default=0.0)
+    if wait > 0:  # it kept crashing: the next start waits (status shows how long)
+        logger.warning("deployment %s crashed again; starting it in %.1f s", name, wait)
+        await asyncio.sleep(wait)
     engines = lifecycle.engines
     jobs = [*(engines.start(lc) for lc in todo), *(engines.wake(lc) for lc in parked)]
     results = await asyncio.gather(*jobs, return_exceptions=True)

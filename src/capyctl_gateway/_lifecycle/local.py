@@ -8,6 +8,7 @@ stopping stops its process group. The collector stops watching an engine that st
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -76,9 +77,9 @@ class LocalRunner:
 
     def process(self) -> ProcessView | None:
         proc = self._proc
-        if proc is None or proc.pid is None:
+        if proc is None or proc.reaper_pid is None:
             return None
-        return ProcessView(proc.pid, proc.port, proc.argv)
+        return ProcessView(proc.pid, proc.port, proc.argv, reaper_pid=proc.reaper_pid)
 
     def describe(self) -> dict[str, Any]:
         if not self._watched:
@@ -94,7 +95,6 @@ class LocalRunner:
     def end(self, exchange: Tracked) -> None:
         """See `begin`."""
 
-    # -- what it does -------------------------------------------------------------------------
     async def start(self, reason: str) -> str:
         inst, d = self._inst, self._dep
         launch = inst.launch
@@ -139,12 +139,22 @@ class LocalRunner:
             self._proc = None
         return True  # its process group is gone: nothing it counted can still run
 
+    async def gone(self) -> str:
+        if self._proc is not None and self._proc.proc is not None:
+            await self._proc.proc.wait()
+        return self.exited() or await _never()  # stopped as asked: nothing to report
+
     def exited(self) -> str | None:
         proc = self._proc
         if proc is None or not proc.exited():
             return None
         code = proc.proc.returncode if proc.proc is not None else None
         return f"the engine exited with status {code}"
+
+
+async def _never() -> str:
+    await asyncio.get_running_loop().create_future()
+    raise AssertionError("unreachable")
 
 
 async def _drive(

@@ -73,11 +73,20 @@ class EngineProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.proc: asyncio.subprocess.Process | None = None
         self.started_at = 0.0
+        self._engine_pid: int | None = None
+
+    @property
+    def reaper_pid(self) -> int | None:
+        """The reaper's: its command line is the engine's, after ``--``."""
+        return self.proc.pid if self.proc is not None else None
 
     @property
     def pid(self) -> int | None:
-        """The reaper's: its command line is the engine's, after ``--``."""
-        return self.proc.pid if self.proc is not None else None
+        """The engine's own (the reaper's one child, which leads the engine's process group),
+        once it runs; None before and after."""
+        if self._engine_pid is None and self.proc is not None and self.proc.returncode is None:
+            self._engine_pid = _only_child(self.proc.pid)
+        return self._engine_pid
 
     async def start(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
         """Start the process; return once its ``/health`` answers 200.
@@ -124,10 +133,12 @@ class EngineProcess:
             await asyncio.sleep(PROBE_EVERY_S)  # polling a process we cannot be told about
 
     async def stop(self) -> int | None:
-        """SIGTERM to the process group, SIGKILL after `STOP_GRACE_S`; the exit status."""
+        """SIGTERM to the reaper (it stops the engine's group), SIGKILL to both groups after
+        `STOP_GRACE_S`; returns once the engine is gone, with the reaper's exit status."""
         proc = self.proc
         if proc is None:
             return None
+        engine = self.pid  # learnt before the reaper goes
         if proc.returncode is None:
             _signal_group(proc.pid, signal.SIGTERM)
             try:
@@ -136,6 +147,9 @@ class EngineProcess:
                 _signal_group(proc.pid, signal.SIGKILL)
                 await proc.wait()
         _signal_group(proc.pid, signal.SIGKILL)  # children that outlived their leader
+        if engine is not None:  # a reaper killed outright leaves its engine to the kernel
+            _signal_group(engine, signal.SIGKILL)
+            await _gone(engine)
         return proc.returncode
 
     def exited(self) -> bool:
@@ -149,6 +163,39 @@ class EngineProcess:
                 return f.read().decode("utf-8", "replace")
         except OSError:
             return ""
+
+
+def _only_child(pid: int) -> int | None:
+    """The one child of process ``pid`` (Linux's ``/proc``), or None."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+async def _gone(pid: int, within: float = STOP_GRACE_S) -> None:
+    """Return once process ``pid`` has exited (a pidfd turns readable), or after ``within``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return  # gone already
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await asyncio.wait_for(exited, within)
+    except TimeoutError:
+        pass
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -47,6 +47,11 @@ class Launched:
     state: InstanceState = InstanceState.STOPPED
     since: float = field(default_factory=time.monotonic)
     failure: str | None = None
+    crashes: int = 0
+    """Exits nobody asked for in a row (reset once it has served `STEADY_S` before one)."""
+    crashed_at: float = 0.0
+    watch: asyncio.Task[None] | None = None
+    """Waits for the engine to exit unasked while it runs (`Runner.gone`)."""
     unconfirmed: bool = False
     """Its last stop was not proven (a host that did not answer): the memory it held stays
     counted until a proven stop or its host's report that the engine is gone."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .crash import lost
 from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 
 if TYPE_CHECKING:
@@ -25,17 +26,12 @@ def _idle_for(life: DeploymentLife, now: float) -> float | None:
 
 
 async def look(lifecycle: Lifecycle, now: float) -> None:
-    engines = lifecycle.engines
     for life in lifecycle.lives.values():
         for lc in life.launched:
             running = lc.state in (InstanceState.READY, InstanceState.PARKED)
             gone = lc.inst.runner.exited() if running else None
-            if gone is not None:
-                lc.failure = gone
-                await engines.stop_one(lc, gone)
-                engines.move(lc, InstanceState.FAILED, gone)
-                if life.route.queue.waiting and not life.ready:
-                    lifecycle.activate(life)  # its waiting requests wait for a new start
+            if gone is not None:  # its exit watch has not seen it yet
+                await lost(lifecycle, life, lc, gone)
         idle_for = _idle_for(life, now)
         if idle_for is None:
             continue

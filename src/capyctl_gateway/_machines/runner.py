@@ -212,6 +212,11 @@ class HostRunner:
     def exited(self) -> str | None:
         return None  # a host reports its engine's exit (`Lifecycle.found`)
 
+    async def gone(self) -> str:
+        """Never: a host reports its engine's exit (`Lifecycle.found`)."""
+        await asyncio.get_running_loop().create_future()
+        raise AssertionError("unreachable")
+
 
 def _row(runner: HostRunner, live: bool, loop_time: Callable[[], float]) -> dict[str, Any]:
     """What ``status`` shows of the engine as the host last reported it: the session, the

@@ -65,8 +65,9 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
             console.print(f"  {i['lifecycle']}", soft_wrap=True)
         if "process" in i:
             proc = i["process"]
+            keeper = f" (its reaper: {proc['reaper_pid']})" if proc.get("reaper_pid") else ""
             console.print(
-                f"  pid {proc['pid']}, port {proc['port']}: {' '.join(proc['command'])}",
+                f"  pid {proc['pid']}{keeper}, port {proc['port']}: {' '.join(proc['command'])}",
                 soft_wrap=True,
             )
     for i in rows:

@@ -3,10 +3,11 @@ and the cut requests each instance still counts."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .._fleet import Fleet
-from .._lifecycle.states import HOLDING, InstanceState
+from .._lifecycle.crash import backoff_left
 from .._log import shown
 
 __all__ = ["deployment_status", "instance_hosts", "shown"]
@@ -54,9 +55,16 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
                 row["state"] = lc.state.value
             if lc.failure is not None:
                 row["failure"] = lc.failure
+            if lc.crashes:
+                row["crashes_in_a_row"] = lc.crashes
+                wait = backoff_left(lc, time.monotonic())
+                if wait > 0:
+                    row["restart_backoff_s"] = round(wait, 1)
             proc = inst.runner.process()
             if proc is not None:
                 row["process"] = {"pid": proc.pid, "port": proc.port, "command": shown(proc.argv)}
+                if proc.reaper_pid is not None:
+                    row["process"]["reaper_pid"] = proc.reaper_pid
         instances.append(row)
     ready = any(i["state"] == "ready" for i in instances)
     doc: dict[str, Any] = {
@@ -77,13 +85,7 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
         # What a park does here (docs/gateway/lifecycle.md): sleep keeps the process up.
         doc["deployment"]["park"] = ("unload" if d.router else "sleep") if life.parks else "stop"
         if d.memory is not None:
-            held = 0
-            for lc in life.launched:
-                if lc.state in HOLDING:
-                    held += d.memory.ready
-                elif lc.state is InstanceState.PARKED:
-                    held += d.memory.parked
-            doc["deployment"]["memory_held"] = held
+            doc["deployment"]["memory_held"] = fleet.lifecycle.budget.held_by(life)
     return doc
 
 
