@@ -10,6 +10,11 @@ own key, and its answer comes back byte for byte. When the server's connection g
 ingress closes the engine connection (that is the engine's signal to stop); when the control
 session is lost, it closes every forward.
 
+A body is streamed to the engine as it arrives, byte for byte, never held whole: its length is the
+request's ``Content-Length`` (the server always sends one), at most 8 MiB; a request without one
+is refused (411 ``length_required``, not forwarded), as is one over the limit (413), before the
+engine is contacted.
+
 Bind it to a private address that only the server can reach (docs/gateway/machines.md has the
 firewall rule). Never imports the HTTP surface, the relay or the lifecycle.
 """
@@ -88,7 +93,10 @@ def create_ingress_app(
             return _refuse(401, "unauthorized", "missing or wrong gate key")
         if request.query_string or "Content-Encoding" in request.headers:
             return _refuse(400, "bad_request", "no query string, no compressed body")
-        if request.content_length is not None and request.content_length > REMOTE_MAX_BODY_BYTES:
+        length = request.content_length
+        if length is None or "Transfer-Encoding" in request.headers:
+            return _refuse(411, "length_required", "a request body needs a Content-Length")
+        if length > REMOTE_MAX_BODY_BYTES:
             return _refuse(413, "request_too_large", "over the ingress's body limit")
         if busy[0] >= MAX_FORWARDS or gate.url is None:
             return _refuse(503, "shutting_down", "the ingress takes no more requests now")
@@ -101,10 +109,8 @@ def create_ingress_app(
         assert task is not None
         gate.forwards.add(task)
         try:
-            body = await request.content.read(REMOTE_MAX_BODY_BYTES + 1)
-            if len(body) > REMOTE_MAX_BODY_BYTES:
-                return _refuse(413, "request_too_large", "over the ingress's body limit")
-            return await _relay(request, client, f"{gate.url}/{tail}", gate.headers, body)
+            headers = {**gate.headers, "Content-Length": str(length)}
+            return await _relay(request, client, f"{gate.url}/{tail}", headers)
         finally:
             gate.forwards.discard(task)
             gate.in_flight -= 1
@@ -121,10 +127,11 @@ async def _relay(
     client: aiohttp.ClientSession,
     url: str,
     headers: dict[str, str],
-    body: bytes,
 ) -> web.StreamResponse:
+    # The body goes on as it comes (aiohttp reads the request's exactly Content-Length bytes,
+    # and sends them under that same length): no copy of it is held.
     try:
-        resp = await client.post(url, data=body, headers=headers, allow_redirects=False)
+        resp = await client.post(url, data=request.content, headers=headers, allow_redirects=False)
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
         return _refuse(502, "engine_unreachable", "the engine could not be reached")
     try:
