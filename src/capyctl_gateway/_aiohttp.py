@@ -16,9 +16,16 @@ answer to malformed HTTP):
   (`request_count`): the head timeout stops once it moves.
 * ``RequestHandler._task_handler``, the connection's request loop, set by ``connection_made``
   (`task_handler`): cancelled for a connection refused past the cap.
+* ``RequestHandler._waiter`` (the future its request loop awaits for the next request) and
+  ``._messages`` (the requests parsed and not yet handled): idle between requests while the one
+  is pending and the other empty (`idle`), which is when aiohttp's own keep-alive timeout closes
+  it too; such a connection is closed (``force_close()``) to take a new one past the cap.
+* ``RequestHandler._keepalive_handle``, the keep-alive timer, which aiohttp 3.14 also starts
+  when a connection opens (`no_keepalive_yet`): the head timeout bounds that phase instead.
 * ``web.Server._loop`` and ``._kwargs``, what ``Server.__call__`` makes a handler with
-  (`Server.make_protocol`), and ``Server._connections``, the open connections, the new one
-  counted when ``Server.connection_made(handler, transport)`` is called (`Server.connected`).
+  (`Server.make_protocol`), and ``Server._connections``, the open connections (their handlers,
+  oldest first: `Server.handlers`), the new one counted when ``Server.connection_made(handler,
+  transport)`` is called (`Server.connected`).
 * ``web.AppRunner._make_server()``, which builds a plain ``web.Server``: aiohttp has no hook for
   the protocol class, so the instance is made a `Server` by ``server.__class__ = ...``
   (`Runner.adopt`, `recast`).
@@ -54,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -69,6 +77,8 @@ __all__ = [
     "answer_started",
     "chunk",
     "chunk_writer",
+    "idle",
+    "no_keepalive_yet",
     "recast",
     "request_count",
     "task_handler",
@@ -111,6 +121,21 @@ def task_handler(proto: web.RequestHandler) -> asyncio.Task[None] | None:
     return proto._task_handler
 
 
+def idle(proto: web.RequestHandler) -> bool:
+    """Whether ``proto``'s request loop waits for a request, none parsed and unhandled."""
+    waiter = proto._waiter
+    return waiter is not None and not waiter.done() and not proto._messages
+
+
+def no_keepalive_yet(proto: web.RequestHandler) -> None:
+    """Stop the keep-alive timer aiohttp starts when a connection opens (it starts again once
+    an answer is done)."""
+    handle = proto._keepalive_handle
+    if handle is not None:
+        handle.cancel()
+        proto._keepalive_handle = None
+
+
 class Server(web.Server):
     """aiohttp's low-level server as `Runner` serves it: its handlers are `make_protocol`'s, and
     `connected` hears of each connection with the number open. Keeps no state of its own."""
@@ -121,6 +146,10 @@ class Server(web.Server):
     def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
         self.connected(transport, len(self._connections))
+
+    def handlers(self) -> Iterator[web.RequestHandler]:
+        """The handlers of the open connections, oldest first."""
+        return iter(self._connections)
 
     def make_protocol(self, **kwargs: Any) -> web.RequestHandler:
         """The handler of a new connection; ``kwargs`` are the runner's handler settings."""

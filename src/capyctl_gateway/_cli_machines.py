@@ -22,6 +22,7 @@ from ._cli_common import (
     CONTROL_MAX_CONNECTIONS,
     HEAD_TIMEOUT_S,
     INGRESS_MAX_CONNECTIONS,
+    KEEPALIVE_TIMEOUT_S,
     TLS_HANDSHAKE_TIMEOUT_S,
     address,
     bind,
@@ -63,9 +64,10 @@ def control_runner(
     header_timeout: float = HEAD_TIMEOUT_S,
 ) -> web.AppRunner:
     """The runner of the server's control listener (serve it with `control_site`, once the
-    gateway's application has started)."""
+    gateway's application has started); idle keep-alive as ``limits.keepalive_timeout``."""
     app = control_app(lambda: _machines(gw))
-    return bounded(app, "control port", max_connections, header_timeout)
+    idle = gw.config.limits.keepalive_timeout
+    return bounded(app, "control port", max_connections, header_timeout, keepalive_timeout=idle)
 
 
 def _machines(gw: Gateway) -> Machines:
@@ -86,10 +88,11 @@ def ingress_runner(
     session: Callable[[], aiohttp.ClientSession | None],
     max_connections: int = INGRESS_MAX_CONNECTIONS,
     header_timeout: float = HEAD_TIMEOUT_S,
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT_S,
     **kwargs: object,
 ) -> web.AppRunner:
     """The runner of a host's ingress (`create_ingress_app`), cancelling a forward when the
-    server hangs up."""
+    server hangs up; an idle keep-alive connection is closed after ``keepalive_timeout``."""
     app = create_ingress_app(gates, session)
     busy = f"{NOT_FORWARDED}: busy\r\n".encode()  # the server may try another instance
     return bounded(
@@ -97,6 +100,7 @@ def ingress_runner(
         "ingress",
         max_connections,
         header_timeout,
+        keepalive_timeout=keepalive_timeout,
         busy_headers=busy,
         handler_cancellation=True,
         **kwargs,

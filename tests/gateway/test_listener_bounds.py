@@ -5,6 +5,7 @@ listeners. Each built as the CLI builds it; the control and ingress ones with sm
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,8 +14,9 @@ import anyio
 import pytest
 from aiohttp import web
 
-from capyctl_gateway import GATEWAY_KEY, GatewayConfig, create_app
+from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._cli_common import (
+    KEEPALIVE_TIMEOUT_S,
     LOCAL_MAX_CONNECTIONS,
     TLS_HANDSHAKE_TIMEOUT_S,
     bind,
@@ -160,3 +162,73 @@ async def test_the_local_listeners_refuse_past_their_cap(
     past, _ = await connect(port)
     assert (await closed_by_peer(past)).startswith(b"HTTP/1.1 503 ")
     await still_served(held)
+
+
+# -- idle keep-alive, on every listener --------------------------------------------------------
+LISTENERS = ["public", "control", "management", "metrics", "ingress"]
+
+
+async def listener(
+    which: str, tmp_path: Path, *, cap: int = 4, keepalive: str = "5s"
+) -> tuple[int, int, ServerIdentity | None]:
+    """Serve the listener ``which`` as the CLI does, with at most ``cap`` connections (the
+    management and metrics listeners have their fixed cap) and idle keep-alive bounded by
+    ``keepalive``: its port, its cap, and the identity a client connects with (TLS)."""
+    identity = ServerIdentity(tmp_path / "identity")
+    identity.ensure()
+    limits = {"max_connections": cap, "keepalive_timeout": keepalive}
+    config = GatewayConfig.model_validate(
+        {"deployments": [deployments("http://127.0.0.1:9")], "limits": limits}
+    )
+    app = create_app(config, KEY, env={}, state_dir=tmp_path, server=identity)
+    gw = app[GATEWAY_KEY]
+    if which == "public":
+        return await serve(GatewayRunner(app)), cap, None
+    if which == "control":
+        return await serve(control_runner(gw, cap), control_context(identity)), cap, identity
+    if which in ("management", "metrics"):
+        management, metrics = local_runners(gw)
+        port = await serve(management if which == "management" else metrics)
+        return port, LOCAL_MAX_CONNECTIONS, None
+    seconds = config.limits.keepalive_timeout
+    return await serve(ingress_runner(lambda t, i: None, lambda: None, cap, 10, seconds)), cap, None
+
+
+async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+    """One request without a key (refused or not found) read to its end: the status."""
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    with anyio.fail_after(5):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        assert length is not None and b"connection: close" not in head.lower(), head
+        await reader.readexactly(int(length[1]))
+    return int(head.split()[1])
+
+
+@pytest.mark.parametrize("which", LISTENERS)
+async def test_at_its_cap_a_listener_closes_an_idle_keepalive_connection_for_a_new_one(
+    which: str, tmp_path: Path
+) -> None:
+    port, cap, identity = await listener(which, tmp_path)
+    held = [await connect(port, identity) for _ in range(cap)]
+    for reader, writer in held:
+        assert await ask(reader, writer) != 503
+    reader, writer = await connect(port, identity)  # past the cap, all others idle
+    assert await ask(reader, writer) != 503
+    assert await closed_by_peer(held[0][0]) == b""  # the oldest idle one made room
+    await still_served(held[1:])
+
+
+@pytest.mark.parametrize("which", LISTENERS)
+async def test_an_idle_keepalive_connection_is_closed_after_the_configured_time(
+    which: str, tmp_path: Path
+) -> None:
+    port, _, identity = await listener(which, tmp_path, keepalive="300ms")
+    reader, writer = await connect(port, identity)
+    assert await ask(reader, writer) != 503
+    assert await closed_by_peer(reader, within=5) == b""
+
+
+async def test_idle_keepalive_is_bounded_by_default() -> None:
+    config = GatewayConfig.model_validate({"deployments": [deployments("http://127.0.0.1:9")]})
+    assert config.limits.keepalive_timeout == KEEPALIVE_TIMEOUT_S == 5.0

@@ -7,9 +7,11 @@ server's control port, a host's ingress) through a protocol that:
   a NUL) with the documented JSON error and a request ID, and logs one short line for it,
   never the header's bytes (an ``Authorization`` line is one of them);
 * closes a connection whose request head has not arrived within ``limits.header_timeout``
-  (a client that trickles bytes must not hold a connection for ever);
-* answers connections past ``limits.max_connections`` with a 503 at once and closes them, with
-  a log line, instead of letting the process run out of file descriptors.
+  (a client that trickles bytes must not hold a connection for ever), and one idle between
+  requests for ``limits.keepalive_timeout`` (aiohttp's keep-alive timeout, set by the runner);
+* past ``limits.max_connections``, closes the oldest connection idle between requests to take
+  the new one (logged) or, with none idle, answers the new one with a 503 at once and closes it
+  (logged), instead of letting the process run out of file descriptors.
 
 `GatewayRunner` is the public listener's, with the settings its correctness depends on.
 `TLSSite` bounds the TLS handshake that comes before all of it.
@@ -33,6 +35,8 @@ from .._aiohttp import (
     Server,
     TLSSite,
     answer_started,
+    idle,
+    no_keepalive_yet,
     recast,
     request_count,
     task_handler,
@@ -58,6 +62,8 @@ class Limits:
     __slots__ = (
         "busy_headers",
         "header_timeout",
+        "idle_log",
+        "keepalive_timeout",
         "listener",
         "max_connections",
         "protocol_log",
@@ -69,11 +75,14 @@ class Limits:
         *,
         max_connections: int,
         header_timeout: float,
+        keepalive_timeout: float,
         listener: str = "",
         busy_headers: bytes = b"",
     ) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.keepalive_timeout = keepalive_timeout
+        self.idle_log = SparseLog()
         self.listener = listener
         self.busy_headers = busy_headers
         self.protocol_log = SparseLog()
@@ -134,6 +143,7 @@ class _Protocol(Protocol):
         super().connection_made(transport)
         if not transport.is_closing():
             self._head_timer = running_loop().call_later(self._limits.header_timeout, self._no_head)
+            no_keepalive_yet(self)  # the head timeout bounds the wait for the first request
         elif (task := task_handler(self)) is not None:
             # Refused (past max_connections): its request loop must not start, for aiohttp
             # cancels it on the close only where handlers are cancelled on hang-ups.
@@ -147,6 +157,11 @@ class _Protocol(Protocol):
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+
+    @property
+    def between_requests(self) -> bool:
+        """Answered at least once and idle, waiting for its next request."""
+        return self._heads_seen > 0 and self._head_timer is None and idle(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:
@@ -191,31 +206,44 @@ class _Server(Server):
 
     def connected(self, transport: asyncio.Transport, open_connections: int) -> None:
         limits = self.limits
-        if open_connections > limits.max_connections:
+        if open_connections > limits.max_connections and not self._close_an_idle():
             limits.refusal_log.warning("connection refused: %s", limits.cap())
             transport.write(_busy_answer(limits.busy_headers))
             transport.close()
 
+    def _close_an_idle(self) -> bool:
+        """Close the oldest connection idle between requests, if any, for a new one."""
+        for handler in self.handlers():
+            if isinstance(handler, _Protocol) and handler.between_requests:
+                handler.force_close()
+                self.limits.idle_log.warning(
+                    "an idle keep-alive connection closed for a new one: %s", self.limits.cap()
+                )
+                return True
+        return False
+
 
 class BoundedRunner(Runner):
     """An `aiohttp.web.AppRunner` whose connections go through the connection layer above:
-    at most ``limits.max_connections`` open, each closed when its request head does not come
-    within ``limits.header_timeout``, malformed HTTP answered in JSON. Every listener of the
-    gateway and of a host is served by one. No access log."""
+    at most ``limits.max_connections`` open (idle ones closed first for new ones), each closed
+    when its request head does not come within ``limits.header_timeout`` or when idle between
+    requests for ``limits.keepalive_timeout``, malformed HTTP answered in JSON. Every listener
+    of the gateway and of a host is served by one. No access log."""
 
     def __init__(
         self, app: web.Application, *, limits: Limits | None = None, **kwargs: Any
     ) -> None:
         """``limits``: this listener's bounds; by default the application's (`LIMITS`)."""
+        self._limits = limits if limits is not None else app[LIMITS]
         kwargs.setdefault("access_log", None)
-        self._limits = limits
+        kwargs["keepalive_timeout"] = self._limits.keepalive_timeout
         super().__init__(app, **kwargs)
 
     def adopt(self, server: web.Server) -> web.Server:
         # aiohttp builds its Server and has no hook for the protocol class: the instance is
         # made a _Server, which changes only the protocol it makes and the connection count.
         bounded = recast(server, _Server)
-        bounded.limits = self._limits if self._limits is not None else self.app[LIMITS]
+        bounded.limits = self._limits
         return bounded
 
 
