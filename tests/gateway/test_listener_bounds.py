@@ -232,3 +232,21 @@ async def test_an_idle_keepalive_connection_is_closed_after_the_configured_time(
 async def test_idle_keepalive_is_bounded_by_default() -> None:
     config = GatewayConfig.model_validate({"deployments": [deployments("http://127.0.0.1:9")]})
     assert config.limits.keepalive_timeout == KEEPALIVE_TIMEOUT_S == 5.0
+
+
+async def test_a_refused_connections_request_is_read_so_its_503_is_not_lost_to_a_reset() -> None:
+    runner = ingress_runner(lambda t, i: None, lambda: None, 1)
+    port = await serve(runner)
+    held = await connect(port)
+    held[1].write(b"GET / HTTP/1.1\r\n")  # in the middle of a head: not idle
+    reader, writer = await connect(port)
+    with anyio.fail_after(5):
+        head = await reader.readuntil(b"\r\n\r\n")  # answered before it asked
+    assert head.startswith(b"HTTP/1.1 503 ") and f"{NOT_FORWARDED}: busy".encode() in head
+    writer.write(b"POST /i/x/0/v1/chat/completions HTTP/1.1\r\nContent-Length: 4000000\r\n\r\n")
+    writer.write(b"x" * 4_000_000)  # a request the listener reads and drops, not resets
+    await writer.drain()
+    writer.write_eof()
+    with anyio.fail_after(5):
+        rest = await reader.read()  # the rest of the 503, then the end: no reset
+    assert rest.endswith(b"}") and b'"code":"unavailable"' in rest

@@ -11,7 +11,12 @@ server's control port, a host's ingress) through a protocol that:
   requests for ``limits.keepalive_timeout`` (aiohttp's keep-alive timeout, set by the runner);
 * past ``limits.max_connections``, closes the oldest connection idle between requests to take
   the new one (logged) or, with none idle, answers the new one with a 503 at once and closes it
-  (logged), instead of letting the process run out of file descriptors.
+  (logged), instead of letting the process run out of file descriptors. The close is a
+  half-close: what the client sends meanwhile (its request) is read and dropped until it closes
+  too, for at most `LINGER_S`, so that its request does not turn the close into a reset that
+  destroys the 503 before the client reads it (a server then sees a host's busy ingress as a
+  failed engine instead of offering the request elsewhere). At most ``max_connections`` linger
+  at once; past that, and on TLS, the close is immediate.
 
 `GatewayRunner` is the public listener's, with the settings its correctness depends on.
 `TLSSite` bounds the TLS handshake that comes before all of it.
@@ -47,9 +52,19 @@ from .._loop import running_loop
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import error_response
 
-__all__ = ["HANGUPS_SEEN", "LIMITS", "BoundedRunner", "GatewayRunner", "Limits", "TLSSite"]
+__all__ = [
+    "HANGUPS_SEEN",
+    "LIMITS",
+    "LINGER_S",
+    "BoundedRunner",
+    "GatewayRunner",
+    "Limits",
+    "TLSSite",
+]
 
 logger = logging.getLogger("capyctl_gateway")
+LINGER_S = 2.0
+"""How long a connection refused past the cap is read (and what comes dropped) after its 503."""
 
 
 class Limits:
@@ -131,17 +146,27 @@ def _busy_answer(extra: bytes) -> bytes:
 class _Protocol(Protocol):
     """aiohttp's request handler, with the gateway's answers to what never became a request."""
 
-    __slots__ = ("_head_timer", "_limits", "_heads_seen")
+    __slots__ = ("_head_timer", "_limits", "_heads_seen", "_lingering", "_server")
 
     def __init__(self, manager: _Server, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
+        self._server = manager
         self._limits = manager.limits
         self._head_timer: asyncio.TimerHandle | None = None
         self._heads_seen = 0
+        self._lingering = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        if not transport.is_closing():
+        if self._server.refused is transport:  # answered 503 and half-closed: read until closed
+            self._server.refused = None
+            self._server.lingering += 1
+            self._lingering = True
+            no_keepalive_yet(self)
+            if (task := task_handler(self)) is not None:
+                task.cancel()
+            self._head_timer = running_loop().call_later(LINGER_S, transport.close)
+        elif not transport.is_closing():
             self._head_timer = running_loop().call_later(self._limits.header_timeout, self._no_head)
             no_keepalive_yet(self)  # the head timeout bounds the wait for the first request
         elif (task := task_handler(self)) is not None:
@@ -150,6 +175,8 @@ class _Protocol(Protocol):
             task.cancel()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # a refused connection's request: read, and dropped
         super().data_received(data)
         heads = request_count(self)
         if heads != self._heads_seen:  # a whole request head arrived
@@ -167,6 +194,9 @@ class _Protocol(Protocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        if self._lingering:
+            self._lingering = False
+            self._server.lingering -= 1
         super().connection_lost(exc)
 
     def _no_head(self) -> None:
@@ -200,16 +230,25 @@ class _Protocol(Protocol):
 
 class _Server(Server):
     limits: Limits
+    lingering: int
+    """Connections refused past the cap and not closed yet (not counted against it)."""
+    refused: asyncio.Transport | None
+    """The connection just refused, for its protocol to linger on."""
 
     def make_protocol(self, **kwargs: Any) -> web.RequestHandler:
         return _Protocol(self, **kwargs)
 
     def connected(self, transport: asyncio.Transport, open_connections: int) -> None:
         limits = self.limits
-        if open_connections > limits.max_connections and not self._close_an_idle():
+        held = open_connections - self.lingering
+        if held > limits.max_connections and not self._close_an_idle():
             limits.refusal_log.warning("connection refused: %s", limits.cap())
             transport.write(_busy_answer(limits.busy_headers))
-            transport.close()
+            if self.lingering < limits.max_connections and transport.can_write_eof():
+                transport.write_eof()
+                self.refused = transport
+            else:
+                transport.close()
 
     def _close_an_idle(self) -> bool:
         """Close the oldest connection idle between requests, if any, for a new one."""
@@ -244,6 +283,7 @@ class BoundedRunner(Runner):
         # made a _Server, which changes only the protocol it makes and the connection count.
         bounded = recast(server, _Server)
         bounded.limits = self._limits
+        bounded.lingering, bounded.refused = 0, None
         return bounded
 
 
