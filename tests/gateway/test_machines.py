@@ -98,12 +98,9 @@ class Cluster:
         JoinFile(host, where, ca, pki.fingerprint(ca), token, expires).write(path)
         return path
 
-    async def start_host(
-        self, name: str, links: list[Freezer] | None = None, max_connections: int = 1024
-    ) -> Host:
+    async def start_host(self, name: str, links: list[Freezer] | None = None) -> Host:
         """Enroll and run host ``name``; with ``links``, its control session and its ingress
-        are reached through two `Freezer` proxies appended to it (control, then ingress); its
-        ingress takes ``max_connections`` at once."""
+        are reached through two `Freezer` proxies appended to it (control, then ingress)."""
         state = self.tmp / f"host-{name}"
         control = self.control
         if links is not None:
@@ -114,10 +111,7 @@ class Cluster:
         holder: list[Host] = []
         # A short shutdown: stopping it ends its forwards at once, as a killed process would.
         runner = ingress_runner(
-            lambda tag, i: holder[0].gate(tag, i),
-            lambda: holder[0].session(),
-            max_connections,
-            shutdown_timeout=0.1,
+            lambda tag, i: holder[0].gate(tag, i), lambda: holder[0].session(), shutdown_timeout=0.1
         )
         runner, addr = await _site(runner)
         if links is not None:
