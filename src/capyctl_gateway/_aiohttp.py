@@ -30,9 +30,6 @@ answer to malformed HTTP):
   the protocol class, so the instance is made a `Server` by ``server.__class__ = ...``
   (`Runner.adopt`, `recast`).
 * ``web.BaseRequest.writer`` and its ``output_size`` (`answer_started`).
-* ``web.SockSite``'s ``_runner``, ``_sock``, ``_ssl_context``, ``_backlog`` and ``_server``, and
-  ``web.BaseSite.start``: `TLSSite` starts as ``SockSite.start`` does, with a bound on the TLS
-  handshake that aiohttp does not pass on.
 
 The relay (``_relay/pump.py``, ``_relay/chat.py``: chunk framing, back-pressure, one send):
 
@@ -53,14 +50,12 @@ each, the cancel and pump suites on 3.12.0 and 3.14.0, the gateway's whole suite
 3.10 and 3.11 every name but ``_send_headers_immediately`` has its shape (heads leave alone
 there), hence ``aiohttp>=3.12,<3.15`` in ``pyproject.toml``.
 
-Never imports a module of the gateway: only asyncio, socket, ssl and aiohttp.
+Never imports a module of the gateway: only asyncio and aiohttp.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import ssl
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -73,7 +68,6 @@ __all__ = [
     "Runner",
     "Server",
     "StreamWriter",
-    "TLSSite",
     "answer_started",
     "chunk",
     "chunk_writer",
@@ -181,37 +175,6 @@ def recast(server: web.Server, cls: type[S]) -> S:
 def answer_started(request: web.BaseRequest) -> bool:
     """Whether bytes of an answer to ``request`` were written to its connection."""
     return request.writer.output_size > 0
-
-
-class TLSSite(web.SockSite):
-    """A `web.SockSite` on TLS whose handshakes must end within ``handshake_timeout`` seconds
-    (asyncio's own bound is 60 s): a connection that never finishes one is closed then, before
-    it reaches the connection layer's count."""
-
-    def __init__(
-        self,
-        runner: web.BaseRunner,
-        sock: socket.socket,
-        *,
-        ssl_context: ssl.SSLContext,
-        handshake_timeout: float,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(runner, sock, ssl_context=ssl_context, **kwargs)
-        self._handshake_timeout = handshake_timeout
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # not SockSite's: its server has asyncio's timeout
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-        self._server = await loop.create_server(
-            server,
-            sock=self._sock,
-            ssl=self._ssl_context,
-            backlog=self._backlog,
-            ssl_handshake_timeout=self._handshake_timeout,
-        )
 
 
 # -- the relay ----------------------------------------------------------------------------------

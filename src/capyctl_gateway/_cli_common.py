@@ -53,7 +53,7 @@ HEAD_TIMEOUT_S = 10.0
 LOCAL_MAX_CONNECTIONS = 64
 """Connections open at once to the management listener, and to the metrics listener."""
 CONTROL_MAX_CONNECTIONS = 256
-"""Connections open at once to a server's control port, once past the TLS handshake."""
+"""Connections open at once to a server's control port, those in their TLS handshake included."""
 INGRESS_MAX_CONNECTIONS = 1024
 """Connections open at once to a host's ingress (it forwards 256 requests at once)."""
 TLS_HANDSHAKE_TIMEOUT_S = 10.0

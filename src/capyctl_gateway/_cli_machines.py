@@ -35,7 +35,7 @@ from ._config import ConfigError, Seconds
 from ._errors import OperatorError
 from ._gateway import Gateway
 from ._host import Host, join
-from ._http.server import TLSSite
+from ._http.tls import TLSSite
 from ._log import configure_logging
 from ._machines import pki
 from ._machines.control import control_app

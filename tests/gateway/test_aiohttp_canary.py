@@ -11,8 +11,6 @@ import ast
 import asyncio
 import contextlib
 import inspect
-import socket
-import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -345,37 +343,6 @@ async def test_a_request_that_is_not_http_and_a_crash_reach_handle_error() -> No
         "RequestHandler.handle_error / BaseRequest.writer.output_size",
         f"handle_error saw {seen.errors}; {MALFORMED}, and a started answer is not closed",
     )
-
-
-async def test_the_tls_site_bounds_the_handshake_and_stops() -> None:
-    runner = web.AppRunner(web.Application(), access_log=None)
-    await runner.setup()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # no handshake gets far enough to need a cert
-    site = aio.TLSSite(runner, sock, ssl_context=context, handshake_timeout=0.3)
-    try:
-        for name, value in (("_runner", runner), ("_sock", sock), ("_ssl_context", context)):
-            assert getattr(site, name, None) is value, breaks(f"SockSite.{name}", "TLSSite breaks")
-        assert getattr(site, "_backlog", None) == 128, breaks("SockSite._backlog", "TLSSite breaks")
-        assert getattr(site, "_server", False) is None, breaks("BaseSite._server", "TLSSite breaks")
-        await site.start()
-        assert site in runner.sites, breaks("BaseSite.start", "TLSSite is not registered")
-        served = site._server
-        assert isinstance(served, asyncio.Server) and served.is_serving(), breaks(
-            "BaseSite._server", "TLSSite's server is not the one its stop closes"
-        )
-        reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
-        try:
-            with anyio.fail_after(5):  # asyncio's own bound would be 60 s
-                with contextlib.suppress(ConnectionError):
-                    assert await reader.read() == b""
-        finally:
-            writer.close()
-        await site.stop()
-        assert not served.is_serving(), breaks("BaseSite.stop / _server", "TLSSite never stops")
-    finally:
-        await runner.cleanup()
 
 
 # -- the relay ---------------------------------------------------------------------------------

@@ -5,9 +5,13 @@ listeners. Each built as the CLI builds it; the control and ingress ones with sm
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import resource
+import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
@@ -121,16 +125,112 @@ async def test_a_control_connection_that_sends_no_request_is_closed(
     assert await closed_by_peer(reader) == b""
 
 
-async def test_control_connections_past_the_cap_get_a_503_and_are_closed(
-    server: tuple[Gateway, ServerIdentity],
+async def ended(reader: asyncio.StreamReader, within: float) -> bool:
+    """Whether the listener closed the connection (an end of stream or a reset) within
+    ``within`` seconds, having sent nothing."""
+    with anyio.fail_after(within):
+        try:
+            return await reader.read() == b""
+        except ConnectionResetError:
+            return True
+
+
+def host_context(identity: ServerIdentity, tmp_path: Path, name: str) -> ssl.SSLContext:
+    """A client context with host ``name``'s certificate, signed by the server's CA."""
+    key = pki.new_host_key()
+    cert = identity.sign(pki.host_csr(key, name), name)
+    pki.write_private(tmp_path / f"{name}.key", key)
+    pki.write_private(tmp_path / f"{name}.pem", cert)
+    ca = identity.ca_cert.read_bytes()
+    return pki.client_context(ca, tmp_path / f"{name}.pem", tmp_path / f"{name}.key")
+
+
+async def test_control_connections_in_their_handshake_count_and_those_past_the_cap_close_at_once(
+    server: tuple[Gateway, ServerIdentity], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     gw, identity = server
-    port = await serve(control_runner(gw, max_connections=2), control_context(identity))
-    held = [await connect(port, identity) for _ in range(2)]
-    third, _ = await connect(port, identity)
-    answer = await closed_by_peer(third)
-    assert answer.startswith(b"HTTP/1.1 503 ") and b'"code":"unavailable"' in answer
-    await still_served(held)
+    runner = control_runner(gw, max_connections=4)
+    SERVED.append(runner)
+    await runner.setup()
+    sock = bind("127.0.0.1", 0)
+    port = int(sock.getsockname()[1])
+    site = control_site(runner, sock, control_context(identity))
+    await site.start()
+    idle = [await connect(port) for _ in range(4)]  # TCP, and no ClientHello
+    for _ in range(40):  # each closed as it comes, long before the handshake bound
+        reader, _ = await connect(port)
+        assert await ended(reader, within=TLS_HANDSHAKE_TIMEOUT_S / 5)
+    assert site.handshaking == 4
+    lines = [r for r in caplog.records if "connection closed as it came" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # at most a line a second
+    assert "the control port holds its 4 connections (4 of them in their TLS" in lines[0].message
+    for _, writer in idle:
+        writer.close()
+    with anyio.fail_after(5):  # their handshakes end with them
+        while site.handshaking:  # noqa: ASYNC110 - the site's count, read until it drops
+            await asyncio.sleep(0.01)
+    client = host_context(identity, tmp_path, "gpu-1")
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=client, server_hostname=pki.SERVER_NAME
+    )
+    OPENED.append(writer)
+    await still_served([(reader, writer)])
+
+
+@contextlib.contextmanager
+def out_of_files() -> Iterator[None]:
+    """Every file descriptor under the soft open-file limit in use, for the time of the block."""
+    fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    top = max(fds) + 1
+    filler = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        while True:  # the holes under the top, then: nothing more can be opened
+            fd = os.open(os.devnull, os.O_RDONLY)
+            if fd >= top:
+                os.close(fd)
+                break
+            filler.append(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in filler:
+            os.close(fd)
+
+
+async def test_a_control_port_out_of_open_files_says_so_once_and_serves_again(
+    server: tuple[Gateway, ServerIdentity], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw, identity = server
+    runner = control_runner(gw)
+    SERVED.append(runner)
+    await runner.setup()
+    sock = bind("127.0.0.1", 0)
+    address = sock.getsockname()
+    await control_site(runner, sock, control_context(identity)).start()
+    client = host_context(identity, tmp_path, "gpu-1")
+    loop = asyncio.get_running_loop()
+    clients = [socket.socket() for _ in range(3)]  # made first: connecting takes no new file
+    for c in clients:
+        c.setblocking(False)
+    try:
+        with out_of_files():
+            for c in clients:
+                await loop.sock_connect(c, address)
+            with anyio.fail_after(5):
+                while not any("cannot accept" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110 - the log, read until it says so
+                    await asyncio.sleep(0.01)
+        lines = [r.getMessage() for r in caplog.records if "cannot accept" in r.getMessage()]
+        assert len(lines) == 1 and "open-file limit" in lines[0], lines
+        reader, writer = await asyncio.open_connection(
+            sock=clients.pop(0), ssl=client, server_hostname=pki.SERVER_NAME
+        )  # accepted once files are free again
+        OPENED.append(writer)
+        await still_served([(reader, writer)])
+    finally:
+        for c in clients:
+            c.close()
 
 
 # -- a host's ingress ----------------------------------------------------------------------------

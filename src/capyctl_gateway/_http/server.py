@@ -19,10 +19,10 @@ server's control port, a host's ingress) through a protocol that:
   at once; past that, and on TLS, the close is immediate.
 
 `GatewayRunner` is the public listener's, with the settings its correctness depends on.
-`TLSSite` bounds the TLS handshake that comes before all of it.
+The control port's TLS handshakes, which come before all of it, are counted in ``tls.py``.
 
 aiohttp has no public hooks for any of it: this module reaches aiohttp's internals only through
-``_aiohttp.py`` (`TLSSite` is defined there), never directly.
+``_aiohttp.py``, never directly.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from .._aiohttp import (
     Protocol,
     Runner,
     Server,
-    TLSSite,
     answer_started,
     idle,
     no_keepalive_yet,
@@ -47,74 +46,24 @@ from .._aiohttp import (
     task_handler,
 )
 from .._errors import GatewayError
-from .._log import SparseLog
 from .._loop import running_loop
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import error_response
+from .limits import Limits
 
 __all__ = [
     "HANGUPS_SEEN",
     "LIMITS",
     "LINGER_S",
     "BoundedRunner",
+    "BoundedServer",
     "GatewayRunner",
     "Limits",
-    "TLSSite",
 ]
 
 logger = logging.getLogger("capyctl_gateway")
 LINGER_S = 2.0
 """How long a connection refused past the cap is read (and what comes dropped) after its 503."""
-
-
-class Limits:
-    """One listener's connection bounds (the public one's from ``limits:`` in the configuration).
-
-    ``listener`` names it in the log lines ("" for the public listener, whose lines name the
-    configuration keys); ``busy_headers`` are header lines added to its 503 for a connection
-    past the cap (a host's ingress marks it as never forwarded)."""
-
-    __slots__ = (
-        "busy_headers",
-        "header_timeout",
-        "idle_log",
-        "keepalive_timeout",
-        "listener",
-        "max_connections",
-        "protocol_log",
-        "refusal_log",
-    )
-
-    def __init__(
-        self,
-        *,
-        max_connections: int,
-        header_timeout: float,
-        keepalive_timeout: float,
-        listener: str = "",
-        busy_headers: bytes = b"",
-    ) -> None:
-        self.max_connections = max_connections
-        self.header_timeout = header_timeout
-        self.keepalive_timeout = keepalive_timeout
-        self.idle_log = SparseLog()
-        self.listener = listener
-        self.busy_headers = busy_headers
-        self.protocol_log = SparseLog()
-        self.refusal_log = SparseLog()
-
-    def cap(self) -> str:
-        """How the log names the connection cap."""
-        if not self.listener:
-            return f"the gateway holds limits.max_connections ({self.max_connections})"
-        return f"the {self.listener} holds its {self.max_connections} connections"
-
-    def head(self) -> str:
-        """How the log names the head timeout."""
-        within = f"no complete request head within {self.header_timeout:g} s"
-        if not self.listener:
-            return f"{within} (limits.header_timeout)"
-        return f"{within} (the {self.listener}'s bound)"
 
 
 LIMITS: web.AppKey[Limits] = web.AppKey("connection_limits")
@@ -146,15 +95,16 @@ def _busy_answer(extra: bytes) -> bytes:
 class _Protocol(Protocol):
     """aiohttp's request handler, with the gateway's answers to what never became a request."""
 
-    __slots__ = ("_head_timer", "_limits", "_heads_seen", "_lingering", "_server")
+    __slots__ = ("_head_timer", "_limits", "_heads_seen", "_leaving", "_lingering", "_server")
 
-    def __init__(self, manager: _Server, **kwargs: Any) -> None:
+    def __init__(self, manager: BoundedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._server = manager
         self._limits = manager.limits
         self._head_timer: asyncio.TimerHandle | None = None
         self._heads_seen = 0
         self._lingering = False
+        self._leaving = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -188,7 +138,18 @@ class _Protocol(Protocol):
     @property
     def between_requests(self) -> bool:
         """Answered at least once and idle, waiting for its next request."""
-        return self._heads_seen > 0 and self._head_timer is None and idle(self)
+        busy = self._heads_seen == 0 or self._head_timer is not None or self._leaving
+        return not busy and idle(self)
+
+    def leave(self) -> None:
+        """Close this connection to make room for a new one (not counted from now on)."""
+        self._leaving = True
+        self.force_close()
+
+    @property
+    def counted(self) -> bool:
+        """Counted against the cap: neither refused nor closed to make room."""
+        return not (self._leaving or self._lingering)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:
@@ -228,7 +189,7 @@ class _Protocol(Protocol):
         return resp
 
 
-class _Server(Server):
+class BoundedServer(Server):
     limits: Limits
     lingering: int
     """Connections refused past the cap and not closed yet (not counted against it)."""
@@ -240,8 +201,8 @@ class _Server(Server):
 
     def connected(self, transport: asyncio.Transport, open_connections: int) -> None:
         limits = self.limits
-        held = open_connections - self.lingering
-        if held > limits.max_connections and not self._close_an_idle():
+        cap = limits.max_connections
+        if open_connections - self.lingering > cap and self.held() > cap and not self.make_room():
             limits.refusal_log.warning("connection refused: %s", limits.cap())
             transport.write(_busy_answer(limits.busy_headers))
             if self.lingering < limits.max_connections and transport.can_write_eof():
@@ -250,16 +211,22 @@ class _Server(Server):
             else:
                 transport.close()
 
-    def _close_an_idle(self) -> bool:
-        """Close the oldest connection idle between requests, if any, for a new one."""
+    def make_room(self) -> bool:
+        """Close the oldest connection idle between requests, if any, for a new one (logged)."""
         for handler in self.handlers():
             if isinstance(handler, _Protocol) and handler.between_requests:
-                handler.force_close()
+                handler.leave()
                 self.limits.idle_log.warning(
                     "an idle keep-alive connection closed for a new one: %s", self.limits.cap()
                 )
                 return True
         return False
+
+    def held(self) -> int:
+        """The connections counted against the cap (one closed to make room may take a while
+        to go, a TLS one above all, and aiohttp counts a connection until its request loop
+        ends): counted one by one, so only near the cap."""
+        return sum(1 for h in self.handlers() if not isinstance(h, _Protocol) or h.counted)
 
 
 class BoundedRunner(Runner):
@@ -280,8 +247,8 @@ class BoundedRunner(Runner):
 
     def adopt(self, server: web.Server) -> web.Server:
         # aiohttp builds its Server and has no hook for the protocol class: the instance is
-        # made a _Server, which changes only the protocol it makes and the connection count.
-        bounded = recast(server, _Server)
+        # made a BoundedServer, which changes only its protocol and the connection count.
+        bounded = recast(server, BoundedServer)
         bounded.limits = self._limits
         bounded.lingering, bounded.refused = 0, None
         return bounded
