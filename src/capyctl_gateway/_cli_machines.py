@@ -9,7 +9,7 @@ import signal
 import socket
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -84,7 +84,7 @@ def control_site(runner: web.AppRunner, sock: socket.socket, context: ssl.SSLCon
 
 
 def ingress_runner(
-    gates: Callable[[str, int], Gate | None],
+    gates: Callable[[], Mapping[tuple[str, int], Gate]],
     session: Callable[[], aiohttp.ClientSession | None],
     max_connections: int = INGRESS_MAX_CONNECTIONS,
     header_timeout: float = HEAD_TIMEOUT_S,
@@ -217,7 +217,7 @@ def register(
 
 
 async def _serve_host(host: Host, sock: socket.socket) -> None:
-    runner = ingress_runner(host.gate, host.session)
+    runner = ingress_runner(host.gates, host.session)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -235,7 +235,7 @@ async def test_a_control_port_out_of_open_files_says_so_once_and_serves_again(
 
 # -- a host's ingress ----------------------------------------------------------------------------
 async def test_ingress_connections_past_the_cap_get_a_503_marked_not_forwarded() -> None:
-    port = await serve(ingress_runner(lambda tag, i: None, lambda: None, 2))
+    port = await serve(ingress_runner(dict, lambda: None, 2))
     held = [await connect(port) for _ in range(2)]
     third, _ = await connect(port)
     answer = await closed_by_peer(third)
@@ -245,7 +245,7 @@ async def test_ingress_connections_past_the_cap_get_a_503_marked_not_forwarded()
 
 
 async def test_an_ingress_connection_that_sends_no_request_is_closed() -> None:
-    port = await serve(ingress_runner(lambda tag, i: None, lambda: None, header_timeout=SHORT))
+    port = await serve(ingress_runner(dict, lambda: None, header_timeout=SHORT))
     reader, _ = await connect(port)
     assert await closed_by_peer(reader) == b""
 
@@ -291,7 +291,7 @@ async def listener(
         port = await serve(management if which == "management" else metrics)
         return port, LOCAL_MAX_CONNECTIONS, None
     seconds = config.limits.keepalive_timeout
-    return await serve(ingress_runner(lambda t, i: None, lambda: None, cap, 10, seconds)), cap, None
+    return await serve(ingress_runner(dict, lambda: None, cap, 10, seconds)), cap, None
 
 
 async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
@@ -335,7 +335,7 @@ async def test_idle_keepalive_is_bounded_by_default() -> None:
 
 
 async def test_a_refused_connections_request_is_read_so_its_503_is_not_lost_to_a_reset() -> None:
-    runner = ingress_runner(lambda t, i: None, lambda: None, 1)
+    runner = ingress_runner(dict, lambda: None, 1)
     port = await serve(runner)
     held = await connect(port)
     held[1].write(b"GET / HTTP/1.1\r\n")  # in the middle of a head: not idle

@@ -111,7 +111,7 @@ class Cluster:
         holder: list[Host] = []
         # A short shutdown: stopping it ends its forwards at once, as a killed process would.
         runner = ingress_runner(
-            lambda tag, i: holder[0].gate(tag, i), lambda: holder[0].session(), shutdown_timeout=0.1
+            lambda: holder[0].gates(), lambda: holder[0].session(), shutdown_timeout=0.1
         )
         runner, addr = await _site(runner)
         if links is not None:

@@ -38,7 +38,7 @@ def full_ingress(cap: int) -> Iterator[tuple[str, int]]:
     stop = asyncio.Event()
 
     async def main() -> None:
-        runner = ingress_runner(lambda tag, i: None, lambda: None, cap)
+        runner = ingress_runner(dict, lambda: None, cap)
         await runner.setup()
         sock = bind("127.0.0.1", 0)
         await web.SockSite(runner, sock).start()
