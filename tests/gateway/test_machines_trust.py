@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import time
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -104,3 +107,42 @@ async def test_the_ingress_answers_401_before_it_looks_up_the_path(
         r = await client.post(host.ingress_url + paths[1], json=body, headers=auth)
         assert r.status_code == 404  # the server, which holds a key, learns what is missing
     assert engine.received == []
+
+
+async def test_a_restarted_server_keeps_counting_the_cuts_of_an_engine_its_host_kept_running(
+    cluster: Callable[..., Awaitable[Cluster]],
+) -> None:
+    from capyctl_gateway._deployments.settle import CutRequest, SettleRule
+    from capyctl_gateway._store import Store
+    from tests.gateway.test_lifecycle import ENGINE
+
+    launch = {"command": [*ENGINE, "--served", "tiny"], "startup_timeout": "60s"}
+    c = await cluster([dep({"host": "gpu-box", "launch": launch})])
+    host = await c.start_host("gpu-box")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with c.client() as client:
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    key = gw.fleet.routes["m"].instances[0].key
+    await c.stop_server()
+    # What the stopped server left: a request cut on the engine its host keeps running.
+    store = Store(c.server_state / "gateway.sqlite3")
+    cut = CutRequest("01CUTBEFORETHERESTART00000", time.time(), SettleRule.AT_RESTART, "hang-up")
+    store.add_cut(key, cut)
+    store.close()
+    host.connected.clear()
+    await c.start_server()
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    await asyncio.wait_for(host.connected.wait(), 15)
+    inst = gw.fleet.routes["m"].instances[0]
+    for _ in range(2):  # reports of the engine still running, the same process: nothing settles
+        await reported(c, lambda i, r: r.state == "ready" and r.gate is not None)
+    assert [c.request_id for c in inst.ledger.cut] == [cut.request_id]
+    assert host.placed.fleet is not None
+    process = host.placed.fleet.lifecycle.lives["m"].launched[0].inst.runner.process()
+    assert process is not None
+    os.kill(process.pid, signal.SIGKILL)  # the engine stops on its host: the host reports it
+    await reported(c, lambda i, r: r.state in ("stopped", "failed") or r.pid != process.pid)
+    assert inst.ledger.cut == []
