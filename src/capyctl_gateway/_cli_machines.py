@@ -44,7 +44,14 @@ from ._machines.ingress import MAX_FORWARDS, Gate, create_ingress_app
 from ._machines.protocol import NOT_FORWARDED
 from ._machines.server import Machines
 
-__all__ = ["control_runner", "control_site", "ingress_runner", "register", "server_control"]
+__all__ = [
+    "MAX_INVITE_S",
+    "control_runner",
+    "control_site",
+    "ingress_runner",
+    "register",
+    "server_control",
+]
 
 
 def server_control(
@@ -107,11 +114,22 @@ def ingress_runner(
     )
 
 
+MAX_INVITE_S = 30 * 86400.0
+"""The longest a join file may be valid (``--valid``): 30 days. A join file is a bearer secret
+that enrolls a machine; a month is enough to post one to a remote site and have it used, and a
+file forgotten in a mailbox or a backup stops working within that (11,400 years was accepted)."""
+
+
 def _duration(value: str) -> float:
     try:
-        return float(TypeAdapter(Seconds).validate_python(value))
+        seconds = float(TypeAdapter(Seconds).validate_python(value))
     except ValidationError:
         raise ConfigError(f"--valid takes a duration such as 1h or 30m, got {value!r}") from None
+    if seconds > MAX_INVITE_S:
+        raise ConfigError(
+            f"--valid {value}: a join file is valid for at most 30 days ({MAX_INVITE_S / 3600:g}h)"
+        )
+    return seconds
 
 
 def _private(host: str) -> None:

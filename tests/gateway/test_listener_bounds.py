@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 from aiohttp import web
+from typer.testing import CliRunner
 
 from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._cli_common import (
@@ -26,11 +27,18 @@ from capyctl_gateway._cli_common import (
     bind,
     local_runners,
 )
-from capyctl_gateway._cli_machines import control_runner, control_site, ingress_runner
+from capyctl_gateway._cli_machines import (
+    MAX_INVITE_S,
+    control_runner,
+    control_site,
+    ingress_runner,
+)
 from capyctl_gateway._gateway import Gateway
+from capyctl_gateway._http.server import SERVER
 from capyctl_gateway._machines import pki
 from capyctl_gateway._machines.enroll import ServerIdentity
 from capyctl_gateway._machines.protocol import NOT_FORWARDED
+from capyctl_gateway.cli import app as cli
 from tests.gateway.conftest import KEY, deployments
 
 pytestmark = pytest.mark.anyio
@@ -350,3 +358,32 @@ async def test_a_refused_connections_request_is_read_so_its_503_is_not_lost_to_a
     with anyio.fail_after(5):
         rest = await reader.read()  # the rest of the 503, then the end: no reset
     assert rest.endswith(b"}") and b'"code":"unavailable"' in rest
+
+
+# -- what every listener says of itself ----------------------------------------------------------
+@pytest.mark.parametrize("which", LISTENERS)
+async def test_every_listener_names_itself_neutrally(which: str, tmp_path: Path) -> None:
+    port, _, identity = await listener(which, tmp_path)
+    for request in (
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nBad\x00Name: y\r\n\r\n",  # not HTTP: answered 400
+    ):
+        reader, writer = await connect(port, identity)
+        writer.write(request)
+        with anyio.fail_after(5):
+            head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+        assert f"\r\nserver: {SERVER}\r\n" in head, head
+        assert "python" not in head and "aiohttp" not in head, head
+
+
+async def test_a_join_file_is_valid_for_at_most_30_days(tmp_path: Path) -> None:
+    identity = ServerIdentity(tmp_path / "identity")
+    identity.ensure()
+    identity.address_file.write_text("10.0.0.1:7445\n", encoding="utf-8")
+    out = tmp_path / "gpu-1.join"
+    base = ["invite", "host", "gpu-1", "--output", str(out), "--state-dir", str(tmp_path)]
+    refused = CliRunner().invoke(cli, [*base, "--valid", "721h"])
+    assert refused.exit_code == 2 and "at most 30 days (720h)" in refused.output
+    assert not out.exists()
+    assert CliRunner().invoke(cli, [*base, "--valid", "720h"]).exit_code == 0
+    assert out.exists() and MAX_INVITE_S == 720 * 3600

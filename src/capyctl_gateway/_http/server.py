@@ -55,6 +55,7 @@ __all__ = [
     "HANGUPS_SEEN",
     "LIMITS",
     "LINGER_S",
+    "SERVER",
     "BoundedRunner",
     "BoundedServer",
     "GatewayRunner",
@@ -184,7 +185,7 @@ class _Protocol(Protocol):
             err = GatewayError("the gateway failed on this request; it is logged", status=status)
         if answer_started(request):
             raise ConnectionError("an answer was started already; the connection is closed")
-        resp = error_response(err, {REQUEST_ID: rid})
+        resp = error_response(err, {REQUEST_ID: rid, "Server": SERVER})  # no app signals here
         resp.force_close()
         return resp
 
@@ -229,6 +230,14 @@ class BoundedServer(Server):
         return sum(1 for h in self.handlers() if not isinstance(h, _Protocol) or h.counted)
 
 
+SERVER = "capyctl-gateway"
+"""The ``Server`` header of every answer (aiohttp's names Python's and its own versions)."""
+
+
+async def _neutral_server(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER
+
+
 class BoundedRunner(Runner):
     """An `aiohttp.web.AppRunner` whose connections go through the connection layer above:
     at most ``limits.max_connections`` open (idle ones closed first for new ones), each closed
@@ -241,6 +250,7 @@ class BoundedRunner(Runner):
     ) -> None:
         """``limits``: this listener's bounds; by default the application's (`LIMITS`)."""
         self._limits = limits if limits is not None else app[LIMITS]
+        app.on_response_prepare.append(_neutral_server)
         kwargs.setdefault("access_log", None)
         kwargs["keepalive_timeout"] = self._limits.keepalive_timeout
         super().__init__(app, **kwargs)
