@@ -16,16 +16,20 @@ answer to malformed HTTP):
   (`request_count`): the head timeout stops once it moves.
 * ``RequestHandler._task_handler``, the connection's request loop, set by ``connection_made``
   (`task_handler`): cancelled for a connection refused past the cap.
+* ``RequestHandler._waiter`` (the future its request loop awaits for the next request) and
+  ``._messages`` (the requests parsed and not yet handled): idle between requests while the one
+  is pending and the other empty (`idle`), which is when aiohttp's own keep-alive timeout closes
+  it too; such a connection is closed (``force_close()``) to take a new one past the cap.
+* ``RequestHandler._keepalive_handle``, the keep-alive timer, which aiohttp 3.14 also starts
+  when a connection opens (`no_keepalive_yet`): the head timeout bounds that phase instead.
 * ``web.Server._loop`` and ``._kwargs``, what ``Server.__call__`` makes a handler with
-  (`Server.make_protocol`), and ``Server._connections``, the open connections, the new one
-  counted when ``Server.connection_made(handler, transport)`` is called (`Server.connected`).
+  (`Server.make_protocol`), and ``Server._connections``, the open connections (their handlers,
+  oldest first: `Server.handlers`), the new one counted when ``Server.connection_made(handler,
+  transport)`` is called (`Server.connected`).
 * ``web.AppRunner._make_server()``, which builds a plain ``web.Server``: aiohttp has no hook for
   the protocol class, so the instance is made a `Server` by ``server.__class__ = ...``
   (`Runner.adopt`, `recast`).
 * ``web.BaseRequest.writer`` and its ``output_size`` (`answer_started`).
-* ``web.SockSite``'s ``_runner``, ``_sock``, ``_ssl_context``, ``_backlog`` and ``_server``, and
-  ``web.BaseSite.start``: `TLSSite` starts as ``SockSite.start`` does, with a bound on the TLS
-  handshake that aiohttp does not pass on.
 
 The relay (``_relay/pump.py``, ``_relay/chat.py``: chunk framing, back-pressure, one send):
 
@@ -46,14 +50,13 @@ each, the cancel and pump suites on 3.12.0 and 3.14.0, the gateway's whole suite
 3.10 and 3.11 every name but ``_send_headers_immediately`` has its shape (heads leave alone
 there), hence ``aiohttp>=3.12,<3.15`` in ``pyproject.toml``.
 
-Never imports a module of the gateway: only asyncio, socket, ssl and aiohttp.
+Never imports a module of the gateway: only asyncio and aiohttp.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import ssl
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -65,10 +68,11 @@ __all__ = [
     "Runner",
     "Server",
     "StreamWriter",
-    "TLSSite",
     "answer_started",
     "chunk",
     "chunk_writer",
+    "idle",
+    "no_keepalive_yet",
     "recast",
     "request_count",
     "task_handler",
@@ -111,6 +115,21 @@ def task_handler(proto: web.RequestHandler) -> asyncio.Task[None] | None:
     return proto._task_handler
 
 
+def idle(proto: web.RequestHandler) -> bool:
+    """Whether ``proto``'s request loop waits for a request, none parsed and unhandled."""
+    waiter = proto._waiter
+    return waiter is not None and not waiter.done() and not proto._messages
+
+
+def no_keepalive_yet(proto: web.RequestHandler) -> None:
+    """Stop the keep-alive timer aiohttp starts when a connection opens (it starts again once
+    an answer is done)."""
+    handle = proto._keepalive_handle
+    if handle is not None:
+        handle.cancel()
+        proto._keepalive_handle = None
+
+
 class Server(web.Server):
     """aiohttp's low-level server as `Runner` serves it: its handlers are `make_protocol`'s, and
     `connected` hears of each connection with the number open. Keeps no state of its own."""
@@ -121,6 +140,10 @@ class Server(web.Server):
     def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
         self.connected(transport, len(self._connections))
+
+    def handlers(self) -> Iterator[web.RequestHandler]:
+        """The handlers of the open connections, oldest first."""
+        return iter(self._connections)
 
     def make_protocol(self, **kwargs: Any) -> web.RequestHandler:
         """The handler of a new connection; ``kwargs`` are the runner's handler settings."""
@@ -152,37 +175,6 @@ def recast(server: web.Server, cls: type[S]) -> S:
 def answer_started(request: web.BaseRequest) -> bool:
     """Whether bytes of an answer to ``request`` were written to its connection."""
     return request.writer.output_size > 0
-
-
-class TLSSite(web.SockSite):
-    """A `web.SockSite` on TLS whose handshakes must end within ``handshake_timeout`` seconds
-    (asyncio's own bound is 60 s): a connection that never finishes one is closed then, before
-    it reaches the connection layer's count."""
-
-    def __init__(
-        self,
-        runner: web.BaseRunner,
-        sock: socket.socket,
-        *,
-        ssl_context: ssl.SSLContext,
-        handshake_timeout: float,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(runner, sock, ssl_context=ssl_context, **kwargs)
-        self._handshake_timeout = handshake_timeout
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # not SockSite's: its server has asyncio's timeout
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-        self._server = await loop.create_server(
-            server,
-            sock=self._sock,
-            ssl=self._ssl_context,
-            backlog=self._backlog,
-            ssl_handshake_timeout=self._handshake_timeout,
-        )
 
 
 # -- the relay ----------------------------------------------------------------------------------

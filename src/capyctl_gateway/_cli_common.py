@@ -14,6 +14,7 @@ import typer
 from aiohttp import web
 
 from ._config import ConfigError
+from ._config.parts import KEEPALIVE_TIMEOUT_S
 from ._gateway import Gateway
 from ._http.server import BoundedRunner, Limits
 from ._management.api import create_management_app, create_metrics_app
@@ -25,6 +26,7 @@ __all__ = [
     "GC_THRESHOLDS",
     "HEAD_TIMEOUT_S",
     "INGRESS_MAX_CONNECTIONS",
+    "KEEPALIVE_TIMEOUT_S",
     "LOCAL_MAX_CONNECTIONS",
     "TLS_HANDSHAKE_TIMEOUT_S",
     "address",
@@ -51,7 +53,7 @@ HEAD_TIMEOUT_S = 10.0
 LOCAL_MAX_CONNECTIONS = 64
 """Connections open at once to the management listener, and to the metrics listener."""
 CONTROL_MAX_CONNECTIONS = 256
-"""Connections open at once to a server's control port, once past the TLS handshake."""
+"""Connections open at once to a server's control port, those in their TLS handshake included."""
 INGRESS_MAX_CONNECTIONS = 1024
 """Connections open at once to a host's ingress (it forwards 256 requests at once)."""
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
@@ -64,6 +66,7 @@ def bounded(
     max_connections: int,
     header_timeout: float = HEAD_TIMEOUT_S,
     *,
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT_S,
     busy_headers: bytes = b"",
     **kwargs: object,
 ) -> BoundedRunner:
@@ -72,6 +75,7 @@ def bounded(
     limits = Limits(
         max_connections=max_connections,
         header_timeout=header_timeout,
+        keepalive_timeout=keepalive_timeout,
         listener=listener,
         busy_headers=busy_headers,
     )
@@ -79,10 +83,22 @@ def bounded(
 
 
 def local_runners(gateway: Gateway) -> tuple[web.AppRunner, web.AppRunner]:
-    """The runners of the management listener and of the metrics listener."""
+    """The runners of the management listener and of the metrics listener (idle keep-alive
+    bounded by the configuration's ``limits.keepalive_timeout``)."""
+    idle = gateway.config.limits.keepalive_timeout
     return (
-        bounded(create_management_app(gateway), "management listener", LOCAL_MAX_CONNECTIONS),
-        bounded(create_metrics_app(gateway), "metrics listener", LOCAL_MAX_CONNECTIONS),
+        bounded(
+            create_management_app(gateway),
+            "management listener",
+            LOCAL_MAX_CONNECTIONS,
+            keepalive_timeout=idle,
+        ),
+        bounded(
+            create_metrics_app(gateway),
+            "metrics listener",
+            LOCAL_MAX_CONNECTIONS,
+            keepalive_timeout=idle,
+        ),
     )
 
 

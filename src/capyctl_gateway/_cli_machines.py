@@ -9,7 +9,7 @@ import signal
 import socket
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +22,7 @@ from ._cli_common import (
     CONTROL_MAX_CONNECTIONS,
     HEAD_TIMEOUT_S,
     INGRESS_MAX_CONNECTIONS,
+    KEEPALIVE_TIMEOUT_S,
     TLS_HANDSHAKE_TIMEOUT_S,
     address,
     bind,
@@ -34,7 +35,7 @@ from ._config import ConfigError, Seconds
 from ._errors import OperatorError
 from ._gateway import Gateway
 from ._host import Host, join
-from ._http.server import TLSSite
+from ._http.tls import TLSSite
 from ._log import configure_logging
 from ._machines import pki
 from ._machines.control import control_app
@@ -43,7 +44,14 @@ from ._machines.ingress import MAX_FORWARDS, Gate, create_ingress_app
 from ._machines.protocol import NOT_FORWARDED
 from ._machines.server import Machines
 
-__all__ = ["control_runner", "control_site", "ingress_runner", "register", "server_control"]
+__all__ = [
+    "MAX_INVITE_S",
+    "control_runner",
+    "control_site",
+    "ingress_runner",
+    "register",
+    "server_control",
+]
 
 
 def server_control(
@@ -63,9 +71,10 @@ def control_runner(
     header_timeout: float = HEAD_TIMEOUT_S,
 ) -> web.AppRunner:
     """The runner of the server's control listener (serve it with `control_site`, once the
-    gateway's application has started)."""
+    gateway's application has started); idle keep-alive as ``limits.keepalive_timeout``."""
     app = control_app(lambda: _machines(gw))
-    return bounded(app, "control port", max_connections, header_timeout)
+    idle = gw.config.limits.keepalive_timeout
+    return bounded(app, "control port", max_connections, header_timeout, keepalive_timeout=idle)
 
 
 def _machines(gw: Gateway) -> Machines:
@@ -82,14 +91,15 @@ def control_site(runner: web.AppRunner, sock: socket.socket, context: ssl.SSLCon
 
 
 def ingress_runner(
-    gates: Callable[[str, int], Gate | None],
+    gates: Callable[[], Mapping[tuple[str, int], Gate]],
     session: Callable[[], aiohttp.ClientSession | None],
     max_connections: int = INGRESS_MAX_CONNECTIONS,
     header_timeout: float = HEAD_TIMEOUT_S,
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT_S,
     **kwargs: object,
 ) -> web.AppRunner:
     """The runner of a host's ingress (`create_ingress_app`), cancelling a forward when the
-    server hangs up."""
+    server hangs up; an idle keep-alive connection is closed after ``keepalive_timeout``."""
     app = create_ingress_app(gates, session)
     busy = f"{NOT_FORWARDED}: busy\r\n".encode()  # the server may try another instance
     return bounded(
@@ -97,17 +107,29 @@ def ingress_runner(
         "ingress",
         max_connections,
         header_timeout,
+        keepalive_timeout=keepalive_timeout,
         busy_headers=busy,
         handler_cancellation=True,
         **kwargs,
     )
 
 
+MAX_INVITE_S = 30 * 86400.0
+"""The longest a join file may be valid (``--valid``): 30 days. A join file is a bearer secret
+that enrolls a machine; a month is enough to post one to a remote site and have it used, and a
+file forgotten in a mailbox or a backup stops working within that (11,400 years was accepted)."""
+
+
 def _duration(value: str) -> float:
     try:
-        return float(TypeAdapter(Seconds).validate_python(value))
+        seconds = float(TypeAdapter(Seconds).validate_python(value))
     except ValidationError:
         raise ConfigError(f"--valid takes a duration such as 1h or 30m, got {value!r}") from None
+    if seconds > MAX_INVITE_S:
+        raise ConfigError(
+            f"--valid {value}: a join file is valid for at most 30 days ({MAX_INVITE_S / 3600:g}h)"
+        )
+    return seconds
 
 
 def _private(host: str) -> None:
@@ -213,7 +235,7 @@ def register(
 
 
 async def _serve_host(host: Host, sock: socket.socket) -> None:
-    runner = ingress_runner(host.gate, host.session)
+    runner = ingress_runner(host.gates, host.session)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -8,7 +8,9 @@ closes its connection at once (the engine's signal to stop), as does `EngineResp
 most `HIGH_WATER` bytes of an answer are buffered, past which the socket is not read until the
 caller reads; chunked and content-length answers; redirects are answers (never followed); a
 connection the engine closed, ended early or marked ``Connection: close`` is never reused;
-connecting is bounded by ``connect_timeout``, reading by the caller's deadline.
+connecting is bounded by ``connect_timeout``, reading by the caller's deadline. An answer that
+comes on a new connection before its request is sent (a host's ingress at its connection cap
+answers a connection at once) is read as that request's answer.
 
 A connection never established raises `EngineConnectError` (the engine never got the request);
 any later failure, `EngineConnectionError`. ``engine_client: aiohttp`` keeps aiohttp's client.
@@ -64,12 +66,11 @@ class _Connection(asyncio.Protocol):
         self._arrived: list[bytes] = []
         self.on_body = self._arrived.append
         self._parser = httptools.HttpResponseParser(self)
-        self._head: asyncio.Future[EngineResponse] | None = None
+        self._head: asyncio.Future[EngineResponse] = running_loop().create_future()
+        self._asked = False  # the first answer may come before its request is sent
         self._headers: CIMultiDict[str] = CIMultiDict()
         self.body = Body(self)
-        self._complete = False
-        self._keep = False
-        self._paused = False
+        self._complete = self._keep = self._paused = False
 
     # -- asyncio ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -103,7 +104,7 @@ class _Connection(asyncio.Protocol):
         """Whether the head came and the body has no length (no Content-Length, not chunked):
         then the connection's end is the body's."""
         head = self._head
-        if head is None or not head.done() or head.cancelled() or head.exception() is not None:
+        if not head.done() or head.cancelled() or head.exception() is not None:
             return False
         h = self._headers
         chunked = "chunked" in h.get("Transfer-Encoding", "").lower()
@@ -119,7 +120,7 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         head = self._head
-        if head is not None and not head.done():
+        if not head.done():
             head.set_result(EngineResponse(self, status, CIMultiDictProxy(self._headers)))
 
     def on_message_complete(self) -> None:
@@ -132,7 +133,7 @@ class _Connection(asyncio.Protocol):
     def _broken(self, exc: EngineConnectionError) -> None:
         self._hand_on()  # what came before the fault is read first
         head = self._head
-        if head is not None and not head.done():
+        if not head.done():
             head.set_exception(exc)
         self.body.fail(exc)
         if self.transport is not None:
@@ -150,10 +151,12 @@ class _Connection(asyncio.Protocol):
 
     def send(self, request: bytes) -> asyncio.Future[EngineResponse]:
         assert self.transport is not None
-        self._head = running_loop().create_future()
-        self._headers = CIMultiDict()
-        self.body = Body(self)
-        self._complete = self._keep = False  # one parser a connection: it reads answer after answer
+        if self._asked:  # one parser a connection: it reads answer after answer
+            self._head = running_loop().create_future()
+            self._headers = CIMultiDict()
+            self.body = Body(self)
+            self._complete = self._keep = False
+        self._asked = True
         self.transport.write(request)
         return self._head
 

@@ -104,9 +104,11 @@ def restore(
     store: Store, routes: dict[str, Route], settlement: Settlement, lifecycle: Lifecycle
 ) -> None:
     """Take up what a previous run left: an operator's intent for each launched deployment, and
-    the cut requests still counted. Those of an engine the gateway runs are settled as
-    restarted (it starts afresh); those of an engine someone else runs are counted again and
-    settle by their rule."""
+    the cut requests still counted. Those of an engine this gateway ran itself are settled as
+    restarted (it stopped with the gateway); all others, those of an engine someone else runs
+    and those of one a host runs (which outlives a server's restart), are counted again and
+    settle by their rule: on a host, only by its report that the engine stopped or restarted
+    (or, by their rule, that it was idle)."""
     for name, (stopped, started) in store.intent().items():
         life = lifecycle.lives.get(name)
         if life is not None:
@@ -114,7 +116,7 @@ def restore(
     instances = {i.key: i for r in routes.values() for i in r.instances}
     for key, cuts in store.cuts().items():
         inst = instances.get(key)
-        if inst is None or inst.launch is not None:
+        if inst is None or (inst.launch is not None and not inst.runner.outlives_gateway):
             store.drop_cuts(key, (c.request_id for c in cuts))
             logger.info(
                 "%s: %d cut request(s) from before the gateway's restart settled (%s)",

@@ -22,7 +22,7 @@ from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_ap
 from capyctl_gateway._cli_common import TLS_HANDSHAKE_TIMEOUT_S, bind
 from capyctl_gateway._cli_machines import control_runner, ingress_runner
 from capyctl_gateway._host import Host, join
-from capyctl_gateway._http.server import TLSSite
+from capyctl_gateway._http.tls import TLSSite
 from capyctl_gateway._machines import pki
 from capyctl_gateway._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
 from capyctl_gateway._machines.protocol import NOT_FORWARDED, deployment_tag, ingress_path
@@ -73,7 +73,7 @@ class Cluster:
         site = TLSSite(crunner, bind("127.0.0.1", cport), ssl_context=context,
                        handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)  # fmt: skip
         await site.start()
-        control = f"127.0.0.1:{crunner.addresses[0][1]}"
+        control = f"127.0.0.1:{site.port}"
         self.url, self.control, self.app = f"http://{addr}", control, app
         self.runners = [runner, crunner]
 
@@ -111,7 +111,7 @@ class Cluster:
         holder: list[Host] = []
         # A short shutdown: stopping it ends its forwards at once, as a killed process would.
         runner = ingress_runner(
-            lambda tag, i: holder[0].gate(tag, i), lambda: holder[0].session(), shutdown_timeout=0.1
+            lambda: holder[0].gates(), lambda: holder[0].session(), shutdown_timeout=0.1
         )
         runner, addr = await _site(runner)
         if links is not None:

@@ -22,6 +22,7 @@ from canopyx_provider.adapters import origin
 
 from .._engines import FACTS, launch_problem
 from .parts import (
+    KEEPALIVE_TIMEOUT_S,
     STRICT,
     ConfigError,
     Launch,
@@ -84,6 +85,8 @@ class Limits(BaseModel):
     """A request body must have arrived whole within this (408 past it)."""
     header_timeout: Seconds = 10.0
     """A connection's request head must arrive within this; else it is closed."""
+    keepalive_timeout: Seconds = KEEPALIVE_TIMEOUT_S
+    """A keep-alive connection idle this long after an answer is closed (every listener)."""
     max_connections: int = Field(default=2048, ge=1, le=1_000_000)
     """Client connections held at once; past it a connection gets a 503 and is closed."""
     max_answer_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from .._errors import OperatorError
 
 __all__ = [
+    "KEEPALIVE_TIMEOUT_S",
     "STRICT",
     "Bytes",
     "ConfigError",
@@ -66,6 +67,10 @@ Bytes = Annotated[int, BeforeValidator(_bytes), Field(ge=0)]
 
 
 STRICT = ConfigDict(frozen=True, extra="forbid")
+KEEPALIVE_TIMEOUT_S = 5.0
+"""How long every listener keeps an idle keep-alive connection by default: as uvicorn and
+llama-server do, above the 4 s the gateway's own engine pool keeps one (so a server never sends
+on an ingress connection being closed), and short enough that idle clients free their slots."""
 
 
 class Resources(BaseModel):

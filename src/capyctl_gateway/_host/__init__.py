@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,10 @@ class Host:
 
     def gate(self, tag: str, index: int) -> Gate | None:
         return self.placed.gates.get((tag, index))
+
+    def gates(self) -> Mapping[tuple[str, int], Gate]:
+        """Each placed instance's gate, by (deployment tag, index)."""
+        return self.placed.gates
 
     def session(self) -> aiohttp.ClientSession | None:
         return self.placed.fleet.session if self.placed.fleet is not None else None

@@ -75,6 +75,7 @@ def create_app(
     app[LIMITS] = Limits(
         max_connections=config.limits.max_connections,
         header_timeout=config.limits.header_timeout,
+        keepalive_timeout=config.limits.keepalive_timeout,
     )
     app.on_startup.append(_require_gateway_runner)
     app.cleanup_ctx.append(serve_fleet)

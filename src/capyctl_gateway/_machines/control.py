@@ -28,7 +28,7 @@ from .protocol import LOST_AFTER_S, MAX_MESSAGE_BYTES, REPORT_EVERY_S, InstanceR
 if TYPE_CHECKING:
     from .server import Machines
 
-__all__ = ["PINGS_KEPT", "HostSession", "control_app", "ingress_origin"]
+__all__ = ["PINGS_KEPT", "HostSession", "control_app", "ingress_origin", "on_host"]
 
 PINGS_KEPT = 32
 """Pings whose send time is remembered: a report naming an older one settles nothing."""
@@ -40,6 +40,8 @@ logger = logging.getLogger("capyctl_gateway")
 class HostSession:
     name: str
     ws: web.WebSocketResponse
+    peer: str | None = None
+    """The address its session comes from (where its ingress must be)."""
     ingress: str = ""
     pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -101,7 +103,8 @@ class _Control:
         old = self.m.sessions.get(host)
         if old is not None:  # the newer session wins (a host that reconnected)
             self.m.lost(old, "replaced by a new session")
-        session = HostSession(host, ws)
+        peername = transport.get_extra_info("peername") if transport is not None else None
+        session = HostSession(host, ws, peer=peername[0] if peername else None)
         try:
             await self._converse(session)
         finally:
@@ -117,6 +120,15 @@ class _Control:
         ingress = ingress_origin(orjson.loads(hello.data).get("ingress"))
         if ingress is None:
             logger.warning("host %s: its hello names no usable ingress; session refused", host)
+            return
+        if not on_host(ingress, session.peer):
+            self.refusals.warning(
+                "host %s: its ingress %s is not on the address its session comes from (%s); "
+                "session refused (docs/gateway/machines.md)",
+                host,
+                ingress,
+                session.peer,
+            )
             return
         session.ingress = ingress
         await ws.send_bytes(
@@ -179,6 +191,20 @@ def ingress_origin(value: object) -> str | None:
     if url.query_string or url.fragment or url.user or ip.is_unspecified:
         return None
     return str(url.origin())
+
+
+def on_host(ingress: str, peer: str | None) -> bool:
+    """Whether the announced ``ingress`` is on ``peer``, the address the host's session comes
+    from: a host cannot point the server's forwards (with their gate keys) at another machine,
+    nor at the server's own loopback unless it runs there itself."""
+    try:
+        ip = ipaddress.ip_address(URL(ingress).host or "")
+        src = ipaddress.ip_address((peer or "").split("%")[0])
+    except ValueError:
+        return False
+    if isinstance(src, ipaddress.IPv6Address) and src.ipv4_mapped is not None:
+        src = src.ipv4_mapped  # a dual-stack listener sees IPv4 hosts so
+    return ip == src
 
 
 def _refuse(status: int, code: str, message: str) -> web.Response:

@@ -3,12 +3,18 @@
 ``POST /i/<deployment>/<index>/v1/chat/completions`` (and ``/v1/systemone``) with exactly one
 ``Authorization: Bearer <gate key>``, the key the host reported for that instance on the control
 session. Anything else is refused, with `NOT_FORWARDED` set so that the server knows the engine
-never saw it: an unknown instance (404), a missing or wrong key (401), a closed gate (503
-``shutting_down``), a query string or a compressed body (400), a body over 8 MiB (413), an
-engine that cannot be reached (502). An accepted request goes to the engine with the engine's
-own key, and its answer comes back byte for byte. When the server's connection goes away, the
-ingress closes the engine connection (that is the engine's signal to stop); when the control
-session is lost, it closes every forward.
+never saw it: a missing key, or one no open gate has (401, decided before the path is looked at,
+so that nobody without a key learns which instances are here), an unknown instance (404), another
+instance's key or a closed gate's (401), a query string or a compressed body (400), a body
+over 8 MiB (413), an engine that cannot be reached (502). An accepted request goes to the engine
+with the engine's own key, and its answer comes back byte for byte. When the server's connection
+goes away, the ingress closes the engine connection (that is the engine's signal to stop); when
+the control session is lost, it closes every forward.
+
+A body is streamed to the engine as it arrives, byte for byte, never held whole: its length is the
+request's ``Content-Length`` (the server always sends one), at most 8 MiB; a request without one
+is refused (411 ``length_required``, not forwarded), as is one over the limit (413), before the
+engine is contacted.
 
 Bind it to a private address that only the server can reach (docs/gateway/machines.md has the
 firewall rule). Never imports the HTTP surface, the relay or the lifecycle.
@@ -20,7 +26,7 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -58,37 +64,45 @@ def _refuse(status: int, code: str, message: str) -> web.Response:
     )
 
 
+def _same(shown: bytes, key: str) -> bool:
+    return hmac.compare_digest(shown, f"Bearer {key}".encode())
+
+
 def create_ingress_app(
-    gates: Callable[[str, int], Gate | None], session: Callable[[], aiohttp.ClientSession | None]
+    gates: Callable[[], Mapping[tuple[str, int], Gate]],
+    session: Callable[[], aiohttp.ClientSession | None],
 ) -> web.Application:
-    """The ingress over ``gates(deployment tag, index)``; serve it with handler cancellation on
-    (``web.AppRunner(app, handler_cancellation=True)``), so a server that hangs up cancels the
-    forward."""
+    """The ingress over ``gates()``, each instance's by (deployment tag, index); serve it with
+    handler cancellation on (``web.AppRunner(app, handler_cancellation=True)``), so a server
+    that hangs up cancels the forward."""
     busy = [0]
 
     async def forward(request: web.Request) -> web.StreamResponse:
+        # The key first, against every open gate, so that an answer tells one without a key
+        # nothing of which instances are here.
+        held = gates()
+        keys = request.headers.getall("Authorization", [])
+        shown = keys[0].encode() if len(keys) == 1 else b""
+        keyed = [g for g in held.values() if g.key is not None and _same(shown, g.key)]
+        if not keyed:
+            return _refuse(401, "unauthorized", "missing or wrong gate key")
         info = request.match_info
         tail = info["tail"]
         try:
             index = int(info["index"])
         except ValueError:
             index = -1
-        gate = gates(info["deployment"], index) if tail in _ENDPOINTS else None
+        gate = held.get((info["deployment"], index)) if tail in _ENDPOINTS else None
         if gate is None:
             return _refuse(404, "not_found", "no such instance here")
-        keys = request.headers.getall("Authorization", [])
-        wanted = gate.key
-        if (
-            len(keys) != 1
-            or wanted is None
-            or not hmac.compare_digest(keys[0].encode(), f"Bearer {wanted}".encode())
-        ):
-            if wanted is None and len(keys) == 1:
-                return _refuse(503, "shutting_down", "this instance takes no requests now")
+        if gate is not keyed[0]:
             return _refuse(401, "unauthorized", "missing or wrong gate key")
         if request.query_string or "Content-Encoding" in request.headers:
             return _refuse(400, "bad_request", "no query string, no compressed body")
-        if request.content_length is not None and request.content_length > REMOTE_MAX_BODY_BYTES:
+        length = request.content_length
+        if length is None or "Transfer-Encoding" in request.headers:
+            return _refuse(411, "length_required", "a request body needs a Content-Length")
+        if length > REMOTE_MAX_BODY_BYTES:
             return _refuse(413, "request_too_large", "over the ingress's body limit")
         if busy[0] >= MAX_FORWARDS or gate.url is None:
             return _refuse(503, "shutting_down", "the ingress takes no more requests now")
@@ -101,10 +115,8 @@ def create_ingress_app(
         assert task is not None
         gate.forwards.add(task)
         try:
-            body = await request.content.read(REMOTE_MAX_BODY_BYTES + 1)
-            if len(body) > REMOTE_MAX_BODY_BYTES:
-                return _refuse(413, "request_too_large", "over the ingress's body limit")
-            return await _relay(request, client, f"{gate.url}/{tail}", gate.headers, body)
+            headers = {**gate.headers, "Content-Length": str(length)}
+            return await _relay(request, client, f"{gate.url}/{tail}", headers)
         finally:
             gate.forwards.discard(task)
             gate.in_flight -= 1
@@ -121,10 +133,11 @@ async def _relay(
     client: aiohttp.ClientSession,
     url: str,
     headers: dict[str, str],
-    body: bytes,
 ) -> web.StreamResponse:
+    # The body goes on as it comes (aiohttp reads the request's exactly Content-Length bytes,
+    # and sends them under that same length): no copy of it is held.
     try:
-        resp = await client.post(url, data=body, headers=headers, allow_redirects=False)
+        resp = await client.post(url, data=request.content, headers=headers, allow_redirects=False)
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
         return _refuse(502, "engine_unreachable", "the engine could not be reached")
     try:
