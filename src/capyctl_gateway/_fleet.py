@@ -35,6 +35,7 @@ from ._engine_client import IDLE_S, EngineClient
 from ._lifecycle.controller import Lifecycle
 from ._lifecycle.local import LocalRunner
 from ._lifecycle.states import Launched
+from ._lifecycle.watch import boot
 from ._loop import running_loop
 from ._machines.enroll import Invites, ServerIdentity
 from ._machines.runner import HostLink, HostRunner
@@ -146,6 +147,7 @@ async def open_fleet(
             machines = Machines(
                 config, links, identity=server, invites=invites, found=lifecycle.found, clock=clock
             )
+        boot(lifecycle)  # what is kept ready, and what an operator had started
         watch = running_loop().create_task(lifecycle.run())
         stack.push_async_callback(_stop_lifecycle, lifecycle, watch)
         yield Fleet(

@@ -5,6 +5,7 @@ are seen at once and restarted, with a growing delay when they keep crashing. Re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -106,8 +107,30 @@ async def test_an_engine_that_keeps_crashing_is_restarted_later_each_time(
             doc = deployment_status(gw.gateway.fleet, "my-model")
             assert doc is not None
             backoffs.append(doc["instances"][0].get("restart_backoff_s", 0.0))
-        assert doc is not None and doc["instances"][0]["crashes_in_a_row"] == 3
+        assert doc is not None and doc["instances"][0]["failures_in_a_row"] == 3
         ok = await c.post("/v1/chat/completions", json=chat())  # waits out the backoff
         assert ok.status_code == 200, ok.text
     assert backoffs[0] == 0.0 and 0 < backoffs[1] < backoffs[2]  # 1 s, then 2 s
     assert len(starts) == 4
+
+
+async def test_an_engine_that_stops_answering_is_replaced(make_gateway: MakeGateway) -> None:
+    """An engine stopped with SIGSTOP stayed ready for ever; every request waited out its
+    deadline."""
+    dep = launched(lifecycle={"unresponsive_timeout": "1s"})
+    gw = await make_gateway({"deployments": [dep]})
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        frozen = process(gw)["pid"]
+        failed = moved_to(gw, "failed")
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(30):
+                await failed.wait()
+            await anyio.to_thread.run_sync(wait_gone, frozen)  # killed, not left stopped
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGKILL)
+        r = await c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 200, r.text
+        assert process(gw)["pid"] != frozen

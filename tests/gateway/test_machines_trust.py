@@ -142,7 +142,7 @@ async def test_a_restarted_server_keeps_counting_the_cuts_of_an_engine_its_host_
     assert [c.request_id for c in inst.ledger.cut] == [cut.request_id]
     assert host.placed.fleet is not None
     process = host.placed.fleet.lifecycle.lives["m"].launched[0].inst.runner.process()
-    assert process is not None
+    assert process is not None and process.pid is not None
     os.kill(process.pid, signal.SIGKILL)  # the engine stops on its host: the host reports it
     await reported(c, lambda i, r: r.state in ("stopped", "failed") or r.pid != process.pid)
     assert inst.ledger.cut == []

@@ -90,11 +90,14 @@ class Memory(BaseModel):
 class Lifecycle(BaseModel):
     model_config = STRICT
 
-    activation: Literal["on_request", "explicit"] = "on_request"
+    activation: Literal["on_request", "explicit", "always"] = "on_request"
     park: Literal["auto", "sleep", "stop"] = "auto"
     ready_idle_timeout: Seconds | None = None
     parked_idle_timeout: Seconds | None = None
     drain_timeout: Seconds = 30.0
+    unresponsive_timeout: Seconds = 30.0
+    """A ready engine on this machine that answers none of the collector's polls for this long
+    is stopped (its process group killed) and started again for the next request."""
 
 
 class Launch(BaseModel):

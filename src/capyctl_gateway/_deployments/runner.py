@@ -13,12 +13,13 @@ Never imports the HTTP surface, the relay, the lifecycle or the machines.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._errors import EngineControlError
 
-__all__ = ["EngineControlError", "LoadSample", "ProcessView", "Runner", "Tracked"]
+__all__ = ["EngineControlError", "LoadSample", "ProcessView", "Reported", "Runner", "Tracked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +120,25 @@ class Runner(Protocol):
         """Why a running engine is gone without being asked to stop; None while it runs."""
         ...
 
+    def silent_s(self) -> float | None:
+        """How long the engine has answered none of its polls; None while it answers, or
+        where nothing on this machine polls it (a host watches its own)."""
+        ...
+
     async def gone(self) -> str:
         """Return, saying why, once the running engine has exited without being asked to stop
         (at once, not at the next look); a runner told of exits another way (a host's reports)
         never returns."""
         ...
+
+
+class Reported:
+    """For a runner whose engine's exits and silences reach the lifecycle another way (a
+    host's reports): `Runner.silent_s` and `Runner.gone` say nothing, ever."""
+
+    def silent_s(self) -> float | None:
+        return None
+
+    async def gone(self) -> str:
+        await asyncio.get_running_loop().create_future()  # never resolved
+        raise AssertionError("unreachable")

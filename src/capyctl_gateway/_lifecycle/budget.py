@@ -9,7 +9,8 @@ down), nothing once its engine is provably gone. A stop that is not proven (a ho
 did not answer) keeps the memory counted.
 
 Making room switches out other deployments, longest unused first and idle before busy; never
-one with requests waiting for it, one being activated, or one already closing. When none can
+one with requests waiting for it, one being activated, one already closing, or one kept ready
+(``activation: always``). When none can
 go now but another activation or closing is under way, it waits for that and looks again;
 when nothing can change, or a switch fails (its running requests did not finish within its
 ``drain_timeout``), the waiters get a retryable 503.
@@ -34,7 +35,7 @@ class MemoryBudget:
         self,
         config: GatewayConfig,
         lives: dict[str, DeploymentLife],
-        switch_out: Callable[[DeploymentLife], asyncio.Task[bool]],
+        switch_out: Callable[[DeploymentLife, DeploymentLife], asyncio.Task[bool]],
     ) -> None:
         self._config = config
         self.lives = lives
@@ -100,7 +101,7 @@ class MemoryBudget:
             if victim is not None:
                 life.blocked = True
                 try:
-                    came_to_rest = await asyncio.shield(self._switch_out(victim))
+                    came_to_rest = await asyncio.shield(self._switch_out(victim, life))
                 finally:
                     life.blocked = False
                 if not came_to_rest:
@@ -132,6 +133,7 @@ class MemoryBudget:
             and life.closing is None
             and not life.activating
             and life.route.queue.waiting == 0
+            and life.deployment.lifecycle.activation != "always"
             and any(
                 lc.inst.runner.host in hosts and self._holds.get(lc, 0) > 0 for lc in life.launched
             )

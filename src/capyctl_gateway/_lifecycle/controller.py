@@ -92,12 +92,13 @@ class Lifecycle:
         refused = life.refusal()
         if refused is not None:
             raise refused
-        self.activate(life)
+        self.activate(life, "a request is waiting")
 
-    def activate(self, life: DeploymentLife) -> asyncio.Task[None]:
-        """The deployment's activation (the one running, or a new one)."""
+    def activate(self, life: DeploymentLife, why: str) -> asyncio.Task[None]:
+        """The deployment's activation (the one running, or a new one started for ``why``:
+        who asked, as its transitions' reason)."""
         if life.activation is None or life.activation.done():
-            life.activation = self.spawn(_activate(self, life))
+            life.activation = self.spawn(_activate(self, life, why))
         return life.activation
 
     # -- closing ------------------------------------------------------------------------------
@@ -114,8 +115,9 @@ class Lifecycle:
             life.regate(reason)
         return life.closing
 
-    def _switch_out(self, life: DeploymentLife) -> asyncio.Task[bool]:
-        return self.close(life, "switched out for another deployment")
+    def _switch_out(self, life: DeploymentLife, target: DeploymentLife) -> asyncio.Task[bool]:
+        why = f"switched out for deployment {target.deployment.name} (the memory budget)"
+        return self.close(life, why)
 
     # -- time -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -159,7 +161,7 @@ class Lifecycle:
         return task
 
 
-async def _activate(lifecycle: Lifecycle, life: DeploymentLife) -> None:
+async def _activate(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> None:
     """One activation of ``life``: after any closing under way, room reserved in the memory
     budget, then every instance that can be started started and every parked one woken; it
     failed if none became ready, and then every request waiting for it gets its own error."""
@@ -168,7 +170,7 @@ async def _activate(lifecycle: Lifecycle, life: DeploymentLife) -> None:
             await asyncio.shield(life.closing)
         if life.ready:
             return  # a closing that failed: it serves on
-        await _bring_up(lifecycle, life)
+        await _bring_up(lifecycle, life, why)
     except GatewayError as exc:
         failure = exc
         refused = life.route.queue.fail_waiters(lambda: fresh(failure))
@@ -181,7 +183,7 @@ async def _activate(lifecycle: Lifecycle, life: DeploymentLife) -> None:
         raise
 
 
-async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife) -> None:
+async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> None:
     name = life.deployment.name
     todo = [lc for lc in life.launched if lc.state in STARTABLE]
     parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
@@ -191,7 +193,7 @@ async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife) -> None:
         logger.warning("deployment %s crashed again; starting it in %.1f s", name, wait)
         await asyncio.sleep(wait)
     engines = lifecycle.engines
-    jobs = [*(engines.start(lc) for lc in todo), *(engines.wake(lc) for lc in parked)]
+    jobs = [*(engines.start(lc, why) for lc in todo), *(engines.wake(lc, why) for lc in parked)]
     results = await asyncio.gather(*jobs, return_exceptions=True)
     if not life.ready:
         failed = next((r for r in results if isinstance(r, EngineControlError)), None)

@@ -72,5 +72,6 @@ async def lost(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, why: st
     engines = lifecycle.engines
     await engines.stop_one(lc, why)  # its group killed; nothing it counted still runs
     engines.move(lc, InstanceState.FAILED, why)
-    if life.route.queue.waiting and not life.ready and life.refusal() is None:
-        lifecycle.activate(life)
+    kept = life.deployment.lifecycle.activation == "always"
+    if (life.route.queue.waiting or kept) and not life.ready and life.refusal() is None:
+        lifecycle.activate(life, "started again after its engine exited")

@@ -24,6 +24,7 @@ from .._deployments.runner import LoadSample, ProcessView, Tracked
 from .._errors import StartFailedError
 from .parking import drive
 from .process import EngineProcess, free_port, launch_argv, launch_env
+from .seen import Seen
 
 __all__ = ["LocalRunner"]
 
@@ -48,32 +49,21 @@ class LocalRunner:
     ) -> None:
         self._inst = inst
         self._dep = deployment
-        self._collector = collector
         self._session = session
         self._log_dir = log_dir
-        self._clock = clock
         self._proc: EngineProcess | None = None
-        self._watched = False
+        self.seen = Seen(collector, inst.key, clock)
 
     # -- what it reads ------------------------------------------------------------------------
     def watch(self) -> None:
         """Have the collector poll the engine (once it has an address)."""
         inst, d = self._inst, self._dep
-        if self._watched or inst.url is None:
-            return
-        adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key, router=d.router)
-        self._collector.add(inst.key, adapter, model_id=d.engine_model)
-        self._watched = True
-
-    def _unwatch(self) -> None:
-        if self._watched:
-            self._collector.remove(self._inst.key)
-            self._watched = False
+        if not self.seen.watched and inst.url is not None:
+            adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key, router=d.router)
+            self.seen.watch(adapter, d.engine_model)
 
     def sample(self) -> LoadSample | None:
-        if not self._watched:
-            return None
-        return _sample(self._collector, self._inst.key, self._clock)
+        return self.seen.sample()
 
     def process(self) -> ProcessView | None:
         proc = self._proc
@@ -82,9 +72,10 @@ class LocalRunner:
         return ProcessView(proc.pid, proc.port, proc.argv, reaper_pid=proc.reaper_pid)
 
     def describe(self) -> dict[str, Any]:
-        if not self._watched:
-            return {}
-        return _row(self._collector, self._inst.key, self._clock)
+        return self.seen.row()
+
+    def silent_s(self) -> float | None:
+        return self.seen.silent_s()
 
     def why_unreachable(self) -> str:
         return "dispatch_closed"  # never: this machine is always reached
@@ -133,7 +124,7 @@ class LocalRunner:
         await _drive(self._session, self._inst, self._dep, park=False)
 
     async def stop(self, reason: str) -> bool:
-        self._unwatch()
+        self.seen.unwatch()
         if self._proc is not None:
             await self._proc.stop()
             self._proc = None

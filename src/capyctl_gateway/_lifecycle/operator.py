@@ -44,7 +44,7 @@ async def operator_start(lifecycle: Lifecycle, name: str, *, known: bool) -> Non
             await asyncio.gather(asyncio.shield(life.closing), return_exceptions=True)
             continue
         try:
-            await asyncio.shield(lifecycle.activate(life))
+            await asyncio.shield(lifecycle.activate(life, "started by an operator"))
         except (ActivationFailedError, UnavailableError) as exc:
             raise fresh(exc) from None
 

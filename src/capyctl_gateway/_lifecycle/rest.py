@@ -77,7 +77,7 @@ async def closing(
         life.closing = None
         life.regate(f"{reason}: done" if rested else "serves on")
         if life.route.queue.waiting and life.refusal() is None:
-            lifecycle.activate(life)  # requests came while it closed: they wait for it
+            lifecycle.activate(life, "a request is waiting")  # it came while it closed
 
 
 async def quiesce(life: DeploymentLife) -> None:

@@ -48,7 +48,8 @@ class Launched:
     since: float = field(default_factory=time.monotonic)
     failure: str | None = None
     crashes: int = 0
-    """Exits nobody asked for in a row (reset once it has served `STEADY_S` before one)."""
+    """Failed starts and exits nobody asked for, in a row (reset once it has served
+    ``crash.STEADY_S`` before one)."""
     crashed_at: float = 0.0
     watch: asyncio.Task[None] | None = None
     """Waits for the engine to exit unasked while it runs (`Runner.gone`)."""

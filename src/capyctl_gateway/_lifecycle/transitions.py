@@ -38,13 +38,14 @@ class Transitions:
         self.observers: list[Callable[[Launched], None]] = []
         """Called after each transition (telemetry, tests)."""
 
-    async def start(self, lc: Launched, reason: str = "a request is waiting") -> None:
+    async def start(self, lc: Launched, reason: str) -> None:
         """Start one stopped or failed instance; raises EngineControlError if it did not."""
         self.move(lc, InstanceState.STARTING, reason)
         try:
             answered = await lc.inst.runner.start(reason)
         except EngineControlError as exc:
             lc.failure = exc.message
+            lc.crashes, lc.crashed_at = lc.crashes + 1, time.monotonic()  # its next start waits
             self.move(lc, InstanceState.FAILED, exc.message)
             raise
         except BaseException:
@@ -67,7 +68,7 @@ class Transitions:
             return
         self.move(lc, InstanceState.PARKED, _on(lc, reason))
 
-    async def wake(self, lc: Launched, reason: str = "a request is waiting") -> None:
+    async def wake(self, lc: Launched, reason: str) -> None:
         """Wake a parked instance; a wake that fails stops it (StartFailedError)."""
         self.move(lc, InstanceState.WAKING, reason)
         try:

@@ -1,4 +1,5 @@
-"""What the gateway looks for once a second: engines that exited, deployments idle for their
+"""What the gateway looks for once a second: engines that exited or stopped answering their
+polls for ``unresponsive_timeout``, deployments idle for their
 ``ready_idle_timeout`` (parked or stopped) and parked ones idle for ``parked_idle_timeout``
 (stopped); and what hosts report of the engines they run (`reported`)."""
 
@@ -12,7 +13,19 @@ from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 if TYPE_CHECKING:
     from .controller import Lifecycle
 
-__all__ = ["look", "reported"]
+__all__ = ["boot", "look", "reported"]
+
+
+def boot(lifecycle: Lifecycle) -> None:
+    """At the gateway's start: start what is kept ready (``activation: always``) and what an
+    operator had started before the restart (and did not stop since)."""
+    for life in lifecycle.lives.values():
+        if life.refusal() is not None:
+            continue
+        if life.deployment.lifecycle.activation == "always":
+            lifecycle.activate(life, "kept ready (lifecycle.activation: always)")
+        elif life.operator_started:
+            lifecycle.activate(life, "an operator had started it before the gateway restarted")
 
 
 def _idle_for(life: DeploymentLife, now: float) -> float | None:
@@ -32,10 +45,21 @@ async def look(lifecycle: Lifecycle, now: float) -> None:
             gone = lc.inst.runner.exited() if running else None
             if gone is not None:  # its exit watch has not seen it yet
                 await lost(lifecycle, life, lc, gone)
+                continue
+            silent = lc.inst.runner.silent_s() if lc.state is InstanceState.READY else None
+            limit = life.deployment.lifecycle.unresponsive_timeout
+            if silent is not None and silent >= limit:  # frozen, or lost in a loop
+                why = f"the engine answered nothing for {silent:.0f} s (unresponsive_timeout)"
+                await lost(lifecycle, life, lc, why)
+        cycle = life.deployment.lifecycle
+        if cycle.activation == "always":
+            quiet = life.closing is None and not life.activating and not life.ready
+            if quiet and life.refusal() is None:  # kept ready: after a failure, its backoff
+                lifecycle.activate(life, "kept ready (lifecycle.activation: always)")
+            continue
         idle_for = _idle_for(life, now)
         if idle_for is None:
             continue
-        cycle = life.deployment.lifecycle
         if life.ready and cycle.ready_idle_timeout is not None:
             if idle_for >= cycle.ready_idle_timeout:
                 if life.operator_started:  # an explicit deployment waits to be started again

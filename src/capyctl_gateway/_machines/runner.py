@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import LoadSample, ProcessView, Tracked
+from .._deployments.runner import LoadSample, ProcessView, Reported, Tracked
 from .._deployments.settle import Settlement, settle_remote
 from .._errors import HostGoneError, OrderRefusedError
 from .._log import shown
@@ -96,7 +96,7 @@ class HostLink:
             session.pending.pop(n, None)
 
 
-class HostRunner:
+class HostRunner(Reported):
     """One instance's engine on a host."""
 
     def __init__(
@@ -211,11 +211,6 @@ class HostRunner:
 
     def exited(self) -> str | None:
         return None  # a host reports its engine's exit (`Lifecycle.found`)
-
-    async def gone(self) -> str:
-        """Never: a host reports its engine's exit (`Lifecycle.found`)."""
-        await asyncio.get_running_loop().create_future()
-        raise AssertionError("unreachable")
 
 
 def _row(runner: HostRunner, live: bool, loop_time: Callable[[], float]) -> dict[str, Any]:

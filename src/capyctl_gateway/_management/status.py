@@ -56,7 +56,7 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
             if lc.failure is not None:
                 row["failure"] = lc.failure
             if lc.crashes:
-                row["crashes_in_a_row"] = lc.crashes
+                row["failures_in_a_row"] = lc.crashes
                 wait = backoff_left(lc, time.monotonic())
                 if wait > 0:
                     row["restart_backoff_s"] = round(wait, 1)

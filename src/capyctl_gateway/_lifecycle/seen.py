@@ -1,0 +1,72 @@
+"""What the collector says of an engine on this machine: its load as one `LoadSample`, what
+``status`` shows of it, and how long it has answered none of its polls.
+
+Never imports the HTTP surface, the relay, the management API or the gateway's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from canopyx_provider import Collector, EngineAdapter, TargetState
+
+from .._deployments.runner import LoadSample
+
+__all__ = ["Seen"]
+
+
+class Seen:
+    """One engine as the collector polls it (once it is watched)."""
+
+    def __init__(self, collector: Collector, key: str, clock: Callable[[], float]) -> None:
+        self._collector, self._key, self._clock = collector, key, clock
+        self.watched = False
+        self._heard_at = 0.0
+
+    def watch(self, adapter: EngineAdapter, model_id: str) -> None:
+        """Have the collector poll the engine, which has just answered."""
+        self._collector.add(self._key, adapter, model_id=model_id)
+        self.watched, self._heard_at = True, self._clock()
+
+    def unwatch(self) -> None:
+        if self.watched:
+            self._collector.remove(self._key)
+            self.watched = False
+
+    def sample(self) -> LoadSample | None:
+        """The engine's load from its latest snapshot (KV-cache usage, else slot usage)."""
+        snap = self._collector.snapshot(self._key) if self.watched else None
+        if snap is None:
+            return None
+        m = snap.metrics
+        usage = m.kv_cache_usage_ratio
+        usage = usage if usage is not None else m.slot_usage_ratio
+        age = max(self._clock() - snap.requested_at, 0.0)
+        return LoadSample(m.running_requests, m.waiting_requests, usage, age, "collector")
+
+    def row(self) -> dict[str, Any]:
+        """What ``status`` shows of the engine: the collector's state, its latest load and the
+        snapshot's age, and its last error."""
+        if not self.watched:
+            return {}
+        status = self._collector.status(self._key)
+        row: dict[str, Any] = {"state": status.state.value}
+        snap = status.latest
+        if snap is not None:
+            row["running"] = snap.metrics.running_requests
+            row["waiting"] = snap.metrics.waiting_requests
+            row["snapshot_age_s"] = round(snap.age_s(self._clock()), 3)
+        if status.error:
+            row["error"] = status.error
+        return row
+
+    def silent_s(self) -> float | None:
+        """How long the engine has answered none of its polls; None while it answers."""
+        if not self.watched:
+            return None
+        status = self._collector.status(self._key)
+        if status.state is TargetState.READY and status.latest is not None:
+            self._heard_at = max(self._heard_at, status.latest.requested_at)
+            return None
+        return self._clock() - self._heard_at
