@@ -32,6 +32,7 @@ from ._deployments.routes import EngineInstance, Route, build_routes
 from ._deployments.runner import Runner
 from ._deployments.settle import CutRequest, Settlement
 from ._engine_client import IDLE_S, EngineClient
+from ._errors import UnavailableError
 from ._lifecycle.controller import Lifecycle
 from ._lifecycle.local import LocalRunner
 from ._lifecycle.states import Launched
@@ -71,6 +72,23 @@ class Fleet:
 
     def now(self) -> float:
         return self.clock()
+
+    def quiet(self) -> bool:
+        """Whether no request runs or waits anywhere."""
+        return not any(r.queue.running or r.queue.waiting for r in self.routes.values())
+
+    def end_all(self, why: str) -> int:
+        """End every request now (a stopping gateway's last word): each exchange in flight is
+        ended (a stream with an in-band error event), each waiting request answered 503
+        ``shutting_down``; how many were ended."""
+        ended = 0
+        for route in self.routes.values():
+            ended += route.queue.fail_waiters(lambda: UnavailableError(why, code="shutting_down"))
+            for inst in route.instances:
+                for ex in list(inst.inflight):
+                    ex.abort(why)
+                    ended += 1
+        return ended
 
 
 @contextlib.asynccontextmanager

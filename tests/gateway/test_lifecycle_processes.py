@@ -8,17 +8,22 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
+import yaml
 
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched, wait_gone
 from tests.gateway.test_lifecycle_races import engines_running, said, served
+from tests.gateway.test_operator import free_port
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]
@@ -134,3 +139,49 @@ async def test_an_engine_that_stops_answering_is_replaced(make_gateway: MakeGate
         r = await c.post("/v1/chat/completions", json=chat())
         assert r.status_code == 200, r.text
         assert process(gw)["pid"] != frozen
+
+
+def test_a_stopping_gateway_ends_an_open_stream_in_band_after_its_shutdown_timeout(
+    tmp_path: Path,
+) -> None:
+    """A graceful stop took up to twice the time it printed, and cut a stream still open then
+    with no error event."""
+    config = tmp_path / "g.yaml"
+    dep = launched()
+    config.write_text(yaml.safe_dump({"limits": {"shutdown_timeout": "1s"}, "deployments": [dep]}))
+    state, port = tmp_path / "state", free_port()
+    argv = [
+        str(Path(sys.executable).with_name("capyctl-gateway")), "serve", "--config", str(config),
+        "--listen", f"127.0.0.1:{port}", "--management", f"127.0.0.1:{free_port()}",
+        "--state-dir", str(state), "--log-format", "json",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, env=env) as gateway:
+        try:
+            assert gateway.stderr is not None
+            for line in gateway.stderr:
+                if b"listening on" in line:
+                    break
+            key = (state / "identity" / "credentials").read_text().split()[1]
+            body = {**said("take:60", "my-model"), "stream": True}
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            events: list[str] = []
+            with (
+                httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"}) as c,
+                c.stream("POST", url, json=body) as r,
+            ):
+                for text in r.iter_lines():
+                    if text.startswith("data:"):
+                        events.append(text)
+                        if len(events) == 1:  # it runs: now stop the gateway
+                            gateway.send_signal(signal.SIGTERM)
+            rest = gateway.stderr.read().decode()
+            assert gateway.wait(timeout=30) == 0
+        finally:
+            if gateway.poll() is None:
+                gateway.kill()
+    assert '"error"' in events[-1] and "[DONE]" not in events[-1], events
+    assert "waiting up to 1 s for 1 running" in rest
+    assert "ended 1 request(s) still open" in rest
+    assert rest.rstrip().endswith("capyctl-gateway: stopped")

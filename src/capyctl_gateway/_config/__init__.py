@@ -89,6 +89,8 @@ class Limits(BaseModel):
     """A keep-alive connection idle this long after an answer is closed (every listener)."""
     max_connections: int = Field(default=2048, ge=1, le=1_000_000)
     """Client connections held at once; past it a connection gets a 503 and is closed."""
+    shutdown_timeout: Seconds = 60.0
+    """A stopping gateway waits this long for running requests, then ends them in band."""
     max_answer_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """An engine answer the gateway assembles or reads whole (non-streamed chat, decisions)
     may be this large; past it, 502 engine_error."""

@@ -49,6 +49,7 @@ class Charge:
 
     async def __aenter__(self) -> None:
         self._inst.ledger.running += 1
+        self._inst.inflight.add(self._ex)
         self._inst.runner.begin(self._ex)
 
     async def __aexit__(
@@ -59,6 +60,7 @@ class Charge:
     ) -> None:
         inst, out = self._inst, self._ex.outcome
         inst.runner.end(self._ex)
+        inst.inflight.discard(self._ex)
         inst.ledger.running -= 1
         if out.sent and not out.completed:  # it may still run on the engine
             reason = out.cut or "engine stream broken"

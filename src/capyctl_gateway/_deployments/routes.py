@@ -26,7 +26,7 @@ from .._config import ConfigError, Deployment, GatewayConfig, Instance, Launch
 from .._engines import facts
 from .._log import event
 from .queue import Admission, DeploymentQueue
-from .runner import LoadSample, Runner
+from .runner import LoadSample, Runner, Tracked
 from .settle import InstanceLedger, Settlement
 
 __all__ = [
@@ -109,6 +109,8 @@ class EngineInstance:
     served, another version refused); None while it may be routed to."""
     admitting: bool = field(init=False, default=False)
     reachable: bool = field(init=False, default=True)
+    inflight: set[Tracked] = field(init=False, default_factory=set, repr=False)
+    """The exchanges charged to it now (`Charge`): what a stopping gateway ends."""
 
     def __post_init__(self, runner_for: Callable[[EngineInstance], Runner]) -> None:
         self.where = f"deployment {self.deployment}, instance {self.index}"
