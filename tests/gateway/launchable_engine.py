@@ -5,7 +5,8 @@ It answers every request with the same short vLLM-shaped stream (its text names 
 model, so a test can tell which deployment answered). A request whose last message is
 ``take:S`` is a long generation: S seconds pass between its first chunk and the rest (while it
 runs the engine reports it in ``vllm:num_requests_running``); one whose last message is
-``crash`` makes the engine exit with status 3 after its first chunk. Flags it does not know, such as the ones
+``crash`` makes the engine exit with status 3 after its first chunk; with
+``--garbled-after-wake`` it answers differently once woken (weights brought back wrong). Flags it does not know, such as the ones
 the gateway forces, are accepted and ignored; ``--exit-at-once N`` exits with status N before
 listening, and ``--slow-start S`` waits S seconds first.
 
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slow-start", type=float, default=0.0)
     p.add_argument("--child-pid-file", default=None, help="fork a child, as vLLM does")
     p.add_argument("--stray-pid-file", default=None, help="fork a child that leaves the group")
+    p.add_argument("--garbled-after-wake", action="store_true", help="answer wrong once woken")
     args, _unknown = p.parse_known_args(argv)
     if args.exit_at_once is not None:
         sys.stdout.write(f"fake engine: exiting with {args.exit_at_once} as asked\n")
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = FakeEngine(served=served, script=script)
     app = web.Application()
     asleep = False
+    garbled = False  # weights brought back wrong (--garbled-after-wake)
     sleeps = "--enable-sleep-mode" in _unknown and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
 
     async def sleep(request: web.Request) -> web.Response:
@@ -79,8 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         return web.Response()
 
     async def wake_up(request: web.Request) -> web.Response:
-        nonlocal asleep
+        nonlocal asleep, garbled
         asleep = False
+        garbled = args.garbled_after_wake
         return web.Response()
 
     async def is_sleeping(request: web.Request) -> web.Response:
@@ -130,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
                 os._exit(3)
             if said.startswith("take:"):
                 await asyncio.sleep(float(said.removeprefix("take:")))
-            for item in script[1:]:
+            if garbled:
+                await out.write(event(chunk(delta={"content": "from n0where"}, model=served)))
+            for item in script[1 + garbled :]:
                 await out.write(item)
             await out.write_eof()
         finally:

@@ -185,3 +185,28 @@ def test_a_stopping_gateway_ends_an_open_stream_in_band_after_its_shutdown_timeo
     assert "waiting up to 1 s for 1 running" in rest
     assert "ended 1 request(s) still open" in rest
     assert rest.rstrip().endswith("capyctl-gateway: stopped")
+
+
+async def test_an_engine_that_wakes_with_other_answers_is_stopped_not_served(
+    make_gateway: MakeGateway,
+) -> None:
+    """After a wake the engine answers the check's fixed prompt; an answer other than the one
+    recorded at its first start stops it (wake_mismatch) and the next request starts it
+    afresh."""
+    dep = launched(extra=["--garbled-after-wake"], lifecycle={"park": "sleep"})
+    gw = await make_gateway({"deployments": [dep]})
+    lifecycle = gw.gateway.fleet.lifecycle
+    life = lifecycle.lives["my-model"]
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        first = process(gw)["pid"]
+        assert await lifecycle.close(life, "a test's park")
+        assert life.state == "parked"
+        r = await c.post("/v1/chat/completions", json=chat())
+        assert (r.status_code, r.json()["code"]) == (500, "activation_failed")
+        await anyio.to_thread.run_sync(wait_gone, first)  # stopped, not serving
+        doc = deployment_status(gw.gateway.fleet, "my-model")
+        assert doc is not None and "wake_mismatch" in doc["instances"][0]["failure"]
+        again = await c.post("/v1/chat/completions", json=chat())
+        assert again.status_code == 200, again.text
+        assert process(gw)["pid"] != first  # a fresh start: nothing garbled

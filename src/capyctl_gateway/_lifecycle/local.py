@@ -25,6 +25,7 @@ from .._errors import StartFailedError
 from .parking import drive
 from .process import EngineProcess, free_port, launch_argv, launch_env
 from .seen import Seen
+from .wakecheck import answer, compare
 
 __all__ = ["LocalRunner"]
 
@@ -53,6 +54,8 @@ class LocalRunner:
         self._log_dir = log_dir
         self._proc: EngineProcess | None = None
         self.seen = Seen(collector, inst.key, clock)
+        self._recorded: str | None = None
+        """Its answer to the wake check's prompt when it first became ready."""
 
     # -- what it reads ------------------------------------------------------------------------
     def watch(self) -> None:
@@ -115,13 +118,20 @@ class LocalRunner:
             raise
         inst.bind(proc.url)
         self.watch()
+        if d.parks and not d.router:  # what its wake checks will be compared with
+            self._recorded = await answer(self._session, proc.url, d.engine_model, _auth(inst))
         return f"answered on port {port}"
 
     async def park(self, reason: str) -> None:
         await _drive(self._session, self._inst, self._dep, park=True)
 
     async def wake(self, reason: str) -> None:
-        await _drive(self._session, self._inst, self._dep, park=False)
+        inst, d = self._inst, self._dep
+        await _drive(self._session, inst, d, park=False)
+        if self._recorded is not None and inst.url is not None:
+            compare(
+                self._recorded, await answer(self._session, inst.url, d.engine_model, _auth(inst))
+            )
 
     async def stop(self, reason: str) -> bool:
         self.seen.unwatch()
@@ -155,10 +165,13 @@ async def _drive(
     model's name for a router."""
     if inst.url is None:
         raise StartFailedError(f"{inst.where} has no engine to drive")
-    key = inst.engine_key
-    auth = {"Authorization": f"Bearer {key}"} if key is not None else {}
     model = d.engine_model if d.router else None
-    await drive(session, d.engine, inst.url, auth, model, park=park)
+    await drive(session, d.engine, inst.url, _auth(inst), model, park=park)
+
+
+def _auth(inst: EngineInstance) -> dict[str, str]:
+    key = inst.engine_key
+    return {"Authorization": f"Bearer {key}"} if key is not None else {}
 
 
 # --- what the collector says of a watched engine ----------------------------------------------
