@@ -1,10 +1,13 @@
 """capyctl-gateway launching vLLM 0.31.0's CPU build itself: the flag the spec forces is on the
 engine's command line without the operator writing it, answers carry the engine's own
-figures, and with ``park: auto`` a park is a stop (the CPU build cannot sleep)."""
+figures, ``park: auto`` adds no sleep flag (the CPU build cannot sleep), and after concurrent
+requests the idle clock stops it, counted from the end of the last one."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,13 +17,13 @@ import httpx
 import orjson
 import pytest
 
-from capyctl_gateway._lifecycle.operator import operator_park
 from capyctl_gateway._management.status import deployment_status
 from contract.conftest import RunningGateway, serve_gateway
 from contract.engines.vllm import VllmServer
 from contract.live import gone
 
 pytestmark = pytest.mark.anyio
+IDLE_S = 3
 
 
 @pytest.fixture
@@ -46,6 +49,7 @@ async def launched_vllm(vllm_server: VllmServer, tmp_path: Path) -> AsyncIterato
         "engine_version": "0.31.0",
         "served_model": "tiny",
         "instances": [{"launch": {"command": command, "env": extra, "startup_timeout": "300s"}}],
+        "lifecycle": {"ready_idle_timeout": f"{IDLE_S}s"},
     }
     async for gw in serve_gateway({"deployments": [deployment]}, engine_logs=tmp_path / "logs"):
         yield gw
@@ -82,6 +86,34 @@ async def test_vllm_launched_by_the_gateway_with_the_forced_flag(
     assert b"--enable-per-request-metrics" in cmdline
     assert b"--enable-sleep-mode" not in cmdline
     assert cmdline[cmdline.index(b"--host") + 1] == b"127.0.0.1"
-    await operator_park(launched_vllm.gateway.fleet.lifecycle, "my-model", known=True)
-    assert launched_vllm.gateway.fleet.lifecycle.lives["my-model"].state == "stopped"
+    # Concurrent requests, then the idle clock: it runs from the end of the last one.
+    stopping: list[float] = []
+    stopped = anyio.Event()
+
+    def watch(lc: Any) -> None:
+        if lc.state.value == "stopping":
+            stopping.append(time.monotonic())
+            stopped.set()
+
+    launched_vllm.gateway.fleet.lifecycle.engines.observers.append(watch)
+    ends: list[float] = []
+
+    async def one(c: httpx.AsyncClient, tokens: int) -> None:
+        long = {**body, "max_tokens": tokens, "stream": False}
+        long.pop("stream_options")
+        r = await c.post(
+            launched_vllm.url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {launched_vllm.key}"},
+            json=long,
+        )
+        ends.append(time.monotonic())
+        assert r.status_code == 200, r.text
+
+    async with httpx.AsyncClient(timeout=300) as c:
+        await asyncio.gather(*(one(c, tokens) for tokens in (8, 16, 32, 64)))
+    assert not stopping  # not while they ran, however long since the first began
+    with anyio.fail_after(60):
+        await stopped.wait()
+    assert stopping[0] - max(ends) >= IDLE_S - 1.0  # the watch looks once a second
     assert await anyio.to_thread.run_sync(gone, pid)
+    assert launched_vllm.gateway.fleet.lifecycle.lives["my-model"].state == "stopped"
