@@ -15,6 +15,7 @@ __all__ = [
     "STRICT",
     "Bytes",
     "ConfigError",
+    "EngineLogs",
     "Launch",
     "Lifecycle",
     "Memory",
@@ -92,6 +93,19 @@ class Lifecycle(BaseModel):
     drain_timeout: Seconds = 30.0
 
 
+class EngineLogs(BaseModel):
+    """How much of a launched engine's output is kept: each run writes files of its own, the
+    oldest part of a run dropped past ``files`` of ``file_size``; the files of the last
+    ``runs`` runs (the current one included) are kept. Default: 16 MiB x 3 x 4, at most
+    192 MiB per instance."""
+
+    model_config = STRICT
+
+    file_size: Bytes = Field(default=16 * 2**20, ge=4096)
+    files: int = Field(default=3, ge=1, le=100)
+    runs: int = Field(default=4, ge=1, le=100)
+
+
 class Launch(BaseModel):
     model_config = STRICT
 
@@ -99,3 +113,4 @@ class Launch(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     """Added to the gateway's environment."""
     startup_timeout: Seconds = 600.0
+    logs: EngineLogs = EngineLogs()

@@ -21,6 +21,8 @@ from .._config import Deployment
 from .._deployments.routes import EngineInstance
 from .._deployments.runner import LoadSample, ProcessView, Tracked
 from .._errors import StartFailedError
+from .._log import masked, secrets_in
+from .enginelog import EngineLog
 from .parking import drive
 from .process import EngineProcess, free_port, launch_argv, launch_env
 
@@ -101,21 +103,25 @@ class LocalRunner:
         if launch is None:
             raise StartFailedError(f"{inst.where} is an engine someone else runs")
         port = free_port()
-        log = self._log_dir / f"{d.name}-{inst.index}.log"
+        log = EngineLog(self._log_dir, f"{d.name}-{inst.index}", launch.logs)
         sleep = d.parks and not d.router  # a router parks by unloading: no flags
         argv = launch_argv(d.engine, launch, port, sleep=sleep)
-        proc = EngineProcess(argv, launch_env(d.engine, launch, sleep=sleep), log, port)
+        env = launch_env(d.engine, launch, sleep=sleep)
+        proc = EngineProcess(argv, env, log, port)
         self._proc = proc
         try:
             await proc.start(self._session, launch.startup_timeout)
         except StartFailedError as exc:
             self._proc = None
+            # The engine's output may carry its keys (vLLM prints its arguments): masked as
+            # ``status`` masks a command line, and the engine's own key wherever it appears.
+            tail = masked(exc.log_tail.rstrip(), [inst.engine_key, *secrets_in(argv, env)])
             logger.error(
                 "%s did not start: %s; its log %s ends:\n%s",
                 inst.where,
                 exc.message,
-                log,
-                exc.log_tail.rstrip(),
+                log.path,
+                tail,
             )
             raise
         except BaseException:
