@@ -30,6 +30,7 @@ from .parts import (
     Resources,
     Seconds,
 )
+from .rules import budget_problem, url_only_problem
 
 __all__ = [
     "Api",
@@ -228,11 +229,8 @@ class GatewayConfig(BaseModel):
             if d.name in seen:
                 raise ValueError(f"two deployments are named {d.name!r}")
             seen.add(d.name)
-            if self.resources.memory_budget is not None and d.launched and d.memory is None:
-                raise ValueError(
-                    f"deployment {d.name!r}: memory is required when resources.memory_budget "
-                    "is set (what one instance holds ready and parked)"
-                )
+            if (problem := budget_problem(d, self.resources.memory_budget)) is not None:
+                raise ValueError(problem)
         return self
 
     def deployment(self, name: str) -> Deployment | None:
@@ -276,13 +274,16 @@ def load_config(path: Path) -> GatewayConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping with a 'deployments' list")
     try:
-        return GatewayConfig.model_validate(raw)
+        config = GatewayConfig.model_validate(raw)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {_describe(e)}"
             for e in exc.errors()
         )
         raise ConfigError(f"{path}: {problems}") from None
+    if (problem := url_only_problem(config.deployments)) is not None:
+        raise ConfigError(f"{path}: {problem}")  # an operator's file, not a host's view
+    return config
 
 
 def _describe(e: Any) -> str:
