@@ -55,17 +55,7 @@ class EngineLog:
     def open(self) -> None:
         """Begin a new run: prune the old runs and create the run's first file."""
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        pattern = re.compile(re.escape(self._stem) + r"\.(\d+)\.log(?:\.\d+)?")
-        runs: dict[int, list[Path]] = {}
-        for entry in self._dir.iterdir():
-            m = pattern.fullmatch(entry.name)
-            if m is not None:
-                runs.setdefault(int(m.group(1)), []).append(entry)
-        self.run = max(runs, default=0) + 1
-        for old in sorted(runs)[: max(len(runs) - (self._policy.runs - 1), 0)]:
-            for f in runs[old]:
-                with contextlib.suppress(FileNotFoundError):
-                    f.unlink()
+        self.run = _prune(self._dir, self._stem, self._policy.runs - 1) + 1
         self._fd = _create(self.path)
         self._size = 0
 
@@ -88,13 +78,18 @@ class EngineLog:
                 pass
             finally:
                 os.close(read_fd)
-                with self._lock:
-                    os.close(self._fd)
-                    self._fd = -1
+                self.close()
                 with contextlib.suppress(RuntimeError):  # the loop closed first: nobody waits
                     loop.call_soon_threadsafe(done)
 
         threading.Thread(target=pump, name=f"engine log {self._stem}", daemon=True).start()
+
+    def close(self) -> None:
+        """Close the run's file (the pipe's thread does, at its end)."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     async def drained(self, within: float = DRAIN_S) -> bool:
         """Wait until every writer has closed the pipe and its output is on disk (a child that
@@ -110,21 +105,22 @@ class EngineLog:
     def _write(self, data: memoryview) -> None:
         cap = self._policy.file_size
         with self._lock:
-            while data:
-                if self._size >= cap:
-                    self._rotate()
-                piece = data[: cap - self._size]
-                try:
+            try:
+                while data:
+                    if self._size >= cap or self._fd < 0:
+                        self._rotate()
+                    piece = data[: cap - self._size]
                     while piece:
                         n = os.write(self._fd, piece)
                         self._size += n
                         data, piece = data[n:], piece[n:]
-                except OSError:  # disk full: drop it rather than make the engine wait
-                    self.dropped += len(data)
-                    return
+            except OSError:  # the disk refused it: drop it rather than make the engine wait
+                self.dropped += len(data)
 
     def _rotate(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         for n in range(self._policy.files - 1, 0, -1):
             with contextlib.suppress(FileNotFoundError):
                 os.replace(self._part(n - 1), self._part(n))
@@ -152,3 +148,19 @@ def _create(path: Path) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     os.fchmod(fd, 0o600)  # a file left by an earlier gateway keeps its mode otherwise
     return fd
+
+
+def _prune(directory: Path, stem: str, keep: int) -> int:
+    """Delete the files of all but the last ``keep`` runs of ``stem``; the last run's number
+    (0 for none)."""
+    pattern = re.compile(re.escape(stem) + r"\.(\d+)\.log(?:\.\d+)?")
+    runs: dict[int, list[Path]] = {}
+    for entry in directory.iterdir():
+        m = pattern.fullmatch(entry.name)
+        if m is not None:
+            runs.setdefault(int(m.group(1)), []).append(entry)
+    for old in sorted(runs)[: max(len(runs) - keep, 0)]:
+        for f in runs[old]:
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+    return max(runs, default=0)

@@ -105,6 +105,7 @@ class EngineProcess:
             )
         except OSError as exc:
             os.close(read_fd)
+            self.log.close()
             raise StartFailedError(f"the command could not be run: {exc.strerror}") from None
         finally:
             os.close(write_fd)  # the engine's and its reaper's now
