@@ -11,10 +11,31 @@ Imports nothing of the gateway: every room may read it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from canopyx_provider import EngineKind
 
-__all__ = ["FACTS", "EngineFacts", "EngineKind", "facts", "launch_problem", "served_kinds"]
+__all__ = [
+    "DEVICES",
+    "FACTS",
+    "EngineFacts",
+    "EngineKind",
+    "facts",
+    "gpu_present",
+    "launch_problem",
+    "served_kinds",
+]
+
+DEVICES = Path("/dev")
+GPU_DEVICES = ("nvidiactl", "nvidia0", "kfd")
+"""NVIDIA's driver (its control device, the first GPU's) and ROCm's compute device."""
+
+
+def gpu_present(devices: Path = DEVICES) -> bool:
+    """Whether this machine has a GPU its engines can park on: an NVIDIA or ROCm device file
+    under ``devices``. (``CUDA_VISIBLE_DEVICES`` is not asked: it can name GPUs that are not
+    there, and an instance's ``launch.env`` may set its own.)"""
+    return any((devices / name).exists() for name in GPU_DEVICES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +56,9 @@ class EngineFacts:
     can_sleep: bool = False
     """The gateway can park this engine with its process up (it can only stop it otherwise)."""
     sleep_flags: tuple[str, ...] = ()
-    """Flags a launched engine needs to be parked (only with ``park: sleep``)."""
+    """Flags a launched engine needs to be parked (with ``park: sleep``, or ``auto`` on a GPU)."""
     sleep_env: tuple[tuple[str, str], ...] = ()
-    """Environment a launched engine needs to be parked (only with ``park: sleep``)."""
+    """Environment a launched engine needs to be parked (as ``sleep_flags``)."""
 
 
 FACTS: dict[EngineKind, EngineFacts] = {
@@ -47,7 +68,7 @@ FACTS: dict[EngineKind, EngineFacts] = {
         honours_cache_salt=True,
         forced_flags=("--enable-per-request-metrics",),
         # Sleep mode: its routes exist only in development mode, and the CPU build refuses the
-        # flag at startup (so park: auto never asks for it).
+        # flag at startup (so park: auto asks for it only where there is a GPU).
         can_sleep=True,
         sleep_flags=("--enable-sleep-mode",),
         sleep_env=(("VLLM_SERVER_DEV_MODE", "1"),),
@@ -56,9 +77,10 @@ FACTS: dict[EngineKind, EngineFacts] = {
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
         reasoning_key="reasoning_content",
         honours_cache_salt=True,
-        forced_flags=("--enable-cache-report",),
+        # --enable-metrics: the SDK's SGLang adapter reads its load from /metrics.
+        forced_flags=("--enable-cache-report", "--enable-metrics"),
         # Memory release: needs --enable-memory-saver (without it a release frees nothing
-        # and says nothing), and a GPU (torch_memory_saver), so park: auto never asks for it.
+        # and says nothing), and a GPU (torch_memory_saver): park: auto asks for it there.
         can_sleep=True,
         sleep_flags=("--enable-memory-saver",),
     ),

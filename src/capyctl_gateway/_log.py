@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 import orjson
@@ -28,6 +30,8 @@ __all__ = [
     "TextFormatter",
     "configure_logging",
     "event",
+    "masked",
+    "secrets_in",
 ]
 
 logger = logging.getLogger("capyctl_gateway")
@@ -188,3 +192,32 @@ def shown(argv: list[str]) -> list[str]:
             out.append(arg)
         mask_next = secret and not eq
     return out
+
+
+_SECRET_WORD = "|".join(_SECRET_FLAG)
+_SECRET_TEXT = re.compile(
+    r"(?i)(?P<flag>(?<![\w-])--?[\w-]*(?:" + _SECRET_WORD + r")[\w-]*[ \t]+)[^\s'\",}]+"
+    r"|(?P<pair>[\w-]*(?:" + _SECRET_WORD + r")[\w-]*['\"]?[ \t]*[:=][ \t]*['\"]?)[^\s'\",}]+"
+    r"|(?P<bearer>\b(?:bearer|basic)[ \t]+)[^\s'\",}]+"
+)
+
+
+def secrets_in(argv: list[str], env: dict[str, str]) -> list[str]:
+    """The values that `shown` masks in ``argv``, and those of the variables in ``env`` whose
+    names say key, token, secret or password."""
+    found = [a for a, s in zip(argv, shown(argv), strict=True) if s != a]
+    found = [a.partition("=")[2] if a.startswith("-") else a for a in found]
+    found += [v for k, v in env.items() if any(w in k.lower() for w in _SECRET_FLAG)]
+    return [s for s in found if s]
+
+
+def masked(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """Free text (an engine's output) fit to log: each of ``secrets`` masked wherever it
+    appears, and the value after anything that names a key, token, secret or password
+    (``--api-key X``, ``api_key: X``, ``HF_TOKEN=X``) or a ``Bearer`` masked as `shown` masks
+    a command line's."""
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return _SECRET_TEXT.sub(
+        lambda m: (m.group("flag") or m.group("pair") or m.group("bearer")) + "***", text
+    )

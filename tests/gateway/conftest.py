@@ -15,6 +15,9 @@ from capyctl_gateway import GATEWAY_KEY, Gateway, GatewayConfig, GatewayRunner, 
 from tests.gateway.fake_engine import FakeEngine
 
 KEY = "k" * 43
+NO_GPU = Path("/nonexistent-capyctl-devices")
+"""Where the gateway's GPU probe looks in tests: nothing, so that a test machine's GPU does not
+change what park: auto does (pass ``devices`` to make_gateway to give it one)."""
 # The gateway's collector polls the fake engines quickly, and tries each startup check once.
 COLLECTOR = ProviderOptions(poll_interval_ms=50, request_timeout_ms=2000, connect_attempts=1)
 
@@ -82,9 +85,10 @@ async def make_gateway() -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
         *,
         env: dict[str, str] | None = None,
         collector: ProviderOptions | None = None,
+        devices: Path = NO_GPU,
     ) -> Gw:
         app = create_app(
-            GatewayConfig.model_validate(config),
+            GatewayConfig.model_validate(config, context={"devices": devices}),
             KEY,
             env=env or {},
             collector_options=collector or COLLECTOR,

@@ -8,7 +8,9 @@ runs the engine reports it in ``vllm:num_requests_running``); one whose last mes
 ``crash`` makes the engine exit with status 3 after its first chunk; with
 ``--garbled-after-wake`` it answers differently once woken (weights brought back wrong). Flags it does not know, such as the ones
 the gateway forces, are accepted and ignored; ``--exit-at-once N`` exits with status N before
-listening, and ``--slow-start S`` waits S seconds first.
+listening, and ``--slow-start S`` waits S seconds first. It prints its arguments first, as vLLM
+does (keys included); ``--echo-env NAME`` prints that variable's value too, and ``--chatty
+BYTES`` writes that much output as fast as it can before it listens, then how long it took.
 
 Launched with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``, it speaks vLLM's sleep
 mode routes as vLLM 0.31.0 does (``POST /sleep?level=1``, ``POST /wake_up``, ``GET
@@ -41,7 +43,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--child-pid-file", default=None, help="fork a child, as vLLM does")
     p.add_argument("--stray-pid-file", default=None, help="fork a child that leaves the group")
     p.add_argument("--garbled-after-wake", action="store_true", help="answer wrong once woken")
+    p.add_argument("--echo-env", default=None)
+    p.add_argument("--chatty", type=int, default=0)
     args, _unknown = p.parse_known_args(argv)
+    sys.stdout.write(f"fake engine args: {sys.argv[1:]}\n")
+    if args.echo_env:
+        sys.stdout.write(f"fake engine: loaded {os.environ.get(args.echo_env)}\n")
+    sys.stdout.flush()
+    if args.chatty:
+        chatter(args.chatty)
     if args.exit_at_once is not None:
         sys.stdout.write(f"fake engine: exiting with {args.exit_at_once} as asked\n")
         sys.exit(args.exit_at_once)
@@ -148,6 +158,21 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
     sys.stdout.flush()
     web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+
+
+def chatter(total: int) -> None:
+    """Write ``total`` bytes of lines to stdout as fast as it can, then say how long it took."""
+    line = b"fake engine: chatter " + b"." * 42 + b"\n"
+    block = line * (65536 // len(line))
+    out = sys.stdout.buffer
+    began = time.perf_counter()
+    left = total
+    while left > 0:
+        left -= out.write(block[:left])
+    out.flush()
+    took = time.perf_counter() - began
+    out.write(f"fake engine: chatty wrote {total} bytes in {took:.3f} s\n".encode())
+    out.flush()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ import yaml
 from pydantic import (
     BaseModel,
     Field,
+    PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -20,9 +22,9 @@ from pydantic import (
 from canopyx_provider import CanopyxError, EngineKind
 from canopyx_provider.adapters import origin
 
-from .._engines import FACTS, launch_problem
+from .._engines import DEVICES, FACTS, gpu_present, launch_problem
+from .bounds import Limits, QueueConfig
 from .parts import (
-    KEEPALIVE_TIMEOUT_S,
     STRICT,
     ConfigError,
     Launch,
@@ -31,6 +33,7 @@ from .parts import (
     Resources,
     Seconds,
 )
+from .rules import budget_problem, url_only_problem
 
 __all__ = [
     "Api",
@@ -54,46 +57,6 @@ REMOTE_MAX_BODY_BYTES = 8 * 1024 * 1024
 class Api(StrEnum):
     CHAT = "chat"
     DECISIONS = "decisions"
-
-
-class QueueConfig(BaseModel):
-    model_config = STRICT
-
-    request_deadline: Seconds = 600.0
-    """First output must arrive within this, counted from arrival (waiting included)."""
-    stream_idle_timeout: Seconds = 120.0
-    """Longest quiet gap once output has started."""
-    connect_timeout: Seconds = 10.0
-    """Opening a connection to an engine may take this long; past it the engine never got the
-    request, and the next instance is offered it."""
-    max_running_per_deployment: int = Field(default=32, ge=1, le=4096)
-    max_waiting_per_deployment: int = Field(default=64, ge=0, le=4096)
-    max_waiting_total: int = Field(default=256, ge=0, le=65536)
-
-
-class Limits(BaseModel):
-    model_config = STRICT
-
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    """Chat request bodies above this are refused with 413."""
-    max_decision_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    """Decision request bodies above this are refused with 413."""
-    max_body_bytes_in_flight: int = Field(default=256 * 1024 * 1024, ge=1024)
-    """Request bodies being read and held, over all requests at once; a body that would pass
-    it is refused with 503 (retryable)."""
-    body_read_timeout: Seconds = 120.0
-    """A request body must have arrived whole within this (408 past it)."""
-    header_timeout: Seconds = 10.0
-    """A connection's request head must arrive within this; else it is closed."""
-    keepalive_timeout: Seconds = KEEPALIVE_TIMEOUT_S
-    """A keep-alive connection idle this long after an answer is closed (every listener)."""
-    max_connections: int = Field(default=2048, ge=1, le=1_000_000)
-    """Client connections held at once; past it a connection gets a 503 and is closed."""
-    shutdown_timeout: Seconds = 60.0
-    """A stopping gateway waits this long for running requests, then ends them in band."""
-    max_answer_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    """An engine answer the gateway assembles or reads whole (non-streamed chat, decisions)
-    may be this large; past it, 502 engine_error."""
 
 
 class Instance(BaseModel):
@@ -157,9 +120,11 @@ class Deployment(BaseModel):
     memory: Memory | None = None
     """What one launched instance holds in each state (against resources.memory_budget)."""
     lifecycle: Lifecycle = Lifecycle()
+    _gpu: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
-    def _launchable(self) -> Self:
+    def _launchable(self, info: ValidationInfo) -> Self:
+        self._gpu = gpu_present((info.context or {}).get("devices", DEVICES))
         for i, inst in enumerate(self.instances):
             if inst.launch is not None:
                 problem = launch_problem(self.engine, inst.launch.command, inst.launch.env)
@@ -189,10 +154,10 @@ class Deployment(BaseModel):
 
     @cached_property
     def parks(self) -> bool:
-        """A park keeps the process up: asked (sleep), or where it always works (auto on a
-        llama.cpp router; vLLM's sleep needs a GPU, so auto never asks it)."""
+        """A park keeps the process up: asked (sleep), or under auto where it works (a
+        llama.cpp router; vLLM's sleep and SGLang's release where this machine has a GPU)."""
         park = self.lifecycle.park
-        return park == "sleep" or (park == "auto" and self.router)
+        return park == "sleep" or (park == "auto" and (self.router or self.can_park and self._gpu))
 
     @cached_property
     def launched(self) -> bool:
@@ -233,11 +198,8 @@ class GatewayConfig(BaseModel):
             if d.name in seen:
                 raise ValueError(f"two deployments are named {d.name!r}")
             seen.add(d.name)
-            if self.resources.memory_budget is not None and d.launched and d.memory is None:
-                raise ValueError(
-                    f"deployment {d.name!r}: memory is required when resources.memory_budget "
-                    "is set (what one instance holds ready and parked)"
-                )
+            if (problem := budget_problem(d, self.resources.memory_budget)) is not None:
+                raise ValueError(problem)
         return self
 
     def deployment(self, name: str) -> Deployment | None:
@@ -281,13 +243,16 @@ def load_config(path: Path) -> GatewayConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping with a 'deployments' list")
     try:
-        return GatewayConfig.model_validate(raw)
+        config = GatewayConfig.model_validate(raw)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {_describe(e)}"
             for e in exc.errors()
         )
         raise ConfigError(f"{path}: {problems}") from None
+    if (problem := url_only_problem(config.deployments)) is not None:
+        raise ConfigError(f"{path}: {problem}")  # an operator's file, not a host's view
+    return config
 
 
 def _describe(e: Any) -> str:

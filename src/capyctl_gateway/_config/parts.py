@@ -16,6 +16,7 @@ __all__ = [
     "STRICT",
     "Bytes",
     "ConfigError",
+    "EngineLogs",
     "Launch",
     "Lifecycle",
     "Memory",
@@ -100,6 +101,19 @@ class Lifecycle(BaseModel):
     is stopped (its process group killed) and started again for the next request."""
 
 
+class EngineLogs(BaseModel):
+    """How much of a launched engine's output is kept: each run writes files of its own, the
+    oldest part of a run dropped past ``files`` of ``file_size``; the files of the last
+    ``runs`` runs (the current one included) are kept. Default: 16 MiB x 3 x 4, at most
+    192 MiB per instance."""
+
+    model_config = STRICT
+
+    file_size: Bytes = Field(default=16 * 2**20, ge=4096)
+    files: int = Field(default=3, ge=1, le=100)
+    runs: int = Field(default=4, ge=1, le=100)
+
+
 class Launch(BaseModel):
     model_config = STRICT
 
@@ -107,3 +121,4 @@ class Launch(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     """Added to the gateway's environment."""
     startup_timeout: Seconds = 600.0
+    logs: EngineLogs = EngineLogs()

@@ -22,10 +22,12 @@ from .._config import Deployment
 from .._deployments.routes import EngineInstance
 from .._deployments.runner import LoadSample, ProcessView, Tracked
 from .._errors import StartFailedError
+from .._log import masked, secrets_in
+from .enginelog import EngineLog
 from .parking import drive
 from .process import EngineProcess, free_port, launch_argv, launch_env
 from .seen import Seen
-from .wakecheck import answer, compare
+from .wakecheck import auth_of, check, record
 
 __all__ = ["LocalRunner"]
 
@@ -48,10 +50,7 @@ class LocalRunner:
         log_dir: Path,
         clock: Callable[[], float],
     ) -> None:
-        self._inst = inst
-        self._dep = deployment
-        self._session = session
-        self._log_dir = log_dir
+        self._inst, self._dep, self._session, self._log_dir = inst, deployment, session, log_dir
         self._proc: EngineProcess | None = None
         self.seen = Seen(collector, inst.key, clock)
         self._recorded: str | None = None
@@ -95,21 +94,25 @@ class LocalRunner:
         if launch is None:
             raise StartFailedError(f"{inst.where} is an engine someone else runs")
         port = free_port()
-        log = self._log_dir / f"{d.name}-{inst.index}.log"
+        log = EngineLog(self._log_dir, f"{d.name}-{inst.index}", launch.logs)
         sleep = d.parks and not d.router  # a router parks by unloading: no flags
         argv = launch_argv(d.engine, launch, port, sleep=sleep)
-        proc = EngineProcess(argv, launch_env(d.engine, launch, sleep=sleep), log, port)
+        env = launch_env(d.engine, launch, sleep=sleep)
+        proc = EngineProcess(argv, env, log, port)
         self._proc = proc
         try:
             await proc.start(self._session, launch.startup_timeout)
         except StartFailedError as exc:
             self._proc = None
+            # The engine's output may carry its keys (vLLM prints its arguments): masked as
+            # ``status`` masks a command line, and the engine's own key wherever it appears.
+            tail = masked(exc.log_tail.rstrip(), [inst.engine_key, *secrets_in(argv, env)])
             logger.error(
                 "%s did not start: %s; its log %s ends:\n%s",
                 inst.where,
                 exc.message,
-                log,
-                exc.log_tail.rstrip(),
+                log.path,
+                tail,
             )
             raise
         except BaseException:
@@ -119,7 +122,7 @@ class LocalRunner:
         inst.bind(proc.url)
         self.watch()
         if d.parks and not d.router:  # what its wake checks will be compared with
-            self._recorded = await answer(self._session, proc.url, d.engine_model, _auth(inst))
+            self._recorded = await record(self._session, inst, d)
         return f"answered on port {port}"
 
     async def park(self, reason: str) -> None:
@@ -128,10 +131,8 @@ class LocalRunner:
     async def wake(self, reason: str) -> None:
         inst, d = self._inst, self._dep
         await _drive(self._session, inst, d, park=False)
-        if self._recorded is not None and inst.url is not None:
-            compare(
-                self._recorded, await answer(self._session, inst.url, d.engine_model, _auth(inst))
-            )
+        if self._recorded is not None:
+            await check(self._session, inst, d, self._recorded)
 
     async def stop(self, reason: str) -> bool:
         self.seen.unwatch()
@@ -166,12 +167,7 @@ async def _drive(
     if inst.url is None:
         raise StartFailedError(f"{inst.where} has no engine to drive")
     model = d.engine_model if d.router else None
-    await drive(session, d.engine, inst.url, _auth(inst), model, park=park)
-
-
-def _auth(inst: EngineInstance) -> dict[str, str]:
-    key = inst.engine_key
-    return {"Authorization": f"Bearer {key}"} if key is not None else {}
+    await drive(session, d.engine, inst.url, auth_of(inst), model, park=park)
 
 
 # --- what the collector says of a watched engine ----------------------------------------------

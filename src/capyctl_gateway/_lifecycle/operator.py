@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from .._deployments.routes import EngineInstance
 from .._errors import (
     ActivationFailedError,
     GatewayError,
@@ -16,7 +17,13 @@ from .controller import Lifecycle, fresh
 from .rest import quiesce
 from .states import DeploymentLife
 
-__all__ = ["deployments_list", "operator_park", "operator_start", "operator_stop"]
+__all__ = [
+    "deployments_list",
+    "operator_park",
+    "operator_start",
+    "operator_stop",
+    "seen_ready",
+]
 
 
 def _life(lifecycle: Lifecycle, name: str, known: bool) -> DeploymentLife:
@@ -80,6 +87,13 @@ async def operator_park(lifecycle: Lifecycle, name: str, *, known: bool) -> None
         )
 
 
+def seen_ready(inst: EngineInstance) -> bool:
+    """Whether what watches the instance's engine (the collector here, the host's reports
+    there) says it is ready: the judgement ``status`` shows. An engine someone else runs is
+    always admitting, so this alone says whether it can answer."""
+    return bool(inst.runner.describe().get("state") == "ready")
+
+
 def deployments_list(
     lifecycle: Lifecycle, routes: dict[str, Any], budget: int | None
 ) -> dict[str, Any]:
@@ -95,7 +109,8 @@ def deployments_list(
             "instances": len(route.instances),
             "ready": sum(1 for i in route.instances if i.available and not i.unusable),
         }
-        if life is None:
+        if life is None:  # always admitting: ready is what watches it says, as in ``status``
+            row["ready"] = sum(1 for i in route.instances if seen_ready(i) and not i.unusable)
             row["run_by"] = "someone else (url)"
             row["state"] = "ready" if row["ready"] else "unavailable"
         else:

@@ -4,8 +4,9 @@ it answers, stopped with its whole process group.
 The command is the operator's, plus ``--host 127.0.0.1 --port <free port>`` and the engine's
 forced flags (`EngineFacts.forced_flags`). It runs under a reaper (``reaper.py``), a small
 process that the kernel signals when the gateway dies (``PR_SET_PDEATHSIG``, even on SIGKILL)
-and that then stops the engine's whole process group, children included. Its output goes to a
-log file; the last lines of it go to the gateway's log when a start fails.
+and that then stops the engine's whole process group, children included. Its output goes
+through a pipe to its run's bounded log files (``enginelog.py``); the last of it goes to the
+gateway's log when a start fails (masked by the runner).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 
 from .._config import Launch
 from .._engines import EngineKind, facts
 from .._errors import StartFailedError
+from .enginelog import EngineLog
 
 __all__ = ["EngineProcess", "StartFailedError", "free_port", "launch_argv", "launch_env"]
 
@@ -65,10 +66,10 @@ def _die_with_parent() -> None:  # runs in the child, between fork and exec
 class EngineProcess:
     """A running engine process and its log."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, port: int) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], log: EngineLog, port: int) -> None:
         self.argv = argv
         self.env = env
-        self.log_path = log_path
+        self.log = log
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.proc: asyncio.subprocess.Process | None = None
@@ -94,30 +95,39 @@ class EngineProcess:
         Raises:
             StartFailedError: it exited, could not be run, or did not answer in time.
         """
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
-        with self.log_path.open("ab") as log:
-            try:
-                self.proc = await asyncio.create_subprocess_exec(
-                    *REAPER,
-                    *self.argv,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=asyncio.subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            except OSError as exc:
-                raise StartFailedError(f"the command could not be run: {exc.strerror}") from None
+        try:
+            self.log.open()
+        except OSError as exc:
+            raise StartFailedError(f"its log could not be created: {exc}") from None
+        read_fd, write_fd = os.pipe()
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *REAPER,
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=write_fd,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            os.close(read_fd)
+            self.log.close()
+            raise StartFailedError(f"the command could not be run: {exc.strerror}") from None
+        finally:
+            os.close(write_fd)  # the engine's and its reaper's now
+        self.log.follow(read_fd)
         self.started_at = time.monotonic()
         deadline = self.started_at + timeout_s
         health = f"{self.url}/health"
         while True:
             if self.proc.returncode is not None:
+                await self.log.drained()
                 raise StartFailedError(
                     f"the engine exited with status {self.proc.returncode} while starting",
-                    log_tail=self.log_tail(),
+                    log_tail=self.log.tail(),
                 )
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with session.get(health, timeout=aiohttp.ClientTimeout(total=2)) as resp:
@@ -128,7 +138,7 @@ class EngineProcess:
                 raise StartFailedError(
                     f"the engine did not answer /health within {timeout_s:.0f} s "
                     "(launch.startup_timeout)",
-                    log_tail=self.log_tail(),
+                    log_tail=self.log.tail(),
                 )
             await asyncio.sleep(PROBE_EVERY_S)  # polling a process we cannot be told about
 
@@ -150,19 +160,11 @@ class EngineProcess:
         if engine is not None:  # a reaper killed outright leaves its engine to the kernel
             _signal_group(engine, signal.SIGKILL)
             await _gone(engine)
+        await self.log.drained()
         return proc.returncode
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.returncode is not None
-
-    def log_tail(self, max_bytes: int = 2000) -> str:
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max_bytes))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
 
 
 def _only_child(pid: int) -> int | None:

@@ -11,12 +11,18 @@ a restore: it is not checked. Never imports the HTTP surface, the relay or the g
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp
 import orjson
 
+from .._config import Deployment
+from .._deployments.routes import EngineInstance
 from .._errors import StartFailedError
 
-__all__ = ["CHECK_TIMEOUT_S", "answer", "compare"]
+__all__ = ["CHECK_TIMEOUT_S", "answer", "auth_of", "check", "compare", "record"]
+
+logger = logging.getLogger("capyctl_gateway")
 
 CHECK_TIMEOUT_S = 60.0
 PROMPT = "Repeat after me, word for word: the quick brown fox jumps over the lazy dog."
@@ -71,3 +77,30 @@ def _joined(raw: bytes) -> str:
         if choices:
             parts.append(str(choices[0].get("delta", {}).get("content") or ""))
     return "".join(parts)
+
+
+def auth_of(inst: EngineInstance) -> dict[str, str]:
+    """The engine's key as a header (none when it has none)."""
+    key = inst.engine_key
+    return {"Authorization": f"Bearer {key}"} if key is not None else {}
+
+
+async def record(session: aiohttp.ClientSession, inst: EngineInstance, d: Deployment) -> str | None:
+    """The answer a just-started engine gives (None, logged, when it gives none: it serves,
+    but its wakes go unchecked)."""
+    if inst.url is None:
+        return None
+    try:
+        return await answer(session, inst.url, d.engine_model, auth_of(inst))
+    except StartFailedError as exc:
+        logger.warning("%s: no answer to record for its wake checks (%s)", inst.where, exc)
+        return None
+
+
+async def check(
+    session: aiohttp.ClientSession, inst: EngineInstance, d: Deployment, recorded: str
+) -> None:
+    """Ask a woken engine again; raise StartFailedError unless it answers as recorded."""
+    if inst.url is None:
+        raise StartFailedError("wake check: the engine has no address")
+    compare(recorded, await answer(session, inst.url, d.engine_model, auth_of(inst)))

@@ -1,0 +1,69 @@
+"""Rules across a configuration's keys: what would load and then do nothing, or never work.
+
+- The lifecycle keys and ``memory`` of a deployment whose instances are all ``url:`` (engines
+  someone else runs): the gateway never starts, parks or stops those, nor counts their memory
+  (in an operator's file: `load_config`).
+- A launched deployment without ``memory`` under a budget, or one whose ``memory.ready``, times
+  its launched instances on one machine, is more than the whole ``resources.memory_budget``: it
+  could never start (every request would wait for room that cannot be made, then get a 503).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from . import Deployment
+
+__all__ = ["budget_problem", "size", "url_only_problem"]
+
+
+def url_only_problem(deployments: Sequence[Deployment]) -> str | None:
+    """Why a deployment of ``url:`` instances only may not carry its lifecycle keys or memory.
+
+    Checked on an operator's file (`load_config`) only: the view a server sends a host sets
+    ``lifecycle`` on every deployment placed there, whatever runs it."""
+    for n, d in enumerate(deployments):
+        if d.launched:
+            continue
+        why = (
+            f"deployments.{n}: deployment {d.name!r} has only url: instances (engines someone "
+            "else runs); the gateway never starts, parks or stops them"
+        )
+        for key in sorted(d.lifecycle.model_fields_set):
+            return f"{why}, so lifecycle.{key} would do nothing; remove it"
+        if d.memory is not None:
+            return f"{why} nor counts their memory, so memory would do nothing; remove it"
+    return None
+
+
+def budget_problem(d: Deployment, budget: int | None) -> str | None:
+    """Why ``d`` cannot run under ``budget``: a launched deployment that does not say what it
+    holds, or one whose instances on one machine hold more ready than all of it."""
+    if budget is None or not d.launched:
+        return None
+    if d.memory is None:
+        return (
+            f"deployment {d.name!r}: memory is required when resources.memory_budget is set "
+            "(what one instance holds ready and parked)"
+        )
+    per_machine = Counter(i.host for i in d.instances if i.launch is not None)
+    most = max(per_machine.values(), default=0)
+    need = d.memory.ready * most
+    if need <= budget:
+        return None
+    times = f" x {most} launched instances on one machine = {size(need)}" if most > 1 else ""
+    return (
+        f"deployment {d.name!r}: memory.ready {size(d.memory.ready)}{times} is more than the "
+        f"whole resources.memory_budget {size(budget)}; it could never start"
+    )
+
+
+def size(n: int) -> str:
+    """A size as an operator writes it: ``15GiB``, ``512MiB``, ``100B``."""
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= factor:
+            return f"{n / factor:.4g}{unit}"
+    return f"{n}B"

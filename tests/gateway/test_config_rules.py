@@ -1,0 +1,112 @@
+"""What would load and then do nothing, or never work, is refused at load with the key named;
+and ``list`` and ``status`` say the same of an engine someone else runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from capyctl_gateway import GatewayConfig, load_config
+from capyctl_gateway._lifecycle.operator import deployments_list
+from capyctl_gateway._management.status import deployment_status
+from tests.gateway.conftest import Gw, deployments
+from tests.gateway.test_lifecycle import launched, refused
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["activation", "park", "ready_idle_timeout", "parked_idle_timeout", "drain_timeout"],
+)
+def test_a_lifecycle_key_on_url_instances_only_is_refused(tmp_path: Path, key: str) -> None:
+    value = {"activation": "explicit", "park": "stop", "drain_timeout": "5s"}.get(key, "10m")
+    dep = deployments("http://127.0.0.1:8000", lifecycle={key: value})
+    said = refused(tmp_path, {"deployments": [dep]})
+    assert "deployments.0: deployment 'my-model' has only url: instances" in said
+    assert f"so lifecycle.{key} would do nothing" in said
+
+
+def test_memory_on_url_instances_only_is_refused(tmp_path: Path) -> None:
+    dep = deployments("http://127.0.0.1:8000", memory={"ready": "2GiB"})
+    said = refused(tmp_path, {"deployments": [dep]})
+    assert "deployment 'my-model' has only url: instances" in said
+    assert "so memory would do nothing" in said
+
+
+def test_lifecycle_and_memory_stay_allowed_where_an_instance_is_launched() -> None:
+    dep = launched(memory={"ready": "2GiB"}, lifecycle={"park": "stop", "drain_timeout": "5s"})
+    dep["instances"].append({"url": "http://127.0.0.1:8000"})
+    GatewayConfig.model_validate({"deployments": [dep]})
+    GatewayConfig.model_validate({"deployments": [deployments("http://127.0.0.1:8000")]})
+
+
+def test_a_deployment_larger_than_the_whole_budget_is_refused(tmp_path: Path) -> None:
+    one = launched(memory={"ready": "16GiB"})
+    said = refused(tmp_path, {"resources": {"memory_budget": "15GiB"}, "deployments": [one]})
+    assert "deployment 'my-model': memory.ready 16GiB is more than the whole" in said
+    assert "resources.memory_budget 15GiB" in said
+    two = launched(memory={"ready": "10GiB"})
+    two["instances"] *= 2
+    said = refused(tmp_path, {"resources": {"memory_budget": "15GiB"}, "deployments": [two]})
+    assert "memory.ready 10GiB x 2 launched instances on one machine = 20GiB" in said
+    assert "15GiB" in said
+
+
+def test_a_deployment_that_fits_the_budget_on_each_machine_loads() -> None:
+    fits = launched(memory={"ready": "15GiB"})
+    GatewayConfig.model_validate({"resources": {"memory_budget": "15GiB"}, "deployments": [fits]})
+    spread = launched(memory={"ready": "10GiB"})
+    launch = spread["instances"][0]["launch"]
+    spread["instances"] = [{"host": h, "launch": launch} for h in ("gpu-a", "gpu-b")]
+    doc = {"resources": {"memory_budget": "15GiB"}, "deployments": [spread]}
+    GatewayConfig.model_validate(doc)  # the budget is per machine
+
+
+def test_every_configuration_in_the_docs_still_loads(tmp_path: Path) -> None:
+    found = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
+            doc = yaml.safe_load(block)
+            if isinstance(doc, dict) and "deployments" in doc:
+                (tmp_path / "g.yaml").write_text(block)
+                load_config(tmp_path / "g.yaml")
+                found += 1
+    assert found >= 4
+
+
+# -- list and status ----------------------------------------------------------------------------
+def _said(gw: Gw, name: str) -> tuple[str, str, int]:
+    fleet = gw.gateway.fleet
+    doc = deployment_status(fleet, name)
+    assert doc is not None
+    (row,) = [
+        r
+        for r in deployments_list(fleet.lifecycle, fleet.routes, None)["deployments"]
+        if r["name"] == name
+    ]
+    return doc["deployment"]["state"], row["state"], row["ready"]
+
+
+@pytest.mark.anyio
+async def test_list_and_status_agree_on_an_engine_someone_else_runs(
+    make_gateway: Any, engine: Any, unresponsive: str
+) -> None:
+    gw = await make_gateway(
+        {
+            "deployments": [
+                deployments(engine.url, name="up"),
+                deployments(unresponsive, name="down"),
+            ]
+        }
+    )
+    collector = gw.gateway.fleet.collector
+    await collector.refresh("up/0")  # one collection cycle each, now
+    await collector.refresh("down/0")
+    assert collector.status("down/0").state.value != "ready"
+    assert _said(gw, "up") == ("ready", "ready", 1)
+    assert _said(gw, "down") == ("unavailable", "unavailable", 0)
