@@ -22,9 +22,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._config import Deployment, GatewayConfig
+from .._config import REMOTE_MAX_BODY_BYTES, Deployment, GatewayConfig
 
 __all__ = [
+    "INGRESS_MAX_BODY_BYTES",
     "LOST_AFTER_S",
     "MAX_MESSAGE_BYTES",
     "NOT_FORWARDED",
@@ -43,6 +44,12 @@ STALE_AFTER_S = 3.0
 """A host's engine sample older than this is not load (routing falls back to the server's own
 in-flight count)."""
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+REWRITE_ROOM_BYTES = 64 * 1024
+"""What the server's rewrite of a request (the engine's model id, ``stream`` and
+``stream_options``) may add to a client's body at the limit and still be forwarded."""
+INGRESS_MAX_BODY_BYTES = REMOTE_MAX_BODY_BYTES + REWRITE_ROOM_BYTES
+"""The largest body a host's ingress takes (413 past it): the client's 8 MiB and the room for
+the server's rewrite. The server checks the body it rebuilt against it before sending."""
 NOT_FORWARDED = "X-CapyCTL-Not-Forwarded"
 """Set by a host's ingress on every answer it gives without forwarding the request: the engine
 never saw it, so the server may offer it to another instance (the relay reads it)."""
