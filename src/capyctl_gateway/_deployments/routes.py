@@ -5,7 +5,9 @@ instance a request is offered to. Load is the engine's own count of running and 
 requests when a fresh sample has it, and never less than the requests the gateway has in
 flight there. Cut requests still waiting to be settled are not load: they say what the engine
 may still be doing and what memory stays counted, and an instance whose clients gave up early
-must not be starved of traffic for it.
+must not be starved of traffic for it. An instance that provably never got a request (its
+connection refused, its host's ingress busy) rests for `NOT_ACCEPTED_REST_S`: it is passed over
+while another instance can take the request, then offered requests again.
 
 Never imports the HTTP surface or the relay.
 """
@@ -16,6 +18,7 @@ import asyncio
 import functools
 import itertools
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field
 from urllib.parse import urlsplit
@@ -30,6 +33,7 @@ from .runner import LoadSample, Runner
 from .settle import InstanceLedger, Settlement
 
 __all__ = [
+    "NOT_ACCEPTED_REST_S",
     "EngineInstance",
     "Route",
     "Waiters",
@@ -39,6 +43,11 @@ __all__ = [
     "load_of",
     "usage_penalty",
 ]
+
+NOT_ACCEPTED_REST_S = 5.0
+"""How long an instance that failed to accept a request (`NotAcceptedError`) is passed over
+while another can take requests: long enough that a dead engine behind a live host is not
+offered every request first, short enough that one back up is soon used again."""
 
 ENGINE_HEADERS = {
     "Content-Type": "application/json",
@@ -185,19 +194,38 @@ class Route:
     queue: DeploymentQueue
     waiters: Waiters
     turn: itertools.count[int] = field(default_factory=itertools.count)
+    clock: Callable[[], float] = time.monotonic
+    resting: dict[int, float] = field(default_factory=dict)
+    """Instances that failed to accept a request, with when their rest ends."""
+    _start: int = 0
+
+    def not_accepted(self, inst: EngineInstance) -> None:
+        """``inst`` provably never got a request: it rests for `NOT_ACCEPTED_REST_S`."""
+        self.resting[inst.index] = self.clock() + NOT_ACCEPTED_REST_S
+
+    def rest_left(self, inst: EngineInstance) -> float:
+        """Seconds left of ``inst``'s rest; 0 when it has none."""
+        left = self.resting.get(inst.index, -math.inf) - self.clock()
+        if left <= 0:
+            self.resting.pop(inst.index, None)
+        return max(left, 0.0)
 
     def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> EngineInstance | None:
-        """The least loaded usable instance among those not excluded; ties rotate."""
+        """The least loaded usable instance among those not excluded, resting ones only when
+        no other can take it; ties rotate, once per request (a failover keeps its turn)."""
         if len(self.instances) == 1:
             only = self.instances[0]
             return None if only.index in exclude or only.unusable or not only.available else only
-        start = next(self.turn) % len(self.instances)
+        if not exclude:
+            self._start = next(self.turn) % len(self.instances)
+        start = self._start
         ordered = [
             i
             for i in self.instances[start:] + self.instances[:start]
             if i.index not in exclude and not i.unusable and i.available
         ]
-        return min(ordered, key=load) if ordered else None
+        rested = [i for i in ordered if not self.rest_left(i)] or ordered
+        return min(rested, key=load) if rested else None
 
 
 def usage_penalty(usage: float | None) -> int:

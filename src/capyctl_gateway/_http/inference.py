@@ -199,6 +199,7 @@ class Inference:
             except NotAcceptedError as exc:
                 # The engine never saw it: another instance may serve it, within the deadline.
                 refused.add(instance.index)
+                route.not_accepted(instance)
                 details.append(exc.detail or exc.message)
                 log_route("router_failover", call, instance.index, instance.host, exc.detail)
         raise EngineError(
