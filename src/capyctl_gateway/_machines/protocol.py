@@ -89,6 +89,8 @@ class InstanceReport:
     """Set when the engine sample was taken after the host received this ping and after its
     ingress's last forward to the instance ended, with nothing in flight there: the evidence
     that settles a cut request (see `Machines`)."""
+    quiet_for_s: float | None = None
+    """With ``quiet_ping``: how long before the sample was requested that last forward ended."""
     pid: int | None = None
     port: int | None = None
     command: list[str] | None = None
@@ -107,6 +109,7 @@ class InstanceReport:
             "age_s": self.age_s,
             "ingress_in_flight": self.ingress_in_flight,
             "quiet_ping": self.quiet_ping,
+            "quiet_for_s": self.quiet_for_s,
             "pid": self.pid,
             "port": self.port,
             "command": self.command,
@@ -138,6 +141,7 @@ class InstanceReport:
             age_s=opt_float("age_s"),
             ingress_in_flight=int(doc["ingress_in_flight"]),
             quiet_ping=opt_int("quiet_ping"),
+            quiet_for_s=opt_float("quiet_for_s"),
             pid=opt_int("pid"),
             port=opt_int("port"),
             command=[str(a) for a in command] if isinstance(command, list) else None,
