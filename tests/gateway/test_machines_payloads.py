@@ -5,6 +5,7 @@ one over the limit, or of no stated length, reaches nothing."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +45,11 @@ class HashingEngine(FakeEngine):
         raw = await request.read()  # aiohttp keeps it: FakeEngine.chat reads it again
         self.digests.append((len(raw), hashlib.sha256(raw).hexdigest()))
         return await super().chat(request)
+
+    async def decide(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.digests.append((len(raw), hashlib.sha256(raw).hexdigest()))
+        return await super().decide(request)
 
 
 @pytest.fixture
@@ -196,3 +202,26 @@ async def test_the_8_mib_limit_of_a_deployment_on_a_host_is_measured_on_what_the
     assert len(engine.received) == 1  # neither refusal left the server
     sent = orjson.loads(compact)["messages"][0]["content"]
     assert engine.received[0].body["messages"][0]["content"] == sent
+
+
+async def test_a_decision_with_a_6_mib_image_reaches_the_engine_through_server_and_host_whole(
+    cluster: Callable[..., Awaitable[Cluster]], hashing: Callable[[], Awaitable[HashingEngine]]
+) -> None:
+    from tests.gateway.test_decisions import ASK
+
+    engine = await hashing()
+    decider = {"name": "decider", "engine": "tensorfold", "engine_version": "0.6.1",
+               "served_model": "tiny", "api": "decisions",
+               "instances": [{"host": "gpu-box", "url": engine.url}]}  # fmt: skip
+    c = await cluster([decider])
+    await c.start_host("gpu-box")
+    await reported(c, lambda i, r: r.gate is not None)
+    image = "data:image/png;base64," + base64.b64encode(os.urandom(6 * 2**20 * 3 // 4)).decode()
+    assert len(image) > 6 * 2**20
+    body = {**ASK, "images": [image]}
+    async with c.client() as client:
+        r = await client.post("/v1/systemone", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "decider"
+    sent = orjson.dumps({**body, "model": "tiny"})  # what the server sends: its own name only
+    assert engine.digests == [(len(sent), hashlib.sha256(sent).hexdigest())]
