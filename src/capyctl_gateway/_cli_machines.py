@@ -1,5 +1,5 @@
-"""The CLI of several machines: the server's control listener, ``invite host``, ``host join``
-and ``host serve``."""
+"""The CLI of several machines: the server's control listener, ``invite host``, ``revoke host``,
+``host join`` and ``host serve``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import signal
 import socket
+import sqlite3
 import ssl
 import sys
 from collections.abc import Callable, Mapping
@@ -156,8 +157,10 @@ def register(
     app: typer.Typer, state_of: Callable[[Path | None], Path], fail: Callable[[str], typer.Exit]
 ) -> None:
     invite_app = typer.Typer(help="Invite machines to this server.", no_args_is_help=True)
+    revoke_app = typer.Typer(help="Cut machines off this server.", no_args_is_help=True)
     host_app = typer.Typer(help="Run this machine as a host of a server.", no_args_is_help=True)
     app.add_typer(invite_app, name="invite")
+    app.add_typer(revoke_app, name="revoke")
     app.add_typer(host_app, name="host")
 
     @invite_app.command("host")
@@ -169,6 +172,10 @@ def register(
             str | None,
             typer.Option("--server", help="The control address as the host reaches it."),
         ] = None,
+        replace: Annotated[
+            bool,
+            typer.Option("--replace", help="NAME is enrolled: enroll a new machine in its place."),
+        ] = False,
         state_dir: StateOpt = None,
     ) -> None:
         """Write a single-use join file (mode 0600) for host NAME."""
@@ -187,13 +194,48 @@ def register(
                 )
             seconds = _duration(valid)
             invites = Invites(state / "machines.sqlite3")
-            token, expires = invites.create(name, seconds)
-            invites.close()
+            try:
+                if invites.roster.enrolled(name) and not replace:
+                    raise ConfigError(
+                        f"host {name} is enrolled already: a second machine of that name would "
+                        "take its place. To enroll a new machine in its place, add --replace "
+                        "(the old one is refused once the new one joins); to cut it off, "
+                        f"`capyctl-gateway revoke host {name}`"
+                    )
+                token, expires = invites.create(name, seconds)
+            finally:
+                invites.close()
             ca = identity.ca_cert.read_bytes()
             JoinFile(name, control, ca, pki.fingerprint(ca), token, expires).write(output)
         except (ConfigError, OSError) as exc:
             raise fail(str(exc)) from None
         typer.echo(f"join file for host {name} written to {output} (valid {valid}, used once)")
+
+    @revoke_app.command("host")
+    def revoke_host(
+        name: Annotated[str, typer.Argument(help="The host's name.")],
+        state_dir: StateOpt = None,
+    ) -> None:
+        """Refuse host NAME's certificate from now on; a running server closes its session
+        within a second (it reads the revocation from its state directory)."""
+        state = state_of(state_dir)
+        path = state / "machines.sqlite3"
+        try:
+            if not path.exists():
+                raise ConfigError(f"no server state in {state}: no host was enrolled there")
+            invites = Invites(path)
+            try:
+                done = invites.roster.revoke(name)
+            finally:
+                invites.close()
+        except (ConfigError, OSError, sqlite3.Error) as exc:
+            raise fail(str(exc)) from None
+        if not done:
+            raise fail(f"host {name} holds no certificate here (never enrolled, or revoked)")
+        typer.echo(
+            f"host {name} revoked: its certificate is refused from now on, and a running "
+            "server closes its session within a second; to enroll it again, invite it"
+        )
 
     @host_app.command("join")
     def host_join(

@@ -27,8 +27,9 @@ import aiohttp
 from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions
 
 from ._config import GatewayConfig
+from ._deployments.build import build_routes
 from ._deployments.checks import CheckWatch
-from ._deployments.routes import EngineInstance, Route, build_routes
+from ._deployments.routes import EngineInstance, Route
 from ._deployments.runner import Runner
 from ._deployments.settle import CutRequest, Settlement
 from ._engine_client import IDLE_S, EngineClient

@@ -29,23 +29,37 @@ def skipped(route: Route) -> list[str]:
     return out
 
 
+def _open(i: EngineInstance, exclude: set[int]) -> bool:
+    return i.index not in exclude and not i.unusable and i.available
+
+
 def candidates(
     route: Route, exclude: set[int]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """What a ``router_selection`` event shows: each instance that could take the request with
-    its score and the sample it came from, and each one skipped with the reason."""
+    its score and the sample it came from, and each one skipped with the reason (an instance
+    resting after it failed to accept a request: ``not_accepted_recently``, with the rest's
+    time left)."""
     chosen: list[dict[str, Any]] = []
     skipped_: list[dict[str, Any]] = []
+    open_ = [i for i in route.instances if _open(i, exclude)]
+    # Resting instances are passed over only while another can take the request (Route.choose).
+    rests = {i.index: route.rest_left(i) for i in open_}
+    others = not all(rests.values())
     for i in route.instances:
         reason = None
+        row: dict[str, Any] = {"instance": i.index, "host": i.host}
         if i.index in exclude:
             reason = "not_accepted"
         elif i.unusable:
             reason = "failed_checks"
         elif not i.available:
             reason = closed_reason(i)
+        elif others and rests[i.index]:
+            reason = "not_accepted_recently"
+            row["rest_left_ms"] = round(rests[i.index] * 1000)
         if reason is not None:
-            skipped_.append({"instance": i.index, "host": i.host, "reason": reason})
+            skipped_.append({**row, "reason": reason})
             continue
         s = i.runner.sample()
         engine = s is not None and s.counted

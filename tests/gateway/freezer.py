@@ -36,6 +36,10 @@ class Freezer:
     def freeze(self) -> None:
         self._flowing.clear()
 
+    def thaw(self) -> None:
+        """The link is back: what the connections still hold moves again."""
+        self._flowing.set()
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)

@@ -25,7 +25,12 @@ from capyctl_gateway._host import Host, join
 from capyctl_gateway._http.tls import TLSSite
 from capyctl_gateway._machines import pki
 from capyctl_gateway._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
-from capyctl_gateway._machines.protocol import NOT_FORWARDED, deployment_tag, ingress_path
+from capyctl_gateway._machines.protocol import (
+    INGRESS_MAX_BODY_BYTES,
+    NOT_FORWARDED,
+    deployment_tag,
+    ingress_path,
+)
 from tests.gateway.conftest import COLLECTOR, KEY
 from tests.gateway.fake_engine import FakeEngine, Hold, vllm_stream
 from tests.gateway.freezer import Freezer
@@ -579,7 +584,7 @@ async def test_the_ingress_bounds_its_bodies_and_its_forwards(
     url = host.ingress_url + ingress_path("m", 0) + "/v1/chat/completions"
     auth = {"Authorization": f"Bearer {gate.key}"}
     async with httpx.AsyncClient(timeout=30) as client:
-        r = await client.post(url, content=b"x" * (8 * 1024 * 1024 + 1), headers=auth)
+        r = await client.post(url, content=b"x" * (INGRESS_MAX_BODY_BYTES + 1), headers=auth)
         assert r.status_code == 413 and r.headers[NOT_FORWARDED] == "request_too_large"
         monkeypatch.setattr(ingress_module, "MAX_FORWARDS", 1)
         body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}

@@ -5,6 +5,7 @@ one over the limit, or of no stated length, reaches nothing."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,12 @@ import pytest
 from aiohttp import web
 
 from capyctl_gateway._config import REMOTE_MAX_BODY_BYTES
-from capyctl_gateway._machines.protocol import NOT_FORWARDED, deployment_tag, ingress_path
+from capyctl_gateway._machines.protocol import (
+    INGRESS_MAX_BODY_BYTES,
+    NOT_FORWARDED,
+    deployment_tag,
+    ingress_path,
+)
 from tests.gateway.fake_engine import FakeEngine, vllm_stream
 from tests.gateway.test_machines import Cluster, _site, cluster, dep, reported
 
@@ -39,6 +45,11 @@ class HashingEngine(FakeEngine):
         raw = await request.read()  # aiohttp keeps it: FakeEngine.chat reads it again
         self.digests.append((len(raw), hashlib.sha256(raw).hexdigest()))
         return await super().chat(request)
+
+    async def decide(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.digests.append((len(raw), hashlib.sha256(raw).hexdigest()))
+        return await super().decide(request)
 
 
 @pytest.fixture
@@ -85,7 +96,7 @@ async def gated(
     return c, url, {"Authorization": f"Bearer {gate.key}"}
 
 
-@pytest.mark.parametrize("size", [500_000, 1_000_000, 4_000_000, 8_000_000, REMOTE_MAX_BODY_BYTES])
+@pytest.mark.parametrize("size", [500_000, 1_000_000, 4_000_000, 8_000_000, INGRESS_MAX_BODY_BYTES])
 async def test_the_ingress_forwards_a_body_up_to_its_limit_byte_for_byte(
     cluster: Callable[..., Awaitable[Cluster]],
     hashing: Callable[[], Awaitable[HashingEngine]],
@@ -137,7 +148,7 @@ async def test_the_ingress_refuses_a_body_over_its_limit_or_of_no_length_and_for
         yield chat_body(1000)
 
     async with httpx.AsyncClient(timeout=30) as client:
-        r = await client.post(url, content=chat_body(REMOTE_MAX_BODY_BYTES + 1), headers=auth)
+        r = await client.post(url, content=chat_body(INGRESS_MAX_BODY_BYTES + 1), headers=auth)
         assert r.status_code == 413 and r.headers[NOT_FORWARDED] == "request_too_large"
         assert r.json()["code"] == "request_too_large"
         r = await client.post(url, content=pieces(), headers=auth)
@@ -157,3 +168,60 @@ async def test_a_two_megabyte_chat_through_server_and_host_arrives_whole(
     assert r.status_code == 200, r.text
     assert len(engine.received) == 1
     assert engine.received[0].body["messages"][0]["content"] == prompt
+
+
+def remote_chat(size: int, tail: bytes = b"") -> bytes:
+    """A chat request for deployment ``m`` of exactly ``size`` bytes as sent: compact JSON,
+    then ``tail`` (whitespace)."""
+    shell = b'{"model":"m","messages":[{"role":"user","content":""}]}'
+    pad = os.urandom(size).hex()[: size - len(shell) - len(tail)]
+    body = shell.replace(b'"content":""', b'"content":"' + pad.encode() + b'"') + tail
+    assert len(body) == size
+    return body
+
+
+async def test_the_8_mib_limit_of_a_deployment_on_a_host_is_measured_on_what_the_client_sent(
+    cluster: Callable[..., Awaitable[Cluster]], hashing: Callable[[], Awaitable[HashingEngine]]
+) -> None:
+    engine = await hashing()
+    c, _, _ = await gated(cluster, engine)
+    compact = remote_chat(REMOTE_MAX_BODY_BYTES)  # the engine's copy is a few bytes longer
+    pretty = remote_chat(REMOTE_MAX_BODY_BYTES + 1, tail=b"\n" * 1024)  # its copy is shorter
+    # Under 4 MiB as sent; as the engine would get it (1e5 written 100000.0), over 8 MiB.
+    shell = b'{"model":"m","messages":[{"role":"user","content":"x"}],"guided_json":'
+    grows = shell + b'{"enum":[' + b",".join([b"1e5"] * 1_000_000) + b"]}}"
+    assert len(grows) < REMOTE_MAX_BODY_BYTES // 2
+    plain = {"Content-Type": "application/json"}
+    async with c.client() as client:
+        r = await client.post("/v1/chat/completions", content=compact, headers=plain)
+        assert r.status_code == 200, r.text
+        r = await client.post("/v1/chat/completions", content=pretty, headers=plain)
+        assert r.status_code == 413 and r.json()["code"] == "request_too_large", r.text
+        r = await client.post("/v1/chat/completions", content=grows, headers=plain)
+        assert r.status_code == 413 and "as the engine would get it" in r.json()["message"]
+    assert len(engine.received) == 1  # neither refusal left the server
+    sent = orjson.loads(compact)["messages"][0]["content"]
+    assert engine.received[0].body["messages"][0]["content"] == sent
+
+
+async def test_a_decision_with_a_6_mib_image_reaches_the_engine_through_server_and_host_whole(
+    cluster: Callable[..., Awaitable[Cluster]], hashing: Callable[[], Awaitable[HashingEngine]]
+) -> None:
+    from tests.gateway.test_decisions import ASK
+
+    engine = await hashing()
+    decider = {"name": "decider", "engine": "tensorfold", "engine_version": "0.6.1",
+               "served_model": "tiny", "api": "decisions",
+               "instances": [{"host": "gpu-box", "url": engine.url}]}  # fmt: skip
+    c = await cluster([decider])
+    await c.start_host("gpu-box")
+    await reported(c, lambda i, r: r.gate is not None)
+    image = "data:image/png;base64," + base64.b64encode(os.urandom(6 * 2**20 * 3 // 4)).decode()
+    assert len(image) > 6 * 2**20
+    body = {**ASK, "images": [image]}
+    async with c.client() as client:
+        r = await client.post("/v1/systemone", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "decider"
+    sent = orjson.dumps({**body, "model": "tiny"})  # what the server sends: its own name only
+    assert engine.digests == [(len(sent), hashlib.sha256(sent).hexdigest())]

@@ -5,7 +5,9 @@ instance a request is offered to. Load is the engine's own count of running and 
 requests when a fresh sample has it, and never less than the requests the gateway has in
 flight there. Cut requests still waiting to be settled are not load: they say what the engine
 may still be doing and what memory stays counted, and an instance whose clients gave up early
-must not be starved of traffic for it.
+must not be starved of traffic for it. An instance that provably never got a request (its
+connection refused, its host's ingress busy) rests for `NOT_ACCEPTED_REST_S`: it is passed over
+while another instance can take the request, then offered requests again.
 
 Never imports the HTTP surface or the relay.
 """
@@ -13,41 +15,35 @@ Never imports the HTTP surface or the relay.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from urllib.parse import urlsplit
 
 from yarl import URL
 
-from .._config import ConfigError, Deployment, GatewayConfig, Instance, Launch
-from .._engines import facts
+from .._config import Deployment, Launch
 from .._log import event
-from .queue import Admission, DeploymentQueue
+from .queue import DeploymentQueue
 from .runner import LoadSample, Runner, Tracked
-from .settle import InstanceLedger, Settlement
+from .settle import InstanceLedger
 
 __all__ = [
+    "NOT_ACCEPTED_REST_S",
     "EngineInstance",
     "Route",
     "Waiters",
-    "build_routes",
-    "check_engine_keys",
     "load",
     "load_of",
     "usage_penalty",
 ]
 
-ENGINE_HEADERS = {
-    "Content-Type": "application/json",
-    "Accept": "text/event-stream",
-    # The stream is parsed as it comes: the engine must not compress it.
-    "Accept-Encoding": "identity",
-    # Ours, so that aiohttp adds none of its own (and skips work doing so).
-    "User-Agent": "capyctl-gateway",
-}
+NOT_ACCEPTED_REST_S = 5.0
+"""How long an instance that failed to accept a request (`NotAcceptedError`) is passed over
+while another can take requests: long enough that a dead engine behind a live host is not
+offered every request first, short enough that one back up is soon used again."""
 
 
 class Waiters:
@@ -187,19 +183,38 @@ class Route:
     queue: DeploymentQueue
     waiters: Waiters
     turn: itertools.count[int] = field(default_factory=itertools.count)
+    clock: Callable[[], float] = time.monotonic
+    resting: dict[int, float] = field(default_factory=dict)
+    """Instances that failed to accept a request, with when their rest ends."""
+    _start: int = 0
+
+    def not_accepted(self, inst: EngineInstance) -> None:
+        """``inst`` provably never got a request: it rests for `NOT_ACCEPTED_REST_S`."""
+        self.resting[inst.index] = self.clock() + NOT_ACCEPTED_REST_S
+
+    def rest_left(self, inst: EngineInstance) -> float:
+        """Seconds left of ``inst``'s rest; 0 when it has none."""
+        left = self.resting.get(inst.index, -math.inf) - self.clock()
+        if left <= 0:
+            self.resting.pop(inst.index, None)
+        return max(left, 0.0)
 
     def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> EngineInstance | None:
-        """The least loaded usable instance among those not excluded; ties rotate."""
+        """The least loaded usable instance among those not excluded, resting ones only when
+        no other can take it; ties rotate, once per request (a failover keeps its turn)."""
         if len(self.instances) == 1:
             only = self.instances[0]
             return None if only.index in exclude or only.unusable or not only.available else only
-        start = next(self.turn) % len(self.instances)
+        if not exclude:
+            self._start = next(self.turn) % len(self.instances)
+        start = self._start
         ordered = [
             i
             for i in self.instances[start:] + self.instances[:start]
             if i.index not in exclude and not i.unusable and i.available
         ]
-        return min(ordered, key=load) if ordered else None
+        rested = [i for i in ordered if not self.rest_left(i)] or ordered
+        return min(rested, key=load) if rested else None
 
 
 def usage_penalty(usage: float | None) -> int:
@@ -207,67 +222,3 @@ def usage_penalty(usage: float | None) -> int:
     if usage is None or usage <= 0.8:
         return 0
     return math.ceil((min(usage, 1.0) - 0.8) / 0.2 * 8)
-
-
-def _engine_key(instance: Instance, env: Mapping[str, str]) -> str | None:
-    if instance.api_key_env is None:
-        return None
-    key = env.get(instance.api_key_env)
-    if not key:
-        where = instance.url or "launched"
-        raise ConfigError(f"instance {where}: api_key_env {instance.api_key_env} is not set")
-    return key
-
-
-def build_routes(
-    config: GatewayConfig,
-    env: Mapping[str, str],
-    settlement: Settlement,
-    runner_for: Callable[[EngineInstance, str | None], Runner],
-) -> dict[str, Route]:
-    """One route per deployment, each instance with the runner ``runner_for`` chooses for it;
-    raises ConfigError for an engine key that is not set."""
-    admission = Admission(config.queue.max_waiting_total)
-    routes: dict[str, Route] = {}
-    for d in config.deployments:
-        waiters = Waiters()
-        instances = []
-        for i, inst in enumerate(d.instances):
-            key = _engine_key(inst, env) if inst.host is None else None  # read on the host
-            headers = dict(ENGINE_HEADERS)
-            if key is not None:
-                headers["Authorization"] = f"Bearer {key}"
-            if facts(d.engine).closes_after_stream:
-                headers["Connection"] = "close"  # so the connection is never reused
-            ledger = settlement.ledger(f"{d.name}/{i}")
-            url = inst.url if inst.host is None else None  # one on a host: at its ingress
-            place = functools.partial(_placed, runner_for, inst.host)
-            instances.append(
-                EngineInstance(
-                    d.name, i, url, headers, key, ledger, waiters, place, launch=inst.launch
-                )
-            )
-        queue = DeploymentQueue(
-            admission,
-            max_running=config.queue.max_running_per_deployment,
-            max_waiting=config.queue.max_waiting_per_deployment,
-            gated=d.launched,
-        )
-        routes[d.name] = Route(d, instances, queue, waiters)
-    return routes
-
-
-def _placed(
-    runner_for: Callable[[EngineInstance, str | None], Runner],
-    host: str | None,
-    inst: EngineInstance,
-) -> Runner:
-    return runner_for(inst, host)
-
-
-def check_engine_keys(config: GatewayConfig, env: Mapping[str, str]) -> None:
-    """Raise ConfigError for an engine key that is not set (before anything is opened)."""
-    for d in config.deployments:
-        for inst in d.instances:
-            if inst.host is None:
-                _engine_key(inst, env)

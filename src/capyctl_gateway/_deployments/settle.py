@@ -8,6 +8,10 @@ therefore stays charged to its instance until the collector shows the engine sto
 * if it had not (cut before the first token), at the engine's next stop or restart: a new
   process start marker, or its health check failing and then recovering after the cut. An
   engine that never started the request could still start it after looking idle.
+* on a host, an engine someone else runs (``url:``) may never stop or restart: a request cut
+  there before its first token (a partition, a host lost) settles also on a report whose
+  sample shows the engine idle, taken after the cut and `QUIET_GRACE_S` after the ingress's
+  last forward to it ended (its engine connection closed), with nothing in flight there.
 
 While an instance has cut requests, the collector polls it every 250 ms.
 """
@@ -28,15 +32,31 @@ from canopyx_provider import (
     ScrapeSucceeded,
 )
 
-__all__ = ["CutRequest", "InstanceLedger", "SettleRule", "Settled", "Settlement", "settle_remote"]
+__all__ = [
+    "QUIET_GRACE_S",
+    "CutRequest",
+    "InstanceLedger",
+    "SettleRule",
+    "Settled",
+    "Settlement",
+    "settle_remote",
+]
 
 logger = logging.getLogger(__name__)
 FAST_POLL_MS = 250
+QUIET_GRACE_S = 5.0
+"""How long before an idle sample a host's ingress must have ended its last forward to an
+engine for that sample to settle a request cut there before its first token: time enough for
+an engine to count a request whose connection was closed as it arrived."""
 
 
 class SettleRule(StrEnum):
     WHEN_IDLE = "when the engine reports idle"
     AT_RESTART = "at the engine's next stop or restart"
+    WHEN_QUIET_ON_HOST = (
+        "when its host's ingress has been quiet for 5 s and the engine idle, "
+        "or at the engine's next stop or restart"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +86,9 @@ class InstanceLedger:
     cut: list[CutRequest] = field(default_factory=list)
     down_since: float | None = None
     """When the engine's health check started failing (None while it answers)."""
+    unanswered: SettleRule = SettleRule.AT_RESTART
+    """The rule of a request cut before the engine answered (an engine someone else runs on
+    a host: `SettleRule.WHEN_QUIET_ON_HOST`, set by its runner)."""
 
     @property
     def charged(self) -> int:
@@ -112,7 +135,7 @@ class Settlement:
     def cut(
         self, ledger: InstanceLedger, request_id: str, *, answered: bool, reason: str
     ) -> CutRequest:
-        rule = SettleRule.WHEN_IDLE if answered else SettleRule.AT_RESTART
+        rule = SettleRule.WHEN_IDLE if answered else ledger.unanswered
         item = CutRequest(request_id, self._clock(), rule, reason)
         ledger.cut.append(item)
         if self._on_cut is not None:
@@ -211,10 +234,12 @@ def settle_remote(
     *,
     idle_after: float | None,
     restarted_before: float | None,
+    quiet_after: float | None = None,
 ) -> None:
     """A host's report on a remote instance: its ingress and engine were seen idle in a
-    sample taken no earlier than ``idle_after``, or its engine restarted or stopped no
-    earlier than ``restarted_before`` (both on the settlement's clock)."""
+    sample taken no earlier than ``idle_after`` (and ``quiet_after``: that sample came
+    `QUIET_GRACE_S` after the ingress's last forward ended), or its engine restarted or stopped
+    no earlier than ``restarted_before`` (all on the settlement's clock)."""
     if restarted_before is not None:
         settlement.settle(
             ledger, lambda c: c.cut_at < restarted_before, "engine restarted on its host"
@@ -225,4 +250,11 @@ def settle_remote(
             lambda c: c.rule is SettleRule.WHEN_IDLE and c.cut_at < idle_after,
             "engine and ingress idle on its host",
             sample_requested_at=idle_after,
+        )
+    if quiet_after is not None:
+        settlement.settle(
+            ledger,
+            lambda c: c.rule is SettleRule.WHEN_QUIET_ON_HOST and c.cut_at < quiet_after,
+            f"engine idle and ingress quiet for {QUIET_GRACE_S:g} s on its host",
+            sample_requested_at=quiet_after,
         )

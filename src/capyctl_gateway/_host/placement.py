@@ -163,6 +163,7 @@ def _report(p: Placed, now: float, pings: Sequence[tuple[int, float]]) -> Instan
     s = inst.runner.sample()  # the one sample routing and status read too
     proc = inst.runner.process()
     requested_at = now - s.age_s if s is not None else None
+    quiet = _quiet_ping(p.gate, requested_at, pings)
     return InstanceReport(
         deployment=inst.deployment,
         instance=p.index,
@@ -174,7 +175,10 @@ def _report(p: Placed, now: float, pings: Sequence[tuple[int, float]]) -> Instan
         usage=s.usage if s is not None else None,
         age_s=s.age_s if s is not None else None,
         ingress_in_flight=p.gate.in_flight,
-        quiet_ping=_quiet_ping(p.gate, requested_at, pings),
+        quiet_ping=quiet,
+        quiet_for_s=None
+        if quiet is None or requested_at is None
+        else requested_at - p.gate.last_end,
         pid=proc.pid if proc is not None else None,
         port=proc.port if proc is not None else None,
         command=proc.argv if proc is not None else None,

@@ -17,7 +17,7 @@ from aiohttp import web
 from canopyx_provider import ProviderOptions
 
 from .._config import GatewayConfig
-from .._deployments.routes import check_engine_keys
+from .._deployments.build import check_engine_keys
 from .._fleet import open_fleet
 from .._gateway import Gateway
 from .._machines.enroll import ServerIdentity

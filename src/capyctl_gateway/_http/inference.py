@@ -28,6 +28,7 @@ from .._errors import EngineError, GatewayError, NotAcceptedError, TooLargeError
 from .._fleet import Fleet
 from .._gateway import Gateway
 from .._loop import running_loop
+from .._machines.protocol import INGRESS_MAX_BODY_BYTES
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange
@@ -130,11 +131,8 @@ class Inference:
             tally.deployment = name = dep.name  # the refusals below count under it
             stream = surface.check(body, dep)
             payload = engine_payload(body, dep, chat=surface.api is Api.CHAT, stream=stream)
-            if dep.remote and len(payload) > REMOTE_MAX_BODY_BYTES:
-                raise TooLargeError(
-                    f"deployment {name} runs on another machine: its requests must fit in "
-                    f"{REMOTE_MAX_BODY_BYTES} bytes"
-                )
+            if dep.remote:
+                _fits_a_host(name, len(raw), len(payload))
             del raw, body
             fleet = self.gw.fleet
             route = fleet.routes[name]
@@ -201,11 +199,29 @@ class Inference:
             except NotAcceptedError as exc:
                 # The engine never saw it: another instance may serve it, within the deadline.
                 refused.add(instance.index)
+                route.not_accepted(instance)
                 details.append(exc.detail or exc.message)
                 log_route("router_failover", call, instance.index, instance.host, exc.detail)
         raise EngineError(
             f"deployment {name}: its instances could not be reached",
             detail="; ".join(details) or "no instance to send it to",
+        )
+
+
+def _fits_a_host(name: str, sent: int, payload: int) -> None:
+    """Refuse (413) a request for a deployment on another machine that its host's ingress
+    would not take: the body the client sent over 8 MiB, or the engine's copy of it (the
+    model renamed, a stream asked for, numbers written out) past the ingress's limit."""
+    if sent > REMOTE_MAX_BODY_BYTES:
+        raise TooLargeError(
+            f"deployment {name} runs on another machine: its requests must fit in "
+            f"{REMOTE_MAX_BODY_BYTES} bytes"
+        )
+    if payload > INGRESS_MAX_BODY_BYTES:
+        raise TooLargeError(
+            f"deployment {name} runs on another machine: the request as the engine would get "
+            f"it is {payload} bytes, over the {INGRESS_MAX_BODY_BYTES} its host takes (the "
+            "gateway writes numbers such as 1e5 out in full: 100000.0)"
         )
 
 

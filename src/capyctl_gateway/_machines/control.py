@@ -24,6 +24,7 @@ from .._log import SparseLog, event
 from . import pki
 from .enroll import JoinError
 from .protocol import LOST_AFTER_S, MAX_MESSAGE_BYTES, REPORT_EVERY_S, InstanceReport, host_view
+from .roster import der_fingerprint
 
 if TYPE_CHECKING:
     from .server import Machines
@@ -40,6 +41,8 @@ logger = logging.getLogger("capyctl_gateway")
 class HostSession:
     name: str
     ws: web.WebSocketResponse
+    cert: str
+    """The fingerprint of the certificate it came with (checked against the roster)."""
     peer: str | None = None
     """The address its session comes from (where its ingress must be)."""
     ingress: str = ""
@@ -87,24 +90,23 @@ class _Control:
             shown = host if pki.valid_host_name(host) else "(an invalid name)"
             self.refusals.warning("an enrollment as host %s was refused: %s", shown, exc)
             return _refuse(403, "join_refused", str(exc))
+        self.m.invites.roster.enroll(host, pki.fingerprint(cert))  # warns of a name taken over
         logger.info("host %s enrolled", host)
         return web.json_response({"certificate": cert.decode()})
 
     async def session(self, request: web.Request) -> web.StreamResponse:
-
         transport = request.transport
-        peer = transport.get_extra_info("peercert") if transport is not None else None
-        host = pki.peer_host(peer)
-        if host is None:
-            self.refusals.warning("a session without a host's certificate was refused")
-            return _refuse(401, "unauthorized", "a session needs the host's certificate")
+        admitted = _admitted(self.m, self.refusals, transport)
+        if isinstance(admitted, web.Response):
+            return admitted
+        host, cert = admitted
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
         await ws.prepare(request)
         old = self.m.sessions.get(host)
         if old is not None:  # the newer session wins (a host that reconnected)
             self.m.lost(old, "replaced by a new session")
         peername = transport.get_extra_info("peername") if transport is not None else None
-        session = HostSession(host, ws, peer=peername[0] if peername else None)
+        session = HostSession(host, ws, cert, peer=peername[0] if peername else None)
         try:
             await self._converse(session)
         finally:
@@ -153,7 +155,11 @@ class _Control:
                 await pinger
 
     async def _ping(self, session: HostSession) -> None:
+        """Ping every second; and close the session once its certificate no longer holds the
+        host's name (revoked, or the name enrolled again elsewhere)."""
         for n in itertools.count():
+            if not _holds_its_name(self.m, session):
+                return
             session.pinged[n] = self.m.clock()
             if len(session.pinged) > PINGS_KEPT:
                 session.pinged.pop(min(session.pinged))
@@ -175,6 +181,37 @@ class _Control:
             fut = session.pending.get(int(msg.get("id", -1)))
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+
+
+def _admitted(
+    m: Machines, refusals: SparseLog, transport: asyncio.BaseTransport | None
+) -> tuple[str, str] | web.Response:
+    """The host a session comes from and its certificate's fingerprint; or the refusal: no
+    host's certificate (401), or one that does not hold its name (403: revoked, or the name
+    enrolled again elsewhere), decided before it can replace the name's holder's session."""
+    peer = transport.get_extra_info("peercert") if transport is not None else None
+    host = pki.peer_host(peer)
+    if host is None or transport is None:
+        refusals.warning("a session without a host's certificate was refused")
+        return _refuse(401, "unauthorized", "a session needs the host's certificate")
+    tls = transport.get_extra_info("ssl_object")
+    cert = der_fingerprint((tls.getpeercert(binary_form=True) if tls is not None else None) or b"")
+    why = m.invites.roster.refusal(host, cert)
+    if why is not None:
+        refusals.warning("a session of host %s was refused: %s", host, why)
+        return _refuse(403, "host_refused", f"host {host}: {why}")
+    return host, cert
+
+
+def _holds_its_name(m: Machines, session: HostSession) -> bool:
+    """Whether the session's certificate still holds its host's name; if not (revoked, or the
+    name enrolled again elsewhere), the session is closed."""
+    why = m.invites.roster.refusal(session.name, session.cert)
+    if why is None:
+        return True
+    logger.warning("host %s: session closed: %s", session.name, why)
+    m.lost(session, why)
+    return False
 
 
 def ingress_origin(value: object) -> str | None:

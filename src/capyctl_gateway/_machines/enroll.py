@@ -26,6 +26,7 @@ import orjson
 from .._errors import OperatorError
 from .._identity import check_private
 from . import pki
+from .roster import Roster
 
 __all__ = [
     "HostIdentity",
@@ -103,6 +104,8 @@ class Invites:
         self._db = sqlite3.connect(path, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        self.roster = Roster(self._db)
+        """The enrolled hosts' certificates and revocations (same database)."""
 
     def close(self) -> None:
         self._db.close()

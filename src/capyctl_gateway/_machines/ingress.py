@@ -6,15 +6,16 @@ session. Anything else is refused, with `NOT_FORWARDED` set so that the server k
 never saw it: a missing key, or one no open gate has (401, decided before the path is looked at,
 so that nobody without a key learns which instances are here), an unknown instance (404), another
 instance's key or a closed gate's (401), a query string or a compressed body (400), a body
-over 8 MiB (413), an engine that cannot be reached (502). An accepted request goes to the engine
-with the engine's own key, and its answer comes back byte for byte. When the server's connection
-goes away, the ingress closes the engine connection (that is the engine's signal to stop); when
-the control session is lost, it closes every forward.
+over `INGRESS_MAX_BODY_BYTES` (413), an engine that cannot be reached (502). An accepted request
+goes to the engine with the engine's own key, and its answer comes back byte for byte. When the
+server's connection goes away, the ingress closes the engine connection (that is the engine's
+signal to stop); when the control session is lost, it closes every forward.
 
 A body is streamed to the engine as it arrives, byte for byte, never held whole: its length is the
-request's ``Content-Length`` (the server always sends one), at most 8 MiB; a request without one
-is refused (411 ``length_required``, not forwarded), as is one over the limit (413), before the
-engine is contacted.
+request's ``Content-Length`` (the server always sends one), at most 8 MiB and 64 KiB (the
+client's 8 MiB and room for the server's rewrite); a request without one is refused (411
+``length_required``, not forwarded), as is one over the limit (413), before the engine is
+contacted.
 
 Bind it to a private address that only the server can reach (docs/gateway/machines.md has the
 firewall rule). Never imports the HTTP surface, the relay or the lifecycle.
@@ -32,8 +33,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from .._config import REMOTE_MAX_BODY_BYTES
-from .protocol import NOT_FORWARDED
+from .protocol import INGRESS_MAX_BODY_BYTES, NOT_FORWARDED
 
 __all__ = ["MAX_FORWARDS", "Gate", "create_ingress_app"]
 
@@ -102,7 +102,7 @@ def create_ingress_app(
         length = request.content_length
         if length is None or "Transfer-Encoding" in request.headers:
             return _refuse(411, "length_required", "a request body needs a Content-Length")
-        if length > REMOTE_MAX_BODY_BYTES:
+        if length > INGRESS_MAX_BODY_BYTES:
             return _refuse(413, "request_too_large", "over the ingress's body limit")
         if busy[0] >= MAX_FORWARDS or gate.url is None:
             return _refuse(503, "shutting_down", "the ingress takes no more requests now")
@@ -123,7 +123,7 @@ def create_ingress_app(
             gate.last_end = time.time()
             busy[0] -= 1
 
-    app = web.Application(client_max_size=REMOTE_MAX_BODY_BYTES)
+    app = web.Application(client_max_size=INGRESS_MAX_BODY_BYTES)
     app.router.add_post("/i/{deployment}/{index}/{tail:.*}", forward)
     return app
 

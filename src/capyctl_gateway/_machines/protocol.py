@@ -22,9 +22,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._config import Deployment, GatewayConfig
+from .._config import REMOTE_MAX_BODY_BYTES, Deployment, GatewayConfig
 
 __all__ = [
+    "INGRESS_MAX_BODY_BYTES",
     "LOST_AFTER_S",
     "MAX_MESSAGE_BYTES",
     "NOT_FORWARDED",
@@ -43,6 +44,12 @@ STALE_AFTER_S = 3.0
 """A host's engine sample older than this is not load (routing falls back to the server's own
 in-flight count)."""
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+REWRITE_ROOM_BYTES = 64 * 1024
+"""What the server's rewrite of a request (the engine's model id, ``stream`` and
+``stream_options``) may add to a client's body at the limit and still be forwarded."""
+INGRESS_MAX_BODY_BYTES = REMOTE_MAX_BODY_BYTES + REWRITE_ROOM_BYTES
+"""The largest body a host's ingress takes (413 past it): the client's 8 MiB and the room for
+the server's rewrite. The server checks the body it rebuilt against it before sending."""
 NOT_FORWARDED = "X-CapyCTL-Not-Forwarded"
 """Set by a host's ingress on every answer it gives without forwarding the request: the engine
 never saw it, so the server may offer it to another instance (the relay reads it)."""
@@ -82,6 +89,8 @@ class InstanceReport:
     """Set when the engine sample was taken after the host received this ping and after its
     ingress's last forward to the instance ended, with nothing in flight there: the evidence
     that settles a cut request (see `Machines`)."""
+    quiet_for_s: float | None = None
+    """With ``quiet_ping``: how long before the sample was requested that last forward ended."""
     pid: int | None = None
     port: int | None = None
     command: list[str] | None = None
@@ -100,6 +109,7 @@ class InstanceReport:
             "age_s": self.age_s,
             "ingress_in_flight": self.ingress_in_flight,
             "quiet_ping": self.quiet_ping,
+            "quiet_for_s": self.quiet_for_s,
             "pid": self.pid,
             "port": self.port,
             "command": self.command,
@@ -131,6 +141,7 @@ class InstanceReport:
             age_s=opt_float("age_s"),
             ingress_in_flight=int(doc["ingress_in_flight"]),
             quiet_ping=opt_int("quiet_ping"),
+            quiet_for_s=opt_float("quiet_for_s"),
             pid=opt_int("pid"),
             port=opt_int("port"),
             command=[str(a) for a in command] if isinstance(command, list) else None,

@@ -18,7 +18,7 @@ import orjson
 
 from .._deployments.routes import EngineInstance
 from .._deployments.runner import LoadSample, ProcessView, Reported, Tracked
-from .._deployments.settle import Settlement, settle_remote
+from .._deployments.settle import QUIET_GRACE_S, Settlement, SettleRule, settle_remote
 from .._errors import HostGoneError, OrderRefusedError
 from .._log import shown
 from .control import HostSession
@@ -100,20 +100,14 @@ class HostRunner(Reported):
     """One instance's engine on a host."""
 
     def __init__(
-        self,
-        inst: EngineInstance,
-        link: HostLink,
-        settlement: Settlement,
-        *,
-        loop_time: Any,
+        self, inst: EngineInstance, link: HostLink, settlement: Settlement, *, loop_time: Any
     ) -> None:
-        self._inst = inst
-        self._link = link
-        self._settlement = settlement
-        self._time = loop_time
+        self._inst, self._link, self._settlement, self._time = inst, link, settlement, loop_time
         self.latest: RemoteSample | None = None
         self.exchanges: set[Tracked] = set()
         link.runners[(inst.deployment, inst.index)] = self
+        if inst.launch is None:  # nothing on its host stops or restarts it: quiet settles
+            inst.ledger.unanswered = SettleRule.WHEN_QUIET_ON_HOST
 
     @property
     def host(self) -> str:
@@ -246,7 +240,8 @@ def _settle(
     """Settle what the report proves done: with its engine stopped or replaced since the
     report before, every request sent before that report; with a quiet sample taken after
     the host received ping n, every request that had answered and was cut before the
-    server sent ping n."""
+    server sent ping n; with that sample taken `QUIET_GRACE_S` after the ingress's last forward
+    ended, also every request cut before its first token on an engine someone else runs."""
     if not inst.ledger.cut:
         return
     restarted_before = None
@@ -254,8 +249,16 @@ def _settle(
         restarted_before = settlement.now()
     elif before is not None and before.report.generation != report.generation:
         restarted_before = before.received_wall
-    idle_after = None
+    idle_after = quiet_after = None
     quiet = report.quiet_ping
     if quiet is not None and report.running == 0 and report.waiting == 0:
         idle_after = session.pinged.get(quiet)
-    settle_remote(settlement, inst.ledger, idle_after=idle_after, restarted_before=restarted_before)
+        if (report.quiet_for_s or 0.0) >= QUIET_GRACE_S:
+            quiet_after = idle_after
+    settle_remote(
+        settlement,
+        inst.ledger,
+        idle_after=idle_after,
+        restarted_before=restarted_before,
+        quiet_after=quiet_after,
+    )

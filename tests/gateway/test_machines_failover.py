@@ -1,0 +1,102 @@
+"""Several machines when an instance fails, over real loopback sockets: a dead engine behind a
+live host rests after it refused a request, instead of being offered every request first; a
+request a partition cut before the engine saw it settles once its host shows the engine idle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from capyctl_gateway import GATEWAY_KEY
+from capyctl_gateway._deployments.routes import NOT_ACCEPTED_REST_S
+from capyctl_gateway._deployments.settle import QUIET_GRACE_S, SettleRule
+from capyctl_gateway._machines.protocol import deployment_tag
+from capyctl_gateway._management.status import deployment_status
+from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.freezer import Freezer
+from tests.gateway.test_machines import Cluster, cluster, dep, engines, reported, stream
+
+__all__ = ["cluster", "engines"]
+
+pytestmark = pytest.mark.anyio
+
+
+def _events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
+    return [getattr(r, "fields", {}) for r in caplog.records if getattr(r, "event", "") == name]
+
+
+async def test_an_instance_that_refused_a_request_rests_and_is_offered_requests_again_after(
+    cluster: Callable[..., Awaitable[Cluster]],
+    engines: Callable[[], Awaitable[FakeEngine]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = await engines(), await engines()
+    a.script = b.script = stream("ok")
+    c = await cluster([dep({"host": "box-a", "url": a.url}, {"host": "box-b", "url": b.url})])
+    await c.start_host("box-a")
+    await c.start_host("box-b")
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    # box-a's ingress goes down; its session is still live, so its instance is still open
+    await c.hosts["box-a"][2].cleanup()
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    caplog.set_level("INFO", "capyctl_gateway")
+    async with c.client() as client:
+        for _ in range(30):
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        failed = _events(caplog, "router_failover")
+        assert len(failed) == 1 and failed[0]["host"] == "box-a", failed
+        picks = _events(caplog, "router_selection")
+        assert len(picks) == 31  # 30 requests, one of them offered twice
+        rested = [s for p in picks[2:] for s in p["skipped"]]
+        assert len(rested) == 29 and all(s["reason"] == "not_accepted_recently" for s in rested)
+        assert all(0 < s["rest_left_ms"] <= NOT_ACCEPTED_REST_S * 1000 for s in rested)
+        route = gw.fleet.routes["m"]
+        later = route.clock() + NOT_ACCEPTED_REST_S
+        route.clock = lambda: later  # its rest is over: it is offered a request again
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    assert len(_events(caplog, "router_failover")) == 2
+    assert len(b.received) == 31 and a.received == []
+
+
+async def test_a_request_a_partition_cut_before_the_engine_saw_it_settles_when_its_host_is_quiet(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    engine = await engines()
+    engine.script = stream("ok")
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    links: list[Freezer] = []
+    await c.start_host("gpu-box", links)
+    await reported(c, lambda i, r: r.gate is not None)
+    gw = c.app[GATEWAY_KEY] if c.app else None
+    assert gw is not None
+    ledger = gw.fleet.settlement.ledgers["m/0"]
+    for link in links:  # the link goes down before the request leaves the server
+        link.freeze()
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with c.client() as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 502 and r.json()["code"] == "engine_error", r.text
+    assert [cut.rule for cut in ledger.cut] == [SettleRule.WHEN_QUIET_ON_HOST]
+    doc = deployment_status(gw.fleet, "m")
+    assert doc is not None
+    assert doc["instances"][0]["cancelled"][0]["settles"] == SettleRule.WHEN_QUIET_ON_HOST.value
+    settled = anyio.Event()
+    gw.fleet.settlement.settled_observers.append(lambda key, cuts, why: settled.set())
+    # As if the ingress had ended a forward to the engine just now: the grace runs from there.
+    gate = c.hosts["gpu-box"][0].gate(deployment_tag("m"), 0)
+    assert gate is not None
+    gate.last_end = ended = time.time()
+    for link in links:  # the link is back: the host connects again and reports
+        link.thaw()
+    with anyio.fail_after(20):
+        await settled.wait()
+    assert ledger.cut == [] and engine.received == []
+    last = gw.fleet.settlement.recent[-1]
+    assert last.why == f"engine idle and ingress quiet for {QUIET_GRACE_S:g} s on its host"
+    assert last.sample_requested_at is not None and last.sample_requested_at > last.cut.cut_at
+    assert last.at >= ended + QUIET_GRACE_S
