@@ -35,6 +35,7 @@ from ._deployments.settle import CutRequest, Settlement
 from ._engine_client import IDLE_S, EngineClient
 from ._errors import UnavailableError
 from ._lifecycle.controller import Lifecycle
+from ._lifecycle.leftovers import outlast, recorder
 from ._lifecycle.local import LocalRunner
 from ._lifecycle.states import Launched
 from ._lifecycle.watch import boot
@@ -158,6 +159,9 @@ async def open_fleet(
             remember=(lambda n, s, t: store.set_intent(n, stopped=s, started=t)) if store else None,
         )
         lifecycle.engines.observers.append(_transitions(telemetry))
+        if store is not None:  # a previous run's engines go before this one starts any
+            await outlast(store)
+            lifecycle.engines.observers.append(recorder(store))
         if store is not None:  # the collector polls: a restored cut is polled fast at once
             restore(store, routes, settlement, lifecycle)
         machines = None

@@ -1,6 +1,7 @@
 """What the gateway keeps across its own restarts, in one SQLite file under the state directory
 (``<state>/gateway.sqlite3``): an operator's intent for each launched deployment (stopped by an
-operator, started by one), and the cut requests each instance still counts.
+operator, started by one), the cut requests each instance still counts, and the engine
+processes this machine runs (a restart waits for those a previous run left).
 
 A cut request is kept by the gateway's own request ID, its instance, when it was cut, by which
 rule it settles and why; a caller's ``X-Request-Id`` is never stored. Writes are small and rare
@@ -41,6 +42,11 @@ CREATE TABLE IF NOT EXISTS cut (
     reason TEXT NOT NULL,
     PRIMARY KEY (instance, request_id)
 );
+CREATE TABLE IF NOT EXISTS engine (
+    instance TEXT PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    started INTEGER NOT NULL
+);
 """
 
 
@@ -55,6 +61,18 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+
+    # -- engine processes this machine runs (a restart waits for a previous run's) -------------
+    def engines(self) -> dict[str, tuple[int, int]]:
+        """Each instance's engine process as recorded: (pid, its start time in clock ticks)."""
+        rows = self._db.execute("SELECT instance, pid, started FROM engine")
+        return {key: (int(pid), int(started)) for key, pid, started in rows}
+
+    def engine_up(self, instance: str, pid: int, started: int) -> None:
+        self._db.execute("INSERT OR REPLACE INTO engine VALUES (?, ?, ?)", (instance, pid, started))
+
+    def engine_down(self, instance: str) -> None:
+        self._db.execute("DELETE FROM engine WHERE instance = ?", (instance,))
 
     # -- operator intent --------------------------------------------------------------------
     def intent(self) -> dict[str, tuple[bool, bool]]:

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--child-pid-file", default=None, help="fork a child, as vLLM does")
     p.add_argument("--stray-pid-file", default=None, help="fork a child that leaves the group")
     p.add_argument("--garbled-after-wake", action="store_true", help="answer wrong once woken")
+    p.add_argument("--ignore-sigterm", action="store_true", help="linger until SIGKILL")
+    p.add_argument("--lock-file", default=None, help="exit 9 if another engine holds it")
     p.add_argument("--echo-env", default=None)
     p.add_argument("--chatty", type=int, default=0)
     args, _unknown = p.parse_known_args(argv)
@@ -52,6 +54,19 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     if args.chatty:
         chatter(args.chatty)
+    if args.ignore_sigterm:
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.lock_file:  # one engine at a time may hold it (a GPU's memory, say)
+        import fcntl
+
+        held = open(args.lock_file, "w")  # noqa: SIM115 (held until the process ends)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.stdout.write("fake engine: another engine still holds the lock\n")
+            sys.exit(9)
     if args.exit_at_once is not None:
         sys.stdout.write(f"fake engine: exiting with {args.exit_at_once} as asked\n")
         sys.exit(args.exit_at_once)
@@ -157,7 +172,14 @@ def main(argv: list[str] | None = None) -> None:
     engine.routes(app)
     sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
     sys.stdout.flush()
-    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+    web.run_app(
+        app,
+        host=args.host,
+        port=args.port,
+        print=None,
+        handler_cancellation=True,
+        handle_signals=not args.ignore_sigterm,  # aiohttp's own SIGTERM handler would stop it
+    )
 
 
 def chatter(total: int) -> None:

@@ -5,16 +5,23 @@ comes back after a crash without a request; every transition says who asked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
+import yaml
 
 from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._lifecycle.operator import operator_start
@@ -22,6 +29,7 @@ from tests.gateway.conftest import COLLECTOR, KEY, Gw
 from tests.gateway.test_lifecycle import launched, transitions
 from tests.gateway.test_lifecycle_processes import moved_to, process
 from tests.gateway.test_lifecycle_races import engines_running, said, served
+from tests.gateway.test_operator import free_port
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]
@@ -108,3 +116,103 @@ async def test_a_switch_names_the_deployment_it_makes_room_for(
     assert switched["reason"] == "switched out for deployment b (the memory budget) (a stop here)"
     starts = {t["deployment"]: t["reason"] for t in transitions(caplog, "starting")}
     assert starts == {"a": "a request is waiting", "b": "a request is waiting"}
+
+
+def test_a_gateway_started_again_after_a_sigkill_waits_for_the_engine_it_left(
+    tmp_path: Path,
+) -> None:
+    """Started again right after a SIGKILL, the gateway launched a second engine while the
+    first was still in its reaper's 10 s grace (here it ignores SIGTERM, so it stays the whole
+    grace, and holds a lock a second engine cannot take while it lives)."""
+    lock = tmp_path / "engine.lock"
+    dep = launched(
+        extra=["--ignore-sigterm", "--lock-file", str(lock)], lifecycle={"activation": "always"}
+    )
+    config = tmp_path / "g.yaml"
+    config.write_text(yaml.safe_dump({"deployments": [dep]}))
+    state = tmp_path / "state"
+    first = serve(config, state)
+    try:
+        old = engine_pid(first)
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(timeout=30)
+        second = serve(config, state)  # at once: the old engine is still in its grace
+        try:
+            new = engine_pid(second)
+            assert new != old
+            assert wait_gone_now(old), "the old engine still runs beside the new one"
+            log = second.log()
+            assert '"to":"failed"' not in log  # its engine never met the old one's lock
+            assert "waiting for 1 engine(s) a previous run left to stop" in log
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+
+
+@dataclass
+class Served:
+    """``capyctl-gateway serve`` as a process, its log in a file."""
+
+    process: subprocess.Popen[bytes]
+    management: str
+    key_file: Path
+    log_file: Path
+
+    def log(self) -> str:
+        return self.log_file.read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def serve(config: Path, state: Path) -> Served:
+    mport = free_port()
+    log = state.parent / f"gateway-{mport}.log"
+    argv = [
+        str(Path(sys.executable).with_name("capyctl-gateway")), "serve", "--config", str(config),
+        "--listen", f"127.0.0.1:{free_port()}", "--management", f"127.0.0.1:{mport}",
+        "--state-dir", str(state), "--log-format", "json",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=out, env=env)
+    return Served(
+        proc, f"http://127.0.0.1:{mport}/management/v1", state / "identity" / "credentials", log
+    )
+
+
+def engine_pid(gw: Served, within: float = 60) -> int:
+    """The pid of the deployment's engine once it is ready (read from ``status``, over HTTP:
+    the gateway is another process, so this asks until it says so, within a bound)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        assert gw.process.poll() is None, gw.log()
+        if gw.key_file.exists():
+            key = gw.key_file.read_text().split()[1]
+            with contextlib.suppress(httpx.HTTPError):
+                doc = httpx.get(
+                    f"{gw.management}/deployments/my-model",
+                    headers={"Authorization": f"Bearer {key}"},
+                    timeout=5,
+                ).json()
+                inst = doc["instances"][0]
+                if inst.get("lifecycle") == "ready" and inst.get("process", {}).get("pid"):
+                    return int(inst["process"]["pid"])
+        time.sleep(0.1)  # another process's state: asked again, within the bound
+    raise AssertionError(f"no ready engine within {within} s:\n{gw.log()}")
+
+
+def wait_gone_now(pid: int) -> bool:
+    """Whether process ``pid`` has already exited (or is a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -26,7 +26,14 @@ from .._engines import EngineKind, facts
 from .._errors import StartFailedError
 from .enginelog import EngineLog
 
-__all__ = ["EngineProcess", "StartFailedError", "free_port", "launch_argv", "launch_env"]
+__all__ = [
+    "EngineProcess",
+    "StartFailedError",
+    "free_port",
+    "gone_within",
+    "launch_argv",
+    "launch_env",
+]
 
 STOP_GRACE_S = 15.0
 """A stopping engine's reaper gets SIGTERM (it gives the engine 10 s), and SIGKILL after this."""
@@ -159,7 +166,7 @@ class EngineProcess:
         _signal_group(proc.pid, signal.SIGKILL)  # children that outlived their leader
         if engine is not None:  # a reaper killed outright leaves its engine to the kernel
             _signal_group(engine, signal.SIGKILL)
-            await _gone(engine)
+            await gone_within(engine)
         await self.log.drained()
         return proc.returncode
 
@@ -177,12 +184,12 @@ def _only_child(pid: int) -> int | None:
     return int(children[0]) if children else None
 
 
-async def _gone(pid: int, within: float = STOP_GRACE_S) -> None:
-    """Return once process ``pid`` has exited (a pidfd turns readable), or after ``within``."""
+async def gone_within(pid: int, within: float = STOP_GRACE_S) -> bool:
+    """Whether process ``pid`` has exited within ``within`` s (a pidfd turns readable)."""
     try:
         fd = os.pidfd_open(pid)
-    except (ProcessLookupError, OSError):
-        return  # gone already
+    except OSError:
+        return True  # gone already
     loop = asyncio.get_running_loop()
     exited: asyncio.Future[None] = loop.create_future()
 
@@ -194,10 +201,11 @@ async def _gone(pid: int, within: float = STOP_GRACE_S) -> None:
     try:
         await asyncio.wait_for(exited, within)
     except TimeoutError:
-        pass
+        return False
     finally:
         loop.remove_reader(fd)
         os.close(fd)
+    return True
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
