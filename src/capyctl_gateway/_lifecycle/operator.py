@@ -119,8 +119,8 @@ def deployments_list(
             if d.memory is not None:
                 row["memory_held"] = lifecycle.budget.held_by(life)
         rows.append(row)
-    return {
-        "deployments": rows,
-        "memory_budget": budget,
-        "memory_held": lifecycle.budget.held(),
-    }
+    held = lifecycle.budget.held()
+    doc: dict[str, Any] = {"deployments": rows, "memory_budget": budget, "memory_held": held}
+    if budget is not None and held > budget:  # only a stop nobody could confirm does this
+        doc["over_budget"] = True
+    return doc

@@ -111,6 +111,11 @@ def print_list(console: Console, doc: dict[str, Any]) -> None:
     budget = doc["memory_budget"]
     console.print(
         f"memory held by launched deployments: {doc['memory_held']} bytes"
-        + ("" if budget is None else f" of a budget of {budget}"),
+        + ("" if budget is None else f" of a budget of {budget}")
+        + (
+            " (OVER BUDGET: an engine's stop was not confirmed; its memory stays counted)"
+            if doc.get("over_budget")
+            else ""
+        ),
         soft_wrap=True,
     )
