@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -670,3 +671,58 @@ async def test_refusals_on_the_control_port_are_logged_at_most_once_a_second(
                 assert r.status == 403 and (await r.json())["code"] == "join_refused"
     refused = [r for r in caplog.records if "was refused" in r.getMessage()]
     assert 1 <= len(refused) <= 2  # 50 refusals within about a second: one line, two at most
+
+
+async def test_a_gate_key_works_for_one_host_session_only(
+    cluster: Callable[..., Awaitable[Cluster]],
+    engines: Callable[[], Awaitable[FakeEngine]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The gate key crosses the server–host link in clear: one captured there must stop
+    working when the session it was sent over ends."""
+    engine = await engines()
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    host = await c.start_host("gpu-box")
+    await reported(c, lambda i, r: r.gate is not None)
+    (gate,) = host.placed.gates.values()
+    captured = gate.key
+    assert captured is not None
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    lost = asyncio.Event()
+    watch = _SessionLost(lost)
+    logging.getLogger("capyctl_gateway").addHandler(watch)
+    try:
+        await c.stop_server()
+        await asyncio.wait_for(lost.wait(), 15)  # the host saw its session go
+    finally:
+        logging.getLogger("capyctl_gateway").removeHandler(watch)
+    assert key_of(gate) is None
+    await c.start_server()
+    await reported(c, lambda i, r: r.gate is not None, within=20)
+    fresh = key_of(gate)
+    assert fresh is not None and fresh != captured
+    ingress = host.ingress_url + ingress_path("m", 0) + "/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    async with httpx.AsyncClient() as client:
+        r = await client.post(ingress, json=body, headers={"Authorization": f"Bearer {captured}"})
+    assert r.status_code == 401 and r.headers[NOT_FORWARDED] == "unauthorized"
+    assert engine.received == []
+
+
+def key_of(gate: Any) -> str | None:
+    """The gate's key now (read anew each time)."""
+    key: str | None = gate.key
+    return key
+
+
+class _SessionLost(logging.Handler):
+    """Sets ``lost`` when a host logs that its session is lost."""
+
+    def __init__(self, lost: asyncio.Event) -> None:
+        super().__init__(logging.INFO)
+        self.lost = lost
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "fields", {})
+        if getattr(record, "event", "") == "host_session" and fields.get("state") == "lost":
+            self.lost.set()

@@ -144,7 +144,10 @@ class Host:
         if self.connected.is_set():
             event("host_session", "host %s: session lost", self.name, host=self.name, state="lost")
         self.connected.clear()
-        close_all(list(self.placed.gates.values()))
+        gates = list(self.placed.gates.values())
+        close_all(gates)
+        for gate in gates:  # a key that crossed the lost session opens nothing any more:
+            gate.key = None  # the next session's first report carries a fresh one
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
