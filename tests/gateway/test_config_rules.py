@@ -57,6 +57,17 @@ def test_a_deployment_larger_than_the_whole_budget_is_refused(tmp_path: Path) ->
     assert "15GiB" in said
 
 
+def test_deployments_kept_ready_that_cannot_all_fit_are_refused(tmp_path: Path) -> None:
+    """Two deployments kept ready under a budget for one: one of them would try to start for
+    ever."""
+    memory, always = {"ready": "10GiB"}, {"activation": "always"}
+    deps = [launched(n, memory=memory, lifecycle=always) for n in ("a", "b")]
+    said = refused(tmp_path, {"resources": {"memory_budget": "15GiB"}, "deployments": deps})
+    assert "lifecycle.activation: always hold 20GiB ready on this machine" in said
+    deps[1]["lifecycle"] = {}  # one kept ready, one started by requests: it fits
+    GatewayConfig.model_validate({"resources": {"memory_budget": "15GiB"}, "deployments": deps})
+
+
 def test_a_deployment_that_fits_the_budget_on_each_machine_loads() -> None:
     fits = launched(memory={"ready": "15GiB"})
     GatewayConfig.model_validate({"resources": {"memory_budget": "15GiB"}, "deployments": [fits]})

@@ -33,7 +33,7 @@ from .parts import (
     Resources,
     Seconds,
 )
-from .rules import budget_problem, url_only_problem
+from .rules import budget_problem, kept_ready_problem, url_only_problem
 
 __all__ = [
     "Api",
@@ -200,6 +200,10 @@ class GatewayConfig(BaseModel):
             seen.add(d.name)
             if (problem := budget_problem(d, self.resources.memory_budget)) is not None:
                 raise ValueError(problem)
+        if (
+            problem := kept_ready_problem(self.deployments, self.resources.memory_budget)
+        ) is not None:
+            raise ValueError(problem)
         return self
 
     def deployment(self, name: str) -> Deployment | None:

@@ -6,6 +6,8 @@
 - A launched deployment without ``memory`` under a budget, or one whose ``memory.ready``, times
   its launched instances on one machine, is more than the whole ``resources.memory_budget``: it
   could never start (every request would wait for room that cannot be made, then get a 503).
+- Deployments kept ready (``activation: always``) that together hold more ready memory on one
+  machine than the budget: one of them could never start, and would try again for ever.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from . import Deployment
 
-__all__ = ["budget_problem", "size", "url_only_problem"]
+__all__ = ["budget_problem", "kept_ready_problem", "size", "url_only_problem"]
 
 
 def url_only_problem(deployments: Sequence[Deployment]) -> str | None:
@@ -59,6 +61,27 @@ def budget_problem(d: Deployment, budget: int | None) -> str | None:
         f"deployment {d.name!r}: memory.ready {size(d.memory.ready)}{times} is more than the "
         f"whole resources.memory_budget {size(budget)}; it could never start"
     )
+
+
+def kept_ready_problem(deployments: Sequence[Deployment], budget: int | None) -> str | None:
+    """Why the deployments kept ready (``activation: always``) cannot all be ready at once."""
+    if budget is None:
+        return None
+    held: Counter[str | None] = Counter()
+    for d in deployments:
+        if d.lifecycle.activation == "always" and d.memory is not None:
+            for i in d.instances:
+                if i.launch is not None:
+                    held[i.host] += d.memory.ready
+    for host, need in held.items():
+        if need > budget:
+            where = "this machine" if host is None else f"host {host}"
+            return (
+                f"the deployments with lifecycle.activation: always hold {size(need)} ready on "
+                f"{where}, more than resources.memory_budget {size(budget)}: they cannot all "
+                "be kept ready"
+            )
+    return None
 
 
 def size(n: int) -> str:
