@@ -302,8 +302,9 @@ def test_a_host_killed_mid_stream_ends_its_stream_in_band_and_its_engine_with_it
 ) -> None:
     doc = cluster.status()
     a = next(i for i in doc["instances"] if i["host"] == "box-a")
-    reaper = int(a["process"]["pid"])  # the engine runs under it, as its child
-    engine = int(Path(f"/proc/{reaper}/task/{reaper}/children").read_text().split()[0])
+    engine = int(a["process"]["pid"])  # the engine's own (a host reports no reaper_pid)
+    reaper = int(Path(f"/proc/{engine}/stat").read_text().rpartition(")")[2].split()[1])
+    assert reaper != cluster.hosts["box-a"].pid  # it runs under a reaper, not the host itself
     # Both instances busy with one long stream each, so that one runs on box-a.
     clients = [cluster.chat_pipe("--stream", "--max-tokens", "3000") for _ in range(2)]
     for c in clients:
