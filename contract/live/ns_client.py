@@ -4,7 +4,8 @@ itself is outside every namespace): ``python -m contract.live.ns_client chat|pos
 It prints what it sees, one line at a time, flushed: ``HEAD <status>``, then ``DATA <line>``
 for each line of a stream or ``BODY <text>`` for a whole answer, then ``END``. With
 ``--hang-up-after-content`` it closes the connection once the first content arrived and prints
-``HUNG UP``.
+``HUNG UP``. ``--prompt-bytes N`` sends a prompt of N bytes of plain text instead of the short one
+(too long for a command line past 128 KiB, so it is made here).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     p.add_argument("--caller", default=None)
     p.add_argument("--hang-up-after-content", action="store_true")
     p.add_argument("--body", default=None, help="post: the JSON body")
+    p.add_argument("--prompt-bytes", type=int, default=None, help="chat: a prompt this long")
     a = p.parse_args()
     headers = {}
     if a.key is not None:
@@ -51,9 +53,12 @@ def main() -> None:
         _say(f"BODY {r.text}")
         _say("END")
         return
+    prompt = "Tell me a long story about the sea."
+    if a.prompt_bytes is not None:
+        prompt = ("the sea is wide and deep " * (a.prompt_bytes // 25 + 1))[: a.prompt_bytes]
     body = {
         "model": a.model,
-        "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": a.max_tokens,
         "stream": a.stream,
     }

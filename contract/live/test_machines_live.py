@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -194,6 +195,39 @@ def test_requests_spread_over_both_hosts_and_the_callers_id_stays_on_the_server(
         assert all(CALLER not in p.read_text(errors="replace") for p in logs)
 
 
+PROMPT_BYTES = 1_100_000
+"""Over 1 MB of prompt: some 480,000 tokens for the tiny model, whose slots hold 2,048."""
+
+
+def test_a_prompt_over_a_megabyte_reaches_the_engine_whole_and_its_refusal_comes_back(
+    cluster: Cluster,
+) -> None:
+    """A 1.1 MB prompt crosses server, ingress and engine; the engine reads all of it (its JSON
+    parses: the body ends after the prompt) and refuses it for its context, and that refusal,
+    not a cut body (502) or a limit of ours (413: the body is under 8 MiB), is what the client
+    gets."""
+    caller = "caller-megabyte"
+    out = cluster.chat("--prompt-bytes", str(PROMPT_BYTES), "--caller", caller)
+    assert out[0] == "HEAD 400", out[:1]
+    error = json.loads(out[1].removeprefix("BODY "))
+    assert error["code"] == "engine_rejected", error
+    counted = re.fullmatch(
+        r"request \((\d+) tokens\) exceeds the available context size \((\d+) tokens\).*",
+        error["message"],
+    )
+    assert counted is not None, error["message"]
+    # The engine tokenized the whole prompt (about one token per 2.3 bytes of this text).
+    assert int(counted[1]) > PROMPT_BYTES // 3 > int(counted[2]), error["message"]
+    # The server routed it to a host, whose log of that engine shows the engine's own refusal.
+    picks = [e for e in events(cluster.server_log, "router_selection")
+             if e.get("caller_request_id") == caller]  # fmt: skip
+    assert len(picks) == 1
+    engine_logs = (cluster.host_state(picks[0]["host"]) / "logs").glob("*.log")
+    refusals = [line for p in engine_logs for line in _lines(p)
+                if f"request ({counted[1]} tokens) exceeds" in line]  # fmt: skip
+    assert len(refusals) == 1, refusals
+
+
 def test_a_spent_join_file_and_a_request_without_the_gate_key_are_refused(
     cluster: Cluster,
 ) -> None:
@@ -268,8 +302,9 @@ def test_a_host_killed_mid_stream_ends_its_stream_in_band_and_its_engine_with_it
 ) -> None:
     doc = cluster.status()
     a = next(i for i in doc["instances"] if i["host"] == "box-a")
-    reaper = int(a["process"]["pid"])  # the engine runs under it, as its child
-    engine = int(Path(f"/proc/{reaper}/task/{reaper}/children").read_text().split()[0])
+    engine = int(a["process"]["pid"])  # the engine's own (a host reports no reaper_pid)
+    reaper = int(Path(f"/proc/{engine}/stat").read_text().rpartition(")")[2].split()[1])
+    assert reaper != cluster.hosts["box-a"].pid  # it runs under a reaper, not the host itself
     # Both instances busy with one long stream each, so that one runs on box-a.
     clients = [cluster.chat_pipe("--stream", "--max-tokens", "3000") for _ in range(2)]
     for c in clients:

@@ -8,6 +8,7 @@ import gc
 import ipaddress
 import os
 import socket
+import ssl
 from pathlib import Path
 
 import typer
@@ -17,6 +18,7 @@ from ._config import ConfigError
 from ._config.parts import KEEPALIVE_TIMEOUT_S
 from ._gateway import Gateway
 from ._http.server import BoundedRunner, Limits
+from ._http.tls import TLSSite
 from ._management.api import create_management_app, create_metrics_app
 
 __all__ = [
@@ -58,6 +60,12 @@ INGRESS_MAX_CONNECTIONS = 1024
 """Connections open at once to a host's ingress (it forwards 256 requests at once)."""
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 """A connection to the control port that has not finished its TLS handshake by then is closed."""
+LISTEN_BACKLOG = 4096
+"""Every listener's queue of connections the kernel took and the listener has not accepted yet:
+above every cap, so that a burst of connections meets the listener's cap, timeouts and 503 at
+once, not seconds later when the kernel retries a connection its full queue dropped (with 128,
+1,000 connects at once to an ingress left 3 neither answered nor closed after 25 s). The
+kernel clamps it to ``net.core.somaxconn``."""
 
 
 def bounded(
@@ -80,6 +88,23 @@ def bounded(
         busy_headers=busy_headers,
     )
     return BoundedRunner(app, limits=limits, **kwargs)
+
+
+def listen_site(runner: web.BaseRunner, sock: socket.socket) -> web.SockSite:
+    """Where a plain-HTTP listener is served: ``sock``, with `LISTEN_BACKLOG`."""
+    return web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)
+
+
+def control_site(runner: web.AppRunner, sock: socket.socket, context: ssl.SSLContext) -> TLSSite:
+    """Where the server's control listener is served: TLS, each handshake within
+    `TLS_HANDSHAKE_TIMEOUT_S`."""
+    return TLSSite(
+        runner,
+        sock,
+        ssl_context=context,
+        handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S,
+        backlog=LISTEN_BACKLOG,
+    )
 
 
 def local_runners(gateway: Gateway) -> tuple[web.AppRunner, web.AppRunner]:

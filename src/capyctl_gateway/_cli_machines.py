@@ -24,11 +24,12 @@ from ._cli_common import (
     HEAD_TIMEOUT_S,
     INGRESS_MAX_CONNECTIONS,
     KEEPALIVE_TIMEOUT_S,
-    TLS_HANDSHAKE_TIMEOUT_S,
     address,
     bind,
     bounded,
+    control_site,
     enough_files,
+    listen_site,
     settle_heap,
     use_uvloop,
 )
@@ -36,7 +37,6 @@ from ._config import ConfigError, Seconds
 from ._errors import OperatorError
 from ._gateway import Gateway
 from ._host import Host, join
-from ._http.tls import TLSSite
 from ._log import configure_logging
 from ._machines import pki
 from ._machines.control import control_app
@@ -83,12 +83,6 @@ def _machines(gw: Gateway) -> Machines:
     if machines is None:
         raise OperatorError("this gateway is not a server (--role server)")
     return machines
-
-
-def control_site(runner: web.AppRunner, sock: socket.socket, context: ssl.SSLContext) -> TLSSite:
-    """Where the server's control listener is served: TLS, each handshake within
-    `TLS_HANDSHAKE_TIMEOUT_S`."""
-    return TLSSite(runner, sock, ssl_context=context, handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
 
 
 def ingress_runner(
@@ -285,7 +279,7 @@ async def _serve_host(host: Host, sock: socket.socket) -> None:
         loop.add_signal_handler(sig, stop.set)
     session = loop.create_task(host.run())
     try:
-        await web.SockSite(runner, sock).start()
+        await listen_site(runner, sock).start()
         settle_heap()
         typer.echo(
             f"capyctl-gateway host {host.name}: ingress on {host.ingress_url}, "

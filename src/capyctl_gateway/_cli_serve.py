@@ -16,7 +16,7 @@ import ssl
 import typer
 from aiohttp import web
 
-from ._cli_common import local_runners, settle_heap
+from ._cli_common import listen_site, local_runners, settle_heap
 from ._cli_machines import control_site
 from ._http.app import GATEWAY_KEY, GatewayRunner
 
@@ -51,10 +51,10 @@ async def run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        await web.SockSite(runner, sock, backlog=4096).start()
-        await web.SockSite(mrunner, msock).start()
+        await listen_site(runner, sock).start()
+        await listen_site(mrunner, msock).start()
         if xsock is not None:
-            await web.SockSite(xrunner, xsock).start()
+            await listen_site(xrunner, xsock).start()
         for erunner, esock, context in extra or []:
             await erunner.setup()
             await control_site(erunner, esock, context).start()
