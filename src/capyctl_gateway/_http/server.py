@@ -205,11 +205,14 @@ class BoundedServer(Server):
         cap = limits.max_connections
         if open_connections - self.lingering > cap and self.held() > cap and not self.make_room():
             limits.refusal_log.warning("connection refused: %s", limits.cap())
-            transport.write(_busy_answer(limits.busy_headers))
-            if self.lingering < limits.max_connections and transport.can_write_eof():
-                transport.write_eof()
-                self.refused = transport
-            else:
+            try:
+                transport.write(_busy_answer(limits.busy_headers))
+                if self.lingering < limits.max_connections and transport.can_write_eof():
+                    transport.write_eof()
+                    self.refused = transport
+                else:
+                    transport.close()
+            except OSError:  # the client reset it already (ENOTCONN): nothing left to tell
                 transport.close()
 
     def make_room(self) -> bool:

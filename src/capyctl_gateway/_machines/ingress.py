@@ -150,6 +150,8 @@ async def _relay(
             await out.write(chunk)
         await out.write_eof()
         return out
+    except ConnectionResetError:  # the server hung up: nobody left to answer, nothing failed
+        return out
     finally:
         # Read to its end: pooled; anything else (the server hung up, the engine broke off):
         # closed, which tells the engine to stop.
