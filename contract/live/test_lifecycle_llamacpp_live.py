@@ -246,8 +246,9 @@ async def test_four_clients_alternating_between_two_llama_servers_under_a_budget
     assert switches  # it did switch, under load
 
 
-def llama_servers(model: str) -> list[int]:
-    """The pids of llama-server processes serving ``model`` now."""
+def llama_servers(model: str, aliases: tuple[str, ...] = ("a", "b")) -> list[int]:
+    """The pids of llama-server processes serving ``model`` under one of ``aliases`` now (the
+    session's own llama-server serves the same file under another name)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -256,6 +257,9 @@ def llama_servers(model: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv and argv[0].endswith(b"llama-server") and model.encode() in argv:
+        if not argv or not argv[0].endswith(b"llama-server") or model.encode() not in argv:
+            continue
+        alias = argv[argv.index(b"-a") + 1].decode() if b"-a" in argv else None
+        if alias in aliases:
             found.append(int(proc.name))
     return found

@@ -90,10 +90,14 @@ async def test_vllm_launched_by_the_gateway_with_the_forced_flag(
     stopping: list[float] = []
     stopped = anyio.Event()
 
+    done = anyio.Event()
+
     def watch(lc: Any) -> None:
         if lc.state.value == "stopping":
             stopping.append(time.monotonic())
             stopped.set()
+        if lc.state.value == "stopped":
+            done.set()
 
     launched_vllm.gateway.fleet.lifecycle.engines.observers.append(watch)
     ends: list[float] = []
@@ -116,4 +120,6 @@ async def test_vllm_launched_by_the_gateway_with_the_forced_flag(
         await stopped.wait()
     assert stopping[0] - max(ends) >= IDLE_S - 1.0  # the watch looks once a second
     assert await anyio.to_thread.run_sync(gone, pid)
+    with anyio.fail_after(60):
+        await done.wait()  # the stop is over once the engine's log is drained too
     assert launched_vllm.gateway.fleet.lifecycle.lives["my-model"].state == "stopped"
