@@ -24,6 +24,7 @@ import yaml
 from capyctl_gateway import ConfigError, GatewayConfig, load_config
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.conftest import Gw
+from tests.gateway.serving import serve_command
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]
@@ -265,13 +266,7 @@ def test_an_engine_dies_with_a_gateway_killed_outright(tmp_path: Path) -> None:
     config.write_text(yaml.safe_dump({"deployments": [dep]}))
     state = tmp_path / "state"
     ports = [_free_port(), _free_port()]
-    argv = [
-        str(Path(sys.executable).with_name("capyctl-gateway")), "serve", "--config", str(config),
-        "--listen", f"127.0.0.1:{ports[0]}", "--management", f"127.0.0.1:{ports[1]}",
-        "--state-dir", str(state), "--log-format", "json",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    argv, env = serve_command(config, state, ports[0], ports[1])
     with subprocess.Popen(argv, stderr=subprocess.PIPE, env=env) as gateway:
         try:
             assert gateway.stderr is not None

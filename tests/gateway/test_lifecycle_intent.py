@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +25,7 @@ import yaml
 from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._lifecycle.operator import operator_start
 from tests.gateway.conftest import COLLECTOR, KEY, Gw
+from tests.gateway.serving import serve_command
 from tests.gateway.test_lifecycle import launched, transitions
 from tests.gateway.test_lifecycle_processes import moved_to, process
 from tests.gateway.test_lifecycle_races import engines_running, said, served
@@ -174,13 +174,7 @@ class Served:
 def serve(config: Path, state: Path) -> Served:
     mport = free_port()
     log = state.parent / f"gateway-{mport}.log"
-    argv = [
-        str(Path(sys.executable).with_name("capyctl-gateway")), "serve", "--config", str(config),
-        "--listen", f"127.0.0.1:{free_port()}", "--management", f"127.0.0.1:{mport}",
-        "--state-dir", str(state), "--log-format", "json",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    argv, env = serve_command(config, state, free_port(), mport)
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=out, env=env)
     return Served(

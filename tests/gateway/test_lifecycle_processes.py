@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import yaml
 
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.conftest import Gw
+from tests.gateway.serving import serve_command
 from tests.gateway.test_lifecycle import chat, launched, wait_gone
 from tests.gateway.test_lifecycle_races import engines_running, said, served
 from tests.gateway.test_operator import free_port
@@ -150,13 +150,7 @@ def test_a_stopping_gateway_ends_an_open_stream_in_band_after_its_shutdown_timeo
     dep = launched()
     config.write_text(yaml.safe_dump({"limits": {"shutdown_timeout": "1s"}, "deployments": [dep]}))
     state, port = tmp_path / "state", free_port()
-    argv = [
-        str(Path(sys.executable).with_name("capyctl-gateway")), "serve", "--config", str(config),
-        "--listen", f"127.0.0.1:{port}", "--management", f"127.0.0.1:{free_port()}",
-        "--state-dir", str(state), "--log-format", "json",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    argv, env = serve_command(config, state, port, free_port())
     with subprocess.Popen(argv, stderr=subprocess.PIPE, env=env) as gateway:
         try:
             assert gateway.stderr is not None
