@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._deployments.routes import EngineInstance, Route, load_of
+from ._deployments.routes import EngineInstance, Route, load_of, offerable
 
 __all__ = ["candidates", "closed_reason", "skipped"]
 
@@ -29,10 +29,6 @@ def skipped(route: Route) -> list[str]:
     return out
 
 
-def _open(i: EngineInstance, exclude: set[int]) -> bool:
-    return i.index not in exclude and not i.unusable and i.available
-
-
 def candidates(
     route: Route, exclude: set[int]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -42,7 +38,7 @@ def candidates(
     time left)."""
     chosen: list[dict[str, Any]] = []
     skipped_: list[dict[str, Any]] = []
-    open_ = [i for i in route.instances if _open(i, exclude)]
+    open_ = [i for i in route.instances if offerable(i, exclude)]
     # Resting instances are passed over only while another can take the request (Route.choose).
     rests = {i.index: route.rest_left(i) for i in open_}
     others = not all(rests.values())

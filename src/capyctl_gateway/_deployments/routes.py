@@ -37,6 +37,7 @@ __all__ = [
     "Waiters",
     "load",
     "load_of",
+    "offerable",
     "usage_penalty",
 ]
 
@@ -204,17 +205,22 @@ class Route:
         no other can take it; ties rotate, once per request (a failover keeps its turn)."""
         if len(self.instances) == 1:
             only = self.instances[0]
-            return None if only.index in exclude or only.unusable or not only.available else only
+            return only if offerable(only, exclude) else None
         if not exclude:
             self._start = next(self.turn) % len(self.instances)
         start = self._start
         ordered = [
-            i
-            for i in self.instances[start:] + self.instances[:start]
-            if i.index not in exclude and not i.unusable and i.available
+            i for i in self.instances[start:] + self.instances[:start] if offerable(i, exclude)
         ]
-        rested = [i for i in ordered if not self.rest_left(i)] or ordered
-        return min(rested, key=load) if rested else None
+        if self.resting:  # the clock is read only while an instance rests
+            ordered = [i for i in ordered if not self.rest_left(i)] or ordered
+        return min(ordered, key=load) if ordered else None
+
+
+def offerable(inst: EngineInstance, exclude: set[int] | frozenset[int]) -> bool:
+    """Whether a request may be offered to ``inst``: not refused for it already, its startup
+    checks passed, and it takes requests now."""
+    return inst.index not in exclude and not inst.unusable and inst.available
 
 
 def usage_penalty(usage: float | None) -> int:

@@ -19,7 +19,15 @@ from typing import Any, Protocol
 
 from .._errors import EngineControlError
 
-__all__ = ["EngineControlError", "LoadSample", "ProcessView", "Reported", "Runner", "Tracked"]
+__all__ = [
+    "EngineControlError",
+    "LoadSample",
+    "ProcessView",
+    "Reported",
+    "Runner",
+    "Tracked",
+    "never",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,5 +148,10 @@ class Reported:
         return None
 
     async def gone(self) -> str:
-        await asyncio.get_running_loop().create_future()  # never resolved
-        raise AssertionError("unreachable")
+        return await never()
+
+
+async def never() -> str:
+    """Wait for ever (until cancelled): what `Runner.gone` does when nothing will be said."""
+    await asyncio.get_running_loop().create_future()  # never resolved
+    raise AssertionError("unreachable")

@@ -110,7 +110,6 @@ class Lifecycle:
         requests outlast the drain (an operator's stop); else the closing fails and it serves
         on. A closing already under way is the one returned."""
         if life.closing is None:
-            life.closing_why = reason
             life.closing = self.spawn(closing(self, life, reason, may_park, must))
             life.regate(reason)
         return life.closing

@@ -8,7 +8,6 @@ stopping stops its process group. The collector stops watching an engine that st
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from canopyx_provider import Collector, adapter_for
 
 from .._config import Deployment
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import LoadSample, ProcessView, Tracked
+from .._deployments.runner import LoadSample, ProcessView, Tracked, never
 from .._errors import StartFailedError
 from .._log import masked, secrets_in
 from .enginelog import EngineLog
@@ -144,7 +143,7 @@ class LocalRunner:
     async def gone(self) -> str:
         if self._proc is not None and self._proc.proc is not None:
             await self._proc.proc.wait()
-        return self.exited() or await _never()  # stopped as asked: nothing to report
+        return self.exited() or await never()  # stopped as asked: nothing to report
 
     def exited(self) -> str | None:
         proc = self._proc
@@ -152,11 +151,6 @@ class LocalRunner:
             return None
         code = proc.proc.returncode if proc.proc is not None else None
         return f"the engine exited with status {code}"
-
-
-async def _never() -> str:
-    await asyncio.get_running_loop().create_future()
-    raise AssertionError("unreachable")
 
 
 async def _drive(

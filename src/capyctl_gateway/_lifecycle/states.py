@@ -69,7 +69,6 @@ class DeploymentLife:
     closing: asyncio.Task[bool] | None = None
     """Its closing (a switch out, an idle park or stop, an operator's park or stop), while it
     runs: the queue's gate is shut meanwhile. Its result: whether it came to rest."""
-    closing_why: str = ""
     operator_stopped: bool = False
     """An operator stopped it: requests get 409 deployment_stopped until an operator starts it."""
     operator_started: bool = False
