@@ -86,12 +86,14 @@ async def make_gateway() -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
         env: dict[str, str] | None = None,
         collector: ProviderOptions | None = None,
         devices: Path = NO_GPU,
+        engine_logs: Path | None = None,
     ) -> Gw:
         app = create_app(
             GatewayConfig.model_validate(config, context={"devices": devices}),
             KEY,
             env=env or {},
             collector_options=collector or COLLECTOR,
+            engine_logs=engine_logs,
         )
         runner, url = await _serve(app, gateway=True)
         runners.append(runner)

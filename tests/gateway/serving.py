@@ -5,10 +5,11 @@ the caller's ``CAPYCTL_`` variables)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["serve_command"]
+__all__ = ["listening", "serve_command"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,3 +27,13 @@ def serve_command(
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
     env["PYTHONPATH"] = str(ROOT)
     return argv, env
+
+
+def listening(gateway: subprocess.Popen[bytes], state: Path) -> str:
+    """Read the gateway's stderr up to its listening line (it is up, its signals handled) and
+    return its API key."""
+    assert gateway.stderr is not None
+    for line in gateway.stderr:
+        if b"listening on" in line:
+            break
+    return (state / "identity" / "credentials").read_text().split()[1]

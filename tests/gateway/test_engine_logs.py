@@ -8,14 +8,13 @@ from __future__ import annotations
 import logging
 import re
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from capyctl_gateway import GATEWAY_KEY, GatewayConfig, create_app
-from tests.gateway.conftest import COLLECTOR, KEY, Gw, _serve
+from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched
 
 pytestmark = pytest.mark.anyio
@@ -24,27 +23,13 @@ Start = Callable[..., Awaitable[Gw]]
 
 
 @pytest.fixture
-async def start(tmp_path: Path) -> AsyncIterator[Start]:
+def start(tmp_path: Path, make_gateway: Start) -> Start:
     """Gateways whose launched engines log under ``tmp_path / "logs"``."""
-    runners = []
 
     async def make(config: dict[str, Any], *, env: dict[str, str] | None = None) -> Gw:
-        app = create_app(
-            GatewayConfig.model_validate(config),
-            KEY,
-            env=env or {},
-            collector_options=COLLECTOR,
-            engine_logs=tmp_path / "logs",
-        )
-        runner, url = await _serve(app, gateway=True)
-        runners.append(runner)
-        return Gw(url, KEY, app[GATEWAY_KEY])
+        return await make_gateway(config, env=env, engine_logs=tmp_path / "logs")
 
-    try:
-        yield make
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+    return make
 
 
 def runs(logs: Path, stem: str = "my-model-0") -> dict[int, list[Path]]:

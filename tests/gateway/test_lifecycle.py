@@ -24,7 +24,7 @@ import yaml
 from capyctl_gateway import ConfigError, GatewayConfig, load_config
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.conftest import Gw
-from tests.gateway.serving import serve_command
+from tests.gateway.serving import listening, serve_command
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]
@@ -269,11 +269,7 @@ def test_an_engine_dies_with_a_gateway_killed_outright(tmp_path: Path) -> None:
     argv, env = serve_command(config, state, ports[0], ports[1])
     with subprocess.Popen(argv, stderr=subprocess.PIPE, env=env) as gateway:
         try:
-            assert gateway.stderr is not None
-            for line in gateway.stderr:
-                if b"listening on" in line:
-                    break
-            key = (state / "identity" / "credentials").read_text().split()[1]
+            key = listening(gateway, state)
             auth = {"Authorization": f"Bearer {key}"}
             with httpx.Client(timeout=60, headers=auth) as c:
                 r = c.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions", json=chat())

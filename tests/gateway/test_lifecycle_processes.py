@@ -20,7 +20,7 @@ import yaml
 
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.conftest import Gw
-from tests.gateway.serving import serve_command
+from tests.gateway.serving import listening, serve_command
 from tests.gateway.test_lifecycle import chat, launched, wait_gone
 from tests.gateway.test_lifecycle_races import engines_running, said, served
 from tests.gateway.test_operator import free_port
@@ -153,11 +153,7 @@ def test_a_stopping_gateway_ends_an_open_stream_in_band_after_its_shutdown_timeo
     argv, env = serve_command(config, state, port, free_port())
     with subprocess.Popen(argv, stderr=subprocess.PIPE, env=env) as gateway:
         try:
-            assert gateway.stderr is not None
-            for line in gateway.stderr:
-                if b"listening on" in line:
-                    break
-            key = (state / "identity" / "credentials").read_text().split()[1]
+            key = listening(gateway, state)
             body = {**said("take:60", "my-model"), "stream": True}
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             events: list[str] = []
@@ -170,6 +166,7 @@ def test_a_stopping_gateway_ends_an_open_stream_in_band_after_its_shutdown_timeo
                         events.append(text)
                         if len(events) == 1:  # it runs: now stop the gateway
                             gateway.send_signal(signal.SIGTERM)
+            assert gateway.stderr is not None
             rest = gateway.stderr.read().decode()
             assert gateway.wait(timeout=30) == 0
         finally:

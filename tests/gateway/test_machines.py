@@ -19,7 +19,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
+from capyctl_gateway import GATEWAY_KEY, Gateway, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._cli_common import TLS_HANDSHAKE_TIMEOUT_S, bind
 from capyctl_gateway._cli_machines import control_runner, ingress_runner
 from capyctl_gateway._host import Host, join
@@ -60,6 +60,12 @@ class Cluster:
     app: web.Application | None = None
     config: GatewayConfig | None = None
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+    @property
+    def gateway(self) -> Gateway:
+        """The serving server's gateway (it must be serving)."""
+        assert self.app is not None
+        return self.app[GATEWAY_KEY]
 
     async def start_server(self) -> None:
         """Serve the server (again, on the same ports when it ran before)."""
@@ -194,6 +200,23 @@ def stream(text: str = "hi") -> list[Any]:
     return list(vllm_stream([text]))
 
 
+async def two_hosts(
+    cluster: Callable[..., Awaitable[Cluster]],
+    engines: Callable[[], Awaitable[FakeEngine]],
+    *,
+    busy_a: tuple[int, int] = (0, 0),
+) -> tuple[Cluster, FakeEngine, FakeEngine]:
+    """A server and hosts box-a and box-b, each with a fake engine answering ``ok`` for one
+    deployment ``m`` (box-a's engine reporting ``busy_a`` running and waiting requests)."""
+    a, b = await engines(), await engines()
+    a.script = b.script = stream("ok")
+    a.running, a.waiting = busy_a
+    c = await cluster([dep({"host": "box-a", "url": a.url}, {"host": "box-b", "url": b.url})])
+    await c.start_host("box-a")
+    await c.start_host("box-b")
+    return c, a, b
+
+
 async def test_a_request_reaches_the_engine_on_a_host_and_only_the_server_sees_the_caller_id(
     cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
 ) -> None:
@@ -270,8 +293,8 @@ async def test_a_host_that_goes_away_ends_its_streams_in_band_and_then_requests_
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 503 and r.json()["code"] == "unavailable"
         assert r.json()["retryable"] is True
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None and gw.fleet.machines is not None
+    gw = c.gateway
+    assert gw.fleet.machines is not None
     assert "gpu-box" not in gw.fleet.machines.sessions
 
 
@@ -280,11 +303,7 @@ async def test_requests_fail_over_to_the_other_host_when_one_refuses_connections
     engines: Callable[[], Awaitable[FakeEngine]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    a, b = await engines(), await engines()
-    a.script = b.script = stream("ok")
-    c = await cluster([dep({"host": "box-a", "url": a.url}, {"host": "box-b", "url": b.url})])
-    await c.start_host("box-a")
-    await c.start_host("box-b")
+    c, a, b = await two_hosts(cluster, engines)
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     caplog.set_level("INFO", "capyctl_gateway")
     async with c.client() as client:
@@ -337,8 +356,7 @@ async def test_a_hang_up_closes_the_engine_connection_on_the_host_and_settles_on
     c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
     await c.start_host("gpu-box")
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    gw = c.gateway
     ledger = gw.fleet.settlement.ledgers["m/0"]
     engine.running = 1  # the engine counts the request as running, and goes on doing so
     async with c.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -379,8 +397,8 @@ async def test_a_body_over_8_mib_for_a_remote_deployment_is_refused_before_it_le
 
 async def reported(c: Cluster, check: Callable[[Any, Any], bool], within: float = 10) -> None:
     """Wait for a host report that passes ``check(instance, report)`` (hosts report every s)."""
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None and gw.fleet.machines is not None
+    gw = c.gateway
+    assert gw.fleet.machines is not None
     seen = asyncio.Event()
     gw.fleet.machines.observers.append(lambda i, r: seen.set() if check(i, r) else None)
     await asyncio.wait_for(seen.wait(), within)
@@ -391,12 +409,8 @@ async def test_routing_weighs_the_load_each_host_reports_for_its_engine(
     engines: Callable[[], Awaitable[FakeEngine]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    a, b = await engines(), await engines()
-    a.script = b.script = stream("ok")
-    a.running, a.waiting = 5, 2  # busy with requests that came another way
-    c = await cluster([dep({"host": "box-a", "url": a.url}, {"host": "box-b", "url": b.url})])
-    await c.start_host("box-a")
-    await c.start_host("box-b")
+    # box-a's engine is busy with requests that came another way
+    c, a, b = await two_hosts(cluster, engines, busy_a=(5, 2))
     await reported(
         c, lambda i, r: i.runner.host == "box-a" and r.running == 5 and r.age_s is not None
     )
@@ -436,8 +450,7 @@ async def test_a_host_launches_and_stops_a_deployment_on_the_servers_orders(
     launch = {"command": [*ENGINE, "--served", "tiny"], "startup_timeout": "60s"}
     c = await cluster([dep({"host": "gpu-box", "launch": launch})])
     await c.start_host("gpu-box")
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    gw = c.gateway
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     async with c.client() as client:
         r = await client.post("/v1/chat/completions", json=body)
@@ -469,8 +482,7 @@ async def test_the_memory_budget_is_each_machines_own(
     c = await cluster(config, resources={"memory_budget": "16GiB"})
     await c.start_host("box-a")
     await c.start_host("box-b")
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    gw = c.gateway
     lives = gw.fleet.lifecycle.lives
     async with c.client() as client:
         for name in ("a1", "b1"):  # one on each machine: both fit
@@ -511,8 +523,7 @@ async def test_a_restarted_server_takes_up_the_engines_its_hosts_kept_running(
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     async with c.client() as client:
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    gw = c.gateway
     before = deployment_status(gw.fleet, "m")
     assert before is not None
     pid = before["instances"][0]["process"]["pid"]
@@ -520,8 +531,8 @@ async def test_a_restarted_server_takes_up_the_engines_its_hosts_kept_running(
     assert gw.fleet.lifecycle.lives["m"].launched[0].state.value == "ready"  # left running
     host.connected.clear()
     await c.start_server()
-    old, gw = gw, c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None and gw is not old
+    old, gw = gw, c.gateway
+    assert gw is not old
     await asyncio.wait_for(host.connected.wait(), 15)  # the host connects again
     await reported(c, lambda i, r: r.state == "ready" and r.gate is not None)
     life = gw.fleet.lifecycle.lives["m"]
@@ -543,8 +554,7 @@ async def test_an_idle_deployment_on_a_host_is_parked_and_woken_on_the_servers_o
          "lifecycle": {"park": "sleep", "ready_idle_timeout": "300ms"}}  # fmt: skip
     c = await cluster([d])
     host = await c.start_host("gpu-box")
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    gw = c.gateway
     parked = asyncio.Event()
     gw.fleet.lifecycle.engines.observers.append(
         lambda lc: parked.set() if lc.state.value == "parked" else None

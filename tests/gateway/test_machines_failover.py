@@ -11,14 +11,13 @@ from typing import Any
 import anyio
 import pytest
 
-from capyctl_gateway import GATEWAY_KEY
 from capyctl_gateway._deployments.routes import NOT_ACCEPTED_REST_S
 from capyctl_gateway._deployments.settle import QUIET_GRACE_S, SettleRule
 from capyctl_gateway._machines.protocol import deployment_tag
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.fake_engine import FakeEngine
 from tests.gateway.freezer import Freezer
-from tests.gateway.test_machines import Cluster, cluster, dep, engines, reported, stream
+from tests.gateway.test_machines import Cluster, cluster, dep, engines, reported, stream, two_hosts
 
 __all__ = ["cluster", "engines"]
 
@@ -34,13 +33,8 @@ async def test_an_instance_that_refused_a_request_rests_and_is_offered_requests_
     engines: Callable[[], Awaitable[FakeEngine]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    a, b = await engines(), await engines()
-    a.script = b.script = stream("ok")
-    c = await cluster([dep({"host": "box-a", "url": a.url}, {"host": "box-b", "url": b.url})])
-    await c.start_host("box-a")
-    await c.start_host("box-b")
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    c, a, b = await two_hosts(cluster, engines)
+    gw = c.gateway
     # box-a's ingress goes down; its session is still live, so its instance is still open
     await c.hosts["box-a"][2].cleanup()
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
@@ -72,8 +66,7 @@ async def test_a_request_a_partition_cut_before_the_engine_saw_it_settles_when_i
     links: list[Freezer] = []
     await c.start_host("gpu-box", links)
     await reported(c, lambda i, r: r.gate is not None)
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    gw = c.gateway
     ledger = gw.fleet.settlement.ledgers["m/0"]
     for link in links:  # the link goes down before the request leaves the server
         link.freeze()

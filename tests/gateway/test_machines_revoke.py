@@ -12,7 +12,6 @@ import anyio
 import pytest
 from typer.testing import CliRunner
 
-from capyctl_gateway import GATEWAY_KEY
 from capyctl_gateway._host import join
 from capyctl_gateway._machines import pki
 from capyctl_gateway._machines.enroll import HostIdentity
@@ -71,8 +70,8 @@ async def test_a_revoked_host_has_its_live_session_closed_and_the_next_one_refus
     engine.script = [*vllm_stream(["part"])[:2], Hold()]
     c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
     await c.start_host("gpu-box")
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None and gw.fleet.machines is not None
+    gw = c.gateway
+    assert gw.fleet.machines is not None
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
     async with c.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
         lines = r.aiter_lines()

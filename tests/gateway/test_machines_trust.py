@@ -15,7 +15,6 @@ import anyio
 import httpx
 import pytest
 
-from capyctl_gateway import GATEWAY_KEY
 from capyctl_gateway._host import Host, join
 from capyctl_gateway._machines.protocol import NOT_FORWARDED, deployment_tag, ingress_path
 from tests.gateway.conftest import KEY
@@ -52,8 +51,8 @@ async def test_the_server_refuses_an_ingress_that_is_not_on_the_hosts_own_addres
         line = await logged(caplog, "is not on the address its session comes from")
         assert "host gpu-box: its ingress http://127.0.0.2:8443 " in line
         assert "(127.0.0.1); session refused" in line
-        gw = c.app[GATEWAY_KEY] if c.app else None
-        assert gw is not None and gw.fleet.machines is not None
+        gw = c.gateway
+        assert gw.fleet.machines is not None
         assert gw.fleet.machines.sessions == {} and not host.connected.is_set()
         assert not any("session up" in r.getMessage() for r in caplog.records)
     finally:
@@ -122,8 +121,7 @@ async def test_a_restarted_server_keeps_counting_the_cuts_of_an_engine_its_host_
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     async with c.client() as client:
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    gw = c.gateway
     key = gw.fleet.routes["m"].instances[0].key
     await c.stop_server()
     # What the stopped server left: a request cut on the engine its host keeps running.
@@ -133,8 +131,7 @@ async def test_a_restarted_server_keeps_counting_the_cuts_of_an_engine_its_host_
     store.close()
     host.connected.clear()
     await c.start_server()
-    gw = c.app[GATEWAY_KEY] if c.app else None
-    assert gw is not None
+    gw = c.gateway
     await asyncio.wait_for(host.connected.wait(), 15)
     inst = gw.fleet.routes["m"].instances[0]
     for _ in range(2):  # reports of the engine still running, the same process: nothing settles
