@@ -104,7 +104,6 @@ class HostRunner(Reported):
     ) -> None:
         self._inst, self._link, self._settlement, self._time = inst, link, settlement, loop_time
         self.latest: RemoteSample | None = None
-        self.exchanges: set[Tracked] = set()
         link.runners[(inst.deployment, inst.index)] = self
         if inst.launch is None:  # nothing on its host stops or restarts it: quiet settles
             inst.ledger.unanswered = SettleRule.WHEN_QUIET_ON_HOST
@@ -148,11 +147,10 @@ class HostRunner(Reported):
         return "dispatch_closed" if self._link.live else "host_session_lost"
 
     def begin(self, exchange: Tracked) -> None:
-        exchange.abortable()
-        self.exchanges.add(exchange)
+        exchange.abortable()  # a lost session ends it even before its answer's head
 
     def end(self, exchange: Tracked) -> None:
-        self.exchanges.discard(exchange)
+        """The instance's own ``inflight`` (kept by its `Charge`) is what `lost` ends."""
 
     # -- reports and the session --------------------------------------------------------------
     def take(self, session: HostSession, report: InstanceReport, now: float) -> None:
@@ -174,7 +172,7 @@ class HostRunner(Reported):
         """The host's session is gone: nothing reaches the engine, and what was in flight
         through it ends now."""
         self._inst.set_open(reachable=False, why=f"host {self.host}: {why}")
-        for ex in list(self.exchanges):
+        for ex in list(self._inst.inflight):
             ex.abort(f"host {self.host} lost its session")
 
     # -- what it does -------------------------------------------------------------------------
