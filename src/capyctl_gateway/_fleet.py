@@ -45,6 +45,7 @@ from ._machines.runner import HostLink, HostRunner
 from ._machines.server import Machines
 from ._store import Store, restore
 from ._telemetry import Telemetry
+from ._ulid import new_short_ids
 
 __all__ = ["Fleet", "open_fleet"]
 
@@ -145,7 +146,9 @@ async def open_fleet(
                 inst, dep, collector=collector, session=session, log_dir=logs, clock=clock
             )
 
-        routes = build_routes(config, env, settlement, runner_for)
+        names = [d.name for d in config.deployments]
+        ids = store.deployment_ids(names) if store is not None else new_short_ids(names)
+        routes = build_routes(config, env, settlement, runner_for, ids)
         collector.subscribe(CheckWatch(routes))
         collector.subscribe(settlement)
         for route in routes.values():

@@ -1,7 +1,8 @@
 """What the gateway keeps across its own restarts, in one SQLite file under the state directory
 (``<state>/gateway.sqlite3``): an operator's intent for each launched deployment (stopped by an
 operator, started by one), the cut requests each instance still counts, and the engine
-processes this machine runs (a restart waits for those a previous run left).
+processes this machine runs (a restart waits for those a previous run left), and each
+deployment's short ID.
 
 A cut request is kept by the gateway's own request ID, its instance, when it was cut, by which
 rule it settles and why; a caller's ``X-Request-Id`` is never stored. Writes are small and rare
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._deployments.settle import CutRequest, Settlement, SettleRule
+from ._ulid import new_short_ids
 
 if TYPE_CHECKING:
     from ._deployments.routes import Route
@@ -42,6 +44,10 @@ CREATE TABLE IF NOT EXISTS cut (
     reason TEXT NOT NULL,
     PRIMARY KEY (instance, request_id)
 );
+CREATE TABLE IF NOT EXISTS deployment (
+    name TEXT PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE
+);
 CREATE TABLE IF NOT EXISTS engine (
     instance TEXT PRIMARY KEY,
     pid INTEGER NOT NULL,
@@ -61,6 +67,16 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+
+    # -- deployments' short IDs ----------------------------------------------------------------
+    def deployment_ids(self, names: list[str]) -> dict[str, str]:
+        """Each deployment's short ID: the one it was given when first configured, or a new
+        one (kept from now on). An ID stays with its name, also while the name is out of the
+        configuration, so a deployment taken out and put back keeps it."""
+        known = dict(self._db.execute("SELECT name, id FROM deployment").fetchall())
+        new = new_short_ids((n for n in names if n not in known), known.values())
+        self._db.executemany("INSERT INTO deployment VALUES (?, ?)", new.items())
+        return {n: known.get(n) or new[n] for n in names}
 
     # -- engine processes this machine runs (a restart waits for a previous run's) -------------
     def engines(self) -> dict[str, tuple[int, int]]:

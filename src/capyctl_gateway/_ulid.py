@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
-__all__ = ["REQUEST_ID", "new_ulid"]
+__all__ = ["REQUEST_ID", "new_short_ids", "new_ulid"]
 
 REQUEST_ID = "X-CapyCTL-Request-Id"
 """The header that carries the gateway's own ID of a request, on every answer."""
@@ -46,3 +47,17 @@ def new_ulid(now_ms: int | None = None) -> str:
     ms = int(time.time() * 1000) if now_ms is None else now_ms
     value = (ms << 80) | _random80()
     return "".join([_PAIRS[(value >> s) & 1023] for s in _SHIFTS])
+
+
+def new_short_ids(names: Iterable[str], taken: Iterable[str] = ()) -> dict[str, str]:
+    """A short ID (12 characters: a ULID's time and two random digits) for each name, none
+    equal to another or to one ``taken``."""
+    seen = set(taken)
+    out: dict[str, str] = {}
+    for name in names:
+        short = new_ulid()[:12]
+        while short in seen:  # made in the same millisecond as another: draw again
+            short = new_ulid()[:12]
+        seen.add(short)
+        out[name] = short
+    return out

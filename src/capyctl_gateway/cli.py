@@ -39,7 +39,8 @@ from ._management.render import print_list, print_status
 
 app = typer.Typer(
     name="capyctl-gateway",
-    help="An OpenAI-compatible gateway in front of vLLM, SGLang, llama.cpp and TensorFold.",
+    help="An OpenAI-compatible gateway in front of vLLM, SGLang, llama.cpp and TensorFold. "
+    "Installed as both capyctl and capyctl-gateway: one program under two names.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )

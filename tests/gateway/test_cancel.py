@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -307,8 +310,12 @@ async def test_status_deployment_through_the_cli(
         "--management",
         f"{host}:{port}",
     ]
+    # The guide's own words: ``capyctl status deployment <name>``, the installed command.
+    capyctl = str(Path(sys.executable).parent / "capyctl")
     try:
-        human = await anyio.to_thread.run_sync(CliRunner().invoke, cli, args)
+        human = await anyio.to_thread.run_sync(
+            partial(subprocess.run, [capyctl, *args], capture_output=True, text=True)
+        )
         as_json = await anyio.to_thread.run_sync(CliRunner().invoke, cli, [*args, "--json"])
         missing = await anyio.to_thread.run_sync(
             CliRunner().invoke, cli, ["status", "deployment", "nope", *args[3:]]
@@ -317,11 +324,13 @@ async def test_status_deployment_through_the_cli(
             unauthorized = await c.get(f"http://{host}:{port}/management/v1/deployments/my-model")
     finally:
         await runner.cleanup()
-    assert human.exit_code == 0, human.output
-    assert "my-model: api chat, vllm 0.31.0 (tiny), ready" in human.output
-    assert "instance 0: 1 cancelled request(s) still counted" in human.output
-    assert "settles at the engine's next stop or restart" in human.output
+    assert human.returncode == 0, human.stdout + human.stderr
+    short = gateway.gateway.fleet.routes["my-model"].id
+    assert f"my-model ({short}): api chat, vllm 0.31.0 (tiny), ready" in human.stdout
+    assert "instance 0: 1 cancelled request(s) still counted" in human.stdout
+    assert "settles at the engine's next stop or restart" in human.stdout
     doc = json.loads(as_json.output)
+    assert doc["deployment"]["id"] == short
     row = doc["instances"][0]
     assert row["state"] == "ready" and row["running"] == 0 and row["waiting"] == 0
     assert row["snapshot_age_s"] is not None

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import re
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -828,20 +829,25 @@ async def test_the_router_line_names_both_ids_the_deployment_and_instance(
     r = await post(gateway, CHAT, headers={"X-Request-Id": "checkout-7f3a"})
     assert r.status_code == 200, r.text
     rid = capyctl_id(r)
+    short = gateway.gateway.fleet.routes["my-model"].id
+    assert re.fullmatch(r"[0-9A-HJKMNP-TV-Z]{12}", short), short
+    this = socket.gethostname()  # an engine on loopback runs on this machine
     (record,) = selections(caplog)
     assert record.getMessage() == (
-        f"request {rid} (caller checkout-7f3a) my-model -> 127.0.0.1 instance 0"
+        f"request {rid} (caller checkout-7f3a) {short} -> {this} instance 0"
     )
     assert record.fields == {  # type: ignore[attr-defined]
         "capyctl_request_id": rid,
         "caller_request_id": "checkout-7f3a",
         "deployment": "my-model",
+        "deployment_id": short,
         "instance": 0,
         "host": "127.0.0.1",
+        "machine": this,
     }
     text = TextFormatter().format(record)
     assert re.fullmatch(
-        rf"\d\d:\d\d:\d\d request {rid} \(caller checkout-7f3a\) my-model -> 127\.0\.0\.1 "
+        rf"\d\d:\d\d:\d\d request {rid} \(caller checkout-7f3a\) {short} -> {re.escape(this)} "
         r"instance 0",
         text,
     ), text
@@ -859,13 +865,17 @@ async def test_without_a_caller_id_the_line_shows_only_capyctls(
     r = await post(gateway, {**CHAT, "model": "llama", "stream": True})
     assert r.status_code == 200, r.text
     rid = capyctl_id(r)
+    short = gateway.gateway.fleet.routes["llama"].id
+    this = socket.gethostname()
     (record,) = selections(caplog)
-    assert record.getMessage() == f"request {rid} llama -> 127.0.0.1 instance 0"
+    assert record.getMessage() == f"request {rid} {short} -> {this} instance 0"
     assert record.fields == {  # type: ignore[attr-defined]
         "capyctl_request_id": rid,
         "deployment": "llama",
+        "deployment_id": short,
         "instance": 0,
         "host": "127.0.0.1",
+        "machine": this,
     }
 
 

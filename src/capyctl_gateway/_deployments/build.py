@@ -44,9 +44,11 @@ def build_routes(
     env: Mapping[str, str],
     settlement: Settlement,
     runner_for: Callable[[EngineInstance, str | None], Runner],
+    ids: Mapping[str, str],
 ) -> dict[str, Route]:
-    """One route per deployment, each instance with the runner ``runner_for`` chooses for it;
-    raises ConfigError for an engine key that is not set."""
+    """One route per deployment, each instance with the runner ``runner_for`` chooses for it
+    and the deployment's short ID from ``ids``; raises ConfigError for an engine key that is
+    not set."""
     admission = Admission(config.queue.max_waiting_total)
     routes: dict[str, Route] = {}
     for d in config.deployments:
@@ -73,7 +75,7 @@ def build_routes(
             max_waiting=config.queue.max_waiting_per_deployment,
             gated=d.launched,
         )
-        routes[d.name] = Route(d, instances, queue, waiters)
+        routes[d.name] = Route(d, instances, queue, waiters, ids[d.name])
     return routes
 
 

@@ -15,8 +15,10 @@ Never imports the HTTP surface or the relay.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import math
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
@@ -37,9 +39,13 @@ __all__ = [
     "Waiters",
     "load",
     "load_of",
+    "machine_of",
     "offerable",
     "usage_penalty",
 ]
+
+THIS_MACHINE = socket.gethostname() or "localhost"
+"""This machine's name, as the router line names an engine that runs here."""
 
 NOT_ACCEPTED_REST_S = 5.0
 """How long an instance that failed to accept a request (`NotAcceptedError`) is passed over
@@ -97,6 +103,9 @@ class EngineInstance:
     runner: Runner = field(init=False, repr=False)
     """Where its engine runs (chosen once, with the routes)."""
     host: str = field(init=False, default="")
+    machine: str = field(init=False, default=THIS_MACHINE)
+    """The machine the engine runs on, as the router line names it: its host's name, this
+    machine's name for an engine on loopback (or not yet bound), else the address's host."""
     where: str = field(init=False, default="")
     """How clients hear of it: never its address."""
     chat_url: URL = field(init=False, default=URL())
@@ -114,6 +123,7 @@ class EngineInstance:
         self.admitting = self.launch is None
         self.runner = runner_for(self)
         self.host = self.runner.host or ""
+        self.machine = machine_of(self.runner.host, None)
         if self.url is not None:
             self.bind(self.url)
 
@@ -153,6 +163,7 @@ class EngineInstance:
         host, at its host's ingress)."""
         self.url = url
         self.host = self.runner.host or urlsplit(url).hostname or ""
+        self.machine = machine_of(self.runner.host, url)
         # Parsed once: aiohttp would parse a string URL on every request.
         self.chat_url = URL(url + "/v1/chat/completions")
         self.decision_url = URL(url + "/v1/systemone")
@@ -161,6 +172,23 @@ class EngineInstance:
     def key(self) -> str:
         """The collector's and the ledger's key: ``<deployment>/<index>``."""
         return self.ledger.key
+
+
+def machine_of(host: str | None, url: str | None) -> str:
+    """The machine an instance's engine runs on (`EngineInstance.machine`)."""
+    if host is not None:
+        return host
+    name = urlsplit(url).hostname if url is not None else None
+    if name is None or name == "localhost" or _loopback(name):
+        return THIS_MACHINE
+    return name
+
+
+def _loopback(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def load_of(inst: EngineInstance, sample: LoadSample | None) -> int:
@@ -183,6 +211,9 @@ class Route:
     instances: list[EngineInstance]
     queue: DeploymentQueue
     waiters: Waiters
+    id: str
+    """The deployment's short ID: stable across restarts (kept in the store), shown by
+    ``status`` and ``list`` and named by the router line."""
     turn: itertools.count[int] = field(default_factory=itertools.count)
     clock: Callable[[], float] = time.monotonic
     resting: dict[int, float] = field(default_factory=dict)

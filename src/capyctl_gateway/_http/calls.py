@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from .._config import Api, Deployment
+from .._deployments.routes import EngineInstance, Route
 from .._errors import GatewayError, UnauthorizedError
 from .._gateway import Gateway
 from .._log import event
@@ -94,13 +95,22 @@ def _ids(request: web.Request) -> dict[str, str]:
 
 
 def log_route(
-    name: str, call: Call, index: int, host: str, detail: str | None = None, **more: Any
+    name: str,
+    call: Call,
+    route: Route,
+    instance: EngineInstance,
+    detail: str | None = None,
+    **more: Any,
 ) -> None:
+    """A router line: ``request <ID> (caller <theirs>) <deployment ID> -> <machine> instance
+    <N>`` for a selection, or why an instance did not take the request for a failover."""
     fields: dict[str, Any] = {
         "capyctl_request_id": call.rid,
         "deployment": call.dep.name,
-        "instance": index,
-        "host": host,
+        "deployment_id": route.id,
+        "instance": instance.index,
+        "host": instance.host,
+        "machine": instance.machine,
         **more,
     }
     if call.caller is not None:
@@ -112,9 +122,9 @@ def log_route(
             "request %s%s %s -> %s instance %d",
             call.rid,
             caller,
-            call.dep.name,
-            host,
-            index,
+            route.id,
+            instance.machine,
+            instance.index,
             **fields,
         )
     else:
@@ -123,9 +133,9 @@ def log_route(
             "request %s%s %s: instance %d on %s did not take it (%s)",
             call.rid,
             caller,
-            call.dep.name,
-            index,
-            host,
+            route.id,
+            instance.index,
+            instance.machine,
             detail,
             **fields,
             reason="not_accepted",

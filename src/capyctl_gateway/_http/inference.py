@@ -201,7 +201,7 @@ class Inference:
                 refused.add(instance.index)
                 route.not_accepted(instance)
                 details.append(exc.detail or exc.message)
-                log_route("router_failover", call, instance.index, instance.host, exc.detail)
+                log_route("router_failover", call, route, instance, exc.detail)
         raise EngineError(
             f"deployment {name}: its instances could not be reached",
             detail="; ".join(details) or "no instance to send it to",
@@ -230,13 +230,6 @@ def _log_choice(call: Call, route: Route, instance: EngineInstance, refused: set
     when there was a choice (or the instance is on a host)."""
     if len(route.instances) > 1 or call.dep.remote:
         shown, skipped_ = candidates(route, refused)
-        log_route(
-            "router_selection",
-            call,
-            instance.index,
-            instance.host,
-            candidates=shown,
-            skipped=skipped_,
-        )
+        log_route("router_selection", call, route, instance, candidates=shown, skipped=skipped_)
     else:
-        log_route("router_selection", call, instance.index, instance.host)
+        log_route("router_selection", call, route, instance)

@@ -104,6 +104,7 @@ def deployments_list(
         life = lifecycle.lives.get(name)
         row: dict[str, Any] = {
             "name": name,
+            "id": route.id,
             "api": d.api.value,
             "engine": d.engine.value,
             "instances": len(route.instances),

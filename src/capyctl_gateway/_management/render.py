@@ -19,7 +19,7 @@ def _cell(value: Any) -> str:
 def print_status(console: Console, doc: dict[str, Any]) -> None:
     d = doc["deployment"]
     console.print(
-        f"{d['name']}: api {d['api']}, {d['engine']} {d['engine_version']} "
+        f"{d['name']} ({d['id']}): api {d['api']}, {d['engine']} {d['engine_version']} "
         f"({d['served_model']}), {d['state']}; "
         f"gateway running {d['running']}, waiting {d['waiting']}",
         soft_wrap=True,
@@ -47,7 +47,7 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
     # Addresses and reasons on lines of their own: a table column would cut them short.
     for i in rows:
         where = i["url"] if i["url"] is not None else "not running"
-        about = f"host {i['host']}"
+        about = f"host {i['host']}" if "session" in i else f"machine {i['machine']}"
         if "session" in i:
             report = i.get("report_age_s")
             about += f", session {i['session']}" + (
@@ -87,10 +87,18 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
 
 def print_list(console: Console, doc: dict[str, Any]) -> None:
     """``capyctl-gateway list``: a table of every deployment, then the memory budget."""
-    table = Table("deployment", "api", "engine", "run by", "state", "ready", "memory held")
-    for d in doc["deployments"]:
+    rows = doc["deployments"]
+    table = Table()
+    # The name and the ID whole, however narrow the terminal: the other columns give way.
+    longest = max((len(d["name"]) for d in rows), default=10)
+    table.add_column("deployment", no_wrap=True, min_width=longest)
+    table.add_column("id", no_wrap=True, min_width=12)
+    for title in ("api", "engine", "run by", "state", "ready", "memory held"):
+        table.add_column(title)
+    for d in rows:
         table.add_row(
             d["name"],
+            d["id"],
             d["api"],
             d["engine"],
             d["run_by"],

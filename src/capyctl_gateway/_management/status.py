@@ -28,6 +28,7 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
             "index": inst.index,
             "url": inst.url,
             "host": inst.host,
+            "machine": inst.machine,
             "state": "unknown",
             "running": None,
             "waiting": None,
@@ -70,6 +71,7 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
     doc: dict[str, Any] = {
         "deployment": {
             "name": d.name,
+            "id": route.id,
             "api": d.api.value,
             "engine": d.engine.value,
             "engine_version": d.engine_version,
