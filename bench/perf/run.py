@@ -126,9 +126,11 @@ def start_gateway(
     engine_version: str = "0.31.0",
     extra: str = "",
     args: Sequence[str] = (),
+    profile: Path | None = None,
 ) -> tuple[Proc, Target]:
     """capyctl-gateway serving the engine at ``engine_url`` as the deployment ``bench``
-    (``extra``: more YAML for its config; ``args``: more options for ``serve``), ready."""
+    (``extra``: more YAML for its config; ``args``: more options for ``serve``; ``profile``:
+    run it under cProfile, written there when it stops), ready."""
     py = sys.executable
     config = work / "gateway.yaml"
     text = CONFIG.format(engine=engine, version=engine_version, url=engine_url) + extra
@@ -139,7 +141,13 @@ def start_gateway(
     gateway = procs.start(
         "gateway",
         [
-            *([gw_bin] if Path(gw_bin).exists() else [py, "-m", "capyctl_gateway.cli"]),
+            *(
+                [py, "-m", "cProfile", "-o", str(profile), "-m", "capyctl_gateway.cli"]
+                if profile is not None
+                else [gw_bin]
+                if Path(gw_bin).exists()
+                else [py, "-m", "capyctl_gateway.cli"]
+            ),
             "serve",
             "--config",
             str(config),
@@ -173,33 +181,36 @@ def _serve(args: argparse.Namespace, procs: ProcessSet, work: Path) -> tuple[lis
 
     peer_bin = None if args.no_peer else _peer_bin(args.peer_bin)
     if peer_bin is not None:
-        pport = free_port()
-        peer = procs.start(
-            "peer",
-            [
-                peer_bin,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(pport),
-                "--worker-urls",
-                engine_url,
-                "--policy",
-                "round_robin",
-                "--log-level",
-                "warning",
-                "--prometheus-port",
-                str(free_port()),
-            ],
-        )
-        peer.wait_http(f"http://127.0.0.1:{pport}/health", timeout_s=60)
-        targets.append(
-            Target("peer", f"http://127.0.0.1:{pport}", "tiny", None, tuple(peer.pids()))
-        )
+        targets.append(start_peer(procs, peer_bin, engine_url))
     for t in targets:
         _check_target(t, stream=True)
         _check_target(t, stream=False)
     return targets, engine.pid
+
+
+def start_peer(procs: ProcessSet, peer_bin: str, engine_url: str) -> Target:
+    """vllm-router in front of the engine at ``engine_url`` (round robin), ready."""
+    pport = free_port()
+    peer = procs.start(
+        "peer",
+        [
+            peer_bin,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(pport),
+            "--worker-urls",
+            engine_url,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warning",
+            "--prometheus-port",
+            str(free_port()),
+        ],
+    )
+    peer.wait_http(f"http://127.0.0.1:{pport}/health", timeout_s=60)
+    return Target("peer", f"http://127.0.0.1:{pport}", "tiny", None, tuple(peer.pids()))
 
 
 def _key(creds: Path) -> str:
