@@ -35,6 +35,7 @@ from contract.engines.llamacpp import LlamaServer, ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
 
 from ._loads import Target
+from ._procfs import cpu_seconds
 from ._procs import ProcessSet, StartupError
 from .run import _check_target, _peer_bin, start_gateway, start_peer
 
@@ -150,10 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         for t in targets[1:]:
             _check_target(t, stream=True)
         for r in range(args.runs):
+            cpu0 = {t.name: cpu_seconds(t.pids) for t in targets[1:]}
             got = asyncio.run(interleaved(targets, args.requests, args.tokens))
+            for t in targets[1:]:  # CPU per request, its background work (polls) included
+                spent = cpu_seconds(t.pids) - cpu0[t.name]
+                got[f"{t.name}_cpu_ms"] = [spent * 1000 / (args.requests + 5)]
             runs.append(got)
             line = ", ".join(f"{k} {statistics.median(v):.3f} ms" for k, v in got.items())
-            print(f"run {r + 1}: median TTFT {line}", file=sys.stderr, flush=True)
+            print(f"run {r + 1}: median {line}", file=sys.stderr, flush=True)
     except StartupError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
@@ -171,14 +176,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(runs: list[dict[str, list[float]]]) -> str:
-    rows = ["| run | direct TTFT p50 | gateway adds | vllm-router adds |", "|---|---|---|---|"]
+    rows = [
+        "| run | direct TTFT p50 | gateway adds | vllm-router adds | CPU per request: gateway "
+        "/ vllm-router |",
+        "|---|---|---|---|---|",
+    ]
     for i, got in enumerate(runs, 1):
         direct = statistics.median(got["direct"])
 
         def added(name: str, got: dict[str, Any] = got, direct: float = direct) -> str:
             return f"{statistics.median(got[name]) - direct:+.3f} ms" if name in got else "-"
 
-        rows.append(f"| {i} | {direct:.3f} ms | {added('gateway')} | {added('peer')} |")
+        cpu = " / ".join(
+            f"{got[k][0]:.3f} ms" if k in got else "-" for k in ("gateway_cpu_ms", "peer_cpu_ms")
+        )
+        rows.append(f"| {i} | {direct:.3f} ms | {added('gateway')} | {added('peer')} | {cpu} |")
     return "\n".join(rows)
 
 
