@@ -114,6 +114,7 @@ def test_status_text_never_cuts_a_url_short(width: int) -> None:
     doc: dict[str, Any] = {
         "deployment": {
             "name": "my-model",
+            "id": "01KBG3W8Q2ZN",
             "api": "chat",
             "engine": "vllm",
             "engine_version": "0.31.0",
@@ -127,6 +128,7 @@ def test_status_text_never_cuts_a_url_short(width: int) -> None:
                 "index": i,
                 "url": u,
                 "host": u.split("//")[1].split(":")[0],
+                "machine": u.split("//")[1].split(":")[0],
                 "state": "failed",
                 "running": None,
                 "waiting": None,
