@@ -37,6 +37,10 @@ from contract.engines.tiny_gguf import write_tiny_gguf
 BIN = Path(sys.executable).absolute().parent
 DEFAULT_STATE = Path("~/.local/state/capyctl").expanduser()
 STATE = Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE).expanduser().absolute()
+PREDICT = 64
+"""llama-server's own cap on an answer's tokens (``-n``): the tiny random model never ends an
+answer by itself, so without it a request that sends no ``max_tokens`` (the guide's chat,
+streaming and Python examples) would run on for minutes."""
 
 
 def _generate(base_url: str, *, after: float, seconds: float, stop: threading.Event) -> None:
@@ -92,12 +96,12 @@ def provider_demo(url: str, common: list[str]) -> None:
         stop.set()
 
 
-def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> None:
-    """The product's shape: the gateway runs llama-server itself, starting it for the first
-    request and stopping it after 10 idle minutes."""
-    config = workdir / "gateway.yaml"
+def demo_config(binary: Path, model: Path) -> str:
+    """The demo's gateway configuration: one deployment, ``my-model``, whose llama-server the
+    gateway runs itself (started by the first request, stopped after 10 idle minutes)."""
     command = [str(binary), "-m", str(model), "-a", "tiny", "-c", "65536", "--parallel", "2"]
-    config.write_text(
+    command += ["-n", str(PREDICT)]
+    return (
         "deployments:\n"
         "  - name: my-model\n"
         "    engine: llamacpp\n"
@@ -107,6 +111,12 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
         "    instances:\n"
         f"      - launch: {{command: {json.dumps(command)}, startup_timeout: 2m}}\n"
     )
+
+
+def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> None:
+    """The product's shape: the gateway runs llama-server itself (`demo_config`)."""
+    config = workdir / "gateway.yaml"
+    config.write_text(demo_config(binary, model))
     port = 8443 if _port_free(8443) else free_port()
     mport = 7443 if _port_free(7443) else free_port()
     cmd = [str(BIN / "capyctl-gateway"), "serve", "--config", str(config)]
@@ -131,7 +141,6 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
             json={
                 "model": "my-model",
                 "messages": [{"role": "user", "content": "Hello"}],
-                "max_tokens": 16,
             },
             timeout=180,  # the first request waits for llama-server to start
         ).json()
@@ -141,6 +150,9 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
         )
         print("  ", repr(reply["choices"][0]["message"]["content"]))
         print("   capyctl.metrics:", reply["capyctl"]["metrics"])
+        logs = sorted((STATE / "logs").glob("my-model-0.*.log"), key=lambda p: p.stat().st_mtime)
+        if logs:  # the gateway writes the engine's output there (the last 4 runs are kept)
+            print(f"   llama-server's log: {logs[-1]}")
         print(f"\ncapyctl-gateway serves the OpenAI chat API at {endpoint}")
         status: list[str | Path] = [BIN / "capyctl-gateway", "status", "deployment", "my-model"]
         if mport != 7443:
@@ -155,13 +167,14 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
             manage += ["--state-dir", STATE]
         for verb in (["list"], ["stop", "my-model"], ["start", "my-model"]):
             print(f"           {command_line([BIN / 'capyctl-gateway', *verb, *manage])}")
-        print(f"the API key is in {creds} (line 'api_key: ...')\n")
+        print(f"the API key is in {creds} (line 'api_key: ...')")
+        print(f"llama-server stops every answer at {PREDICT} tokens (its -n; the model never")
+        print('stops by itself), so requests without max_tokens finish; add "stream": true to')
+        print("stream the answer.\n")
         print(f"KEY=$(sed -n 's/^api_key: //p' {shlex.quote(str(creds))})")
         print(f'curl -s {endpoint}/chat/completions -H "Authorization: Bearer $KEY" \\')
         print("  -H 'Content-Type: application/json' \\")
-        print(
-            '  -d \'{"model": "my-model", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}\''
-        )
+        print('  -d \'{"model": "my-model", "messages": [{"role": "user", "content": "Hello"}]}\'')
         if once:
             return
         print("\nServing until Ctrl-C.")

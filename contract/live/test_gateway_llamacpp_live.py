@@ -184,3 +184,30 @@ async def test_requests_in_a_row_all_succeed(llama_gateway: RunningGateway) -> N
             r = await c.post("/v1/chat/completions", json={**body, "stream": i % 2 == 0})
             statuses.append(r.status_code)
     assert statuses == [200] * 30
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+async def test_openai_client_parses_every_field_the_gateway_sent(
+    llama_gateway: RunningGateway, logprobs: bool
+) -> None:
+    async with client(llama_gateway) as c:
+        raw = await c.chat.completions.with_raw_response.create(
+            model="my-model", messages=MESSAGES, max_tokens=8, logprobs=logprobs
+        )
+        one = await c.models.retrieve("my-model")
+        listed = await c.models.list()
+    wire = orjson.loads(raw.http_response.content)
+    reply = raw.parse()
+    assert reply.model_dump(mode="json", exclude_unset=True) == wire
+    assert len(raw.headers["X-CapyCTL-Request-Id"]) == 26
+    (choice,) = reply.choices
+    assert {"logprobs", "finish_reason", "index"} <= choice.model_fields_set
+    assert {"role", "content", "refusal"} <= choice.message.model_fields_set
+    assert choice.message.refusal is None
+    if logprobs:  # llama.cpp's own, one per generated token, joined by the gateway
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert len(choice.logprobs.content) == 8
+        assert all(t.token and t.logprob <= 0 for t in choice.logprobs.content)
+    else:
+        assert choice.logprobs is None
+    assert one == listed.data[0] and one.id == "my-model"

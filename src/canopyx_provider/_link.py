@@ -79,7 +79,8 @@ class QuoteAnswer:
     def of(cls, request: QuoteRequest, outcome: Price | Decline) -> QuoteAnswer:
         if isinstance(outcome, Decline):
             return cls(request.request_id, None, outcome.code)
-        return cls(request.request_id, outcome, None)
+        # The amounts only: a price's detail stays on this machine, as a decline's does.
+        return cls(request.request_id, Price(outcome.input_per_mtok, outcome.output_per_mtok), None)
 
 
 LinkMessage = StatusReport | PricePublication | QuoteAnswer

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Protocol
 
@@ -25,10 +25,13 @@ _MICRO = Decimal("0.000001")
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """A price in currency units per million tokens."""
+    """A price in currency units per million tokens. ``detail``, like a `Decline`'s, says
+    why, and stays on this machine (a quote answer carries the amounts only); two prices with
+    the same amounts are equal whatever their details."""
 
     input_per_mtok: Decimal
     output_per_mtok: Decimal
+    detail: str | None = field(default=None, compare=False)
 
     def scaled(self, factor: Decimal) -> Price:
         return Price(
@@ -102,9 +105,10 @@ class LoadAndAdmission:
     Supported engines are judged by KV (or slot) usage and their own queue: nothing is admitted
     while the engine has requests waiting (unless ``max_engine_waiting`` allows it) or once
     usage reaches ``admission_target``. The price rises linearly with usage, up to
-    ``1 + surge`` times the list price at the target. Engines with no load metrics are judged
-    by Canopy's own counts against ``limited_max_concurrent``, a deliberately small limit:
-    work the engine serves outside Canopy is invisible to it.
+    ``1 + surge`` times the list price at the target. An engine that publishes no waiting count
+    is priced without it (never as if nothing waited), and the price's detail says so. Engines
+    with no load metrics are judged by Canopy's own counts against ``limited_max_concurrent``,
+    a deliberately small limit: work the engine serves outside Canopy is invisible to it.
 
     Args:
         list_price: the price at an idle engine.
@@ -147,9 +151,9 @@ class LoadAndAdmission:
             limit = self.limited_max_concurrent
             if load >= limit:
                 return Decline("at_limit", f"{load} Canopy requests reach the limit of {limit}")
-            return self._price(load / limit)
-        waiting = m.waiting_requests or 0
-        if waiting > self.max_engine_waiting:
+            return self._price(load / limit, f"{load} Canopy requests of the limit of {limit}")
+        waiting = m.waiting_requests
+        if waiting is not None and waiting > self.max_engine_waiting:
             return Decline("engine_queue", f"the engine has {waiting} requests waiting")
         usage = _usage(m, context.capacity)
         if usage is None:
@@ -158,10 +162,14 @@ class LoadAndAdmission:
             return Decline(
                 "over_target", f"usage {usage:.3f} reaches the target {self.admission_target}"
             )
-        return self._price(usage / self.admission_target)
+        detail = f"usage {usage:.3f} of the target {self.admission_target}"
+        if waiting is None:
+            detail += "; priced without the engine's queue: it publishes no waiting count"
+        return self._price(usage / self.admission_target, detail)
 
-    def _price(self, fill: float) -> Price:
-        return self._list.scaled(Decimal(1) + Decimal(str(round(self.surge * fill, 6))))
+    def _price(self, fill: float, detail: str) -> Price:
+        price = self._list.scaled(Decimal(1) + Decimal(str(round(self.surge * fill, 6))))
+        return replace(price, detail=detail)
 
     def __repr__(self) -> str:
         return (

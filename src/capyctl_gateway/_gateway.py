@@ -1,4 +1,4 @@
-"""The public surface's own state: the key, the request bodies held, the models document and
+"""The public surface's own state: the key, the request bodies held, the models documents and
 the gateway's telemetry, and the fleet it serves while it serves (``_fleet.py``).
 
 No module globals; the HTTP surface and management read it, the rooms below never import it.
@@ -36,21 +36,20 @@ class Gateway:
         """Request-body bytes read and held, over all requests."""
         self.started_at = int(clock())
         self._fleet: Fleet | None = None
-        self.models_document = orjson.dumps(
+        models = [
             {
-                "object": "list",
-                "data": [
-                    {
-                        "id": d.name,
-                        "object": "model",
-                        "created": self.started_at,
-                        "owned_by": "capyctl",
-                        "capyctl": {"api": d.api.value},
-                    }
-                    for d in config.deployments
-                ],
+                "id": d.name,
+                "object": "model",
+                "created": self.started_at,
+                "owned_by": "capyctl",
+                "capyctl": {"api": d.api.value},
             }
-        )
+            for d in config.deployments
+        ]
+        self.models_document = orjson.dumps({"object": "list", "data": models})
+        """``GET /v1/models``'s answer."""
+        self.model_documents = {m["id"]: orjson.dumps(m) for m in models}
+        """``GET /v1/models/{model}``'s answer, by deployment name (the list's entries)."""
 
     @property
     def fleet(self) -> Fleet:

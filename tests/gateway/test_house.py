@@ -40,6 +40,8 @@ async def test_the_application_refuses_a_runner_that_would_miss_hang_ups() -> No
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/systemone"),
         ("GET", "/v1/models"),
+        ("GET", "/v1/models/my-model"),
+        ("GET", "/v1/models/nobody"),  # the key first: no model name is told to a stranger
     ],
 )
 async def test_a_401_hands_back_the_callers_id_and_carries_ours(
@@ -254,6 +256,8 @@ async def test_every_path_refuses_other_methods_with_405_and_hands_back_the_call
     async with gateway.client() as c:
         for method, path, allow in (
             ("POST", "/v1/models", "GET"),
+            ("DELETE", "/v1/models/my-model", "GET"),
+            ("POST", "/v1/models/nobody", "GET"),
             ("DELETE", "/openapi.json", "GET"),
             ("GET", "/v1/systemone", "POST"),
         ):

@@ -141,7 +141,9 @@ async def test_the_first_request_starts_the_engine_with_the_forced_flags(
     gw = await make_gateway({"deployments": [launched()]})
     async with gw.client() as c:
         models = await c.get("/v1/models")  # never starts anything
-        assert models.status_code == 200 and transitions(caplog) == []
+        model = await c.get("/v1/models/my-model")  # nor does one model
+        assert models.status_code == model.status_code == 200 and transitions(caplog) == []
+        assert models.json()["data"] == [model.json()]
         r = await c.post("/v1/chat/completions", json=chat())
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "from tiny"

@@ -57,6 +57,7 @@ Operation = schemathesis.APIOperation[Any, Any, Any, Any]
 Case = schemathesis.Case[Any]
 OPERATIONS = [
     ("/v1/models", "GET"),
+    ("/v1/models/{model}", "GET"),
     ("/openapi.json", "GET"),
     ("/v1/chat/completions", "POST"),
     ("/v1/systemone", "POST"),
@@ -189,13 +190,18 @@ DECISION = {
     },
 }
 CHAT = "POST /v1/chat/completions"
+MODEL = "GET /v1/models/{model}"
 DECIDE = "POST /v1/systemone"
 JSON, SSE = "application/json", "text/event-stream"
 ANCHORS: list[tuple[str, Any, dict[str, str], bool, int, str]] = [
-    # operation, body, headers, with the key, status, media type
+    # operation, body (a GET's path parameters), headers, with the key, status, media type
     ("GET /v1/models", None, {"X-Request-Id": "anchor-1"}, True, 200, JSON),
     ("GET /v1/models", None, {"X-Request-Id": "anchor-2"}, False, 401, JSON),
     ("GET /v1/models", None, {"X-Request-Id": "not one"}, True, 400, JSON),
+    (MODEL, {"model": "my-model"}, {"X-Request-Id": "anchor-5"}, True, 200, JSON),
+    (MODEL, {"model": "decider"}, {}, True, 200, JSON),
+    (MODEL, {"model": "nobody"}, {"X-Request-Id": "anchor-6"}, True, 404, JSON),
+    (MODEL, {"model": "my-model"}, {}, False, 401, JSON),
     ("GET /openapi.json", None, {}, True, 200, JSON),
     ("GET /openapi.json", None, {}, False, 401, JSON),
     (CHAT, {"model": "my-model", "messages": HELLO}, {"X-Request-Id": "anchor-3"}, True, 200, JSON),
@@ -247,7 +253,7 @@ def _runs(doc: dict[str, Any]) -> Iterator[tuple[str, Operation, GenerationMode,
         _operations(_aimed(doc)),
         _operations(_aimed(doc, stream=True)),
     )
-    for label in ("GET /v1/models", "GET /openapi.json"):
+    for label in ("GET /v1/models", MODEL, "GET /openapi.json"):
         for mode in both:
             yield "document", plain[label], mode, MAX_EXAMPLES
     for label in ("POST /v1/chat/completions", "POST /v1/systemone"):
@@ -313,9 +319,10 @@ def _fuzz(doc: dict[str, Any], base_url: str, key: str) -> list[str]:
         fuzz = _Fuzz(session, base_url, key)
         for i, (label, body, headers, with_key, status, media) in enumerate(ANCHORS):
             operation = operations[label]
-            case = operation.Case(headers=headers) if body is None else operation.Case(
-                body=body, headers=headers, media_type=JSON
-            )  # fmt: skip
+            if label.startswith("GET"):
+                case = operation.Case(path_parameters=body, headers=headers)
+            else:
+                case = operation.Case(body=body, headers=headers, media_type=JSON)
             where = f"{label} (anchor {i})"
             got = fuzz.check(where, case, key=with_key)
             if got != (status, media):

@@ -89,6 +89,35 @@ def test_an_assembled_answer_keeps_the_engine_s_finish_reason() -> None:
     assert choice["message"]["content"] == "Hi"
 
 
+def test_an_assembled_answer_has_openais_required_logprobs_and_refusal_null_when_not_sent() -> None:
+    v, assembler = verifier(), Assembler()
+    text = vllm(b'{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}')
+    for i, raw in enumerate([ROLE, text]):
+        assembler.add(v.collect(raw, float(i)))
+    (choice,) = assembler.result()["choices"]
+    assert "logprobs" in choice and choice["logprobs"] is None
+    assert choice["message"] == {"role": "assistant", "content": "Hi", "refusal": None}
+
+
+def test_an_assembled_answer_joins_the_engines_logprobs_and_refusal() -> None:
+    v, assembler = verifier(), Assembler()
+    first, second = b'[{"token":"a","logprob":-0.5}]', b'[{"token":"b","logprob":-1E-7}]'
+    for i, lp in enumerate(
+        (b'{"content":' + first + b"}", b"null", b'{"content":' + second + b"}")
+    ):
+        raw = vllm(b'{"index":0,"delta":{"content":"x"},"logprobs":' + lp + b"}")
+        assembler.add(v.collect(raw, float(i)))
+    # The verifier's delta table has no refusal (an engine's ends the stream as unverified),
+    # so the assembler is handed one directly: it keeps what the engine said.
+    for part in ("I can", "not."):
+        assembler.add({**orjson.loads(ROLE), "choices": [{"index": 0, "delta": {"refusal": part}}]})
+    (choice,) = assembler.result()["choices"]
+    assert choice["logprobs"] == {
+        "content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1e-7}]
+    }
+    assert choice["message"]["refusal"] == "I cannot."
+
+
 @pytest.mark.parametrize(
     ("kind", "choices", "reason"),
     [

@@ -13,6 +13,7 @@ from canopyx_provider import (
     EngineMetrics,
     LoadAndAdmission,
     Price,
+    QuoteAnswer,
     QuoteContext,
     QuoteRequest,
     SupportLevel,
@@ -108,3 +109,22 @@ def test_health_only_engines_are_priced_from_canopy_counts() -> None:
 def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         LoadAndAdmission(LIST, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_missing_waiting_count_is_left_out_of_the_price_never_taken_as_zero() -> None:
+    # llama.cpp without its deferred gauge, for one: running and slots, no waiting count.
+    unknown = EngineMetrics(running_requests=1, slot_usage_ratio=0.4)
+    known = EngineMetrics(running_requests=1, waiting_requests=0, slot_usage_ratio=0.4)
+    strategy = LoadAndAdmission(LIST)
+    out, same_load = strategy.quote(REQ, ctx(unknown)), strategy.quote(REQ, ctx(known))
+    assert isinstance(out, Price) and isinstance(same_load, Price)
+    assert out == same_load  # the same amounts: usage alone prices it
+    assert out.detail is not None and "no waiting count" in out.detail
+    assert same_load.detail is not None and "waiting" not in same_load.detail
+
+
+def test_a_prices_detail_stays_on_the_machine() -> None:
+    priced = Price(Decimal("0.20"), Decimal("0.60"), detail="usage 0.000 of the target 0.8")
+    sent = QuoteAnswer.of(REQ, priced)
+    assert sent.price is not None
+    assert sent.price == priced and sent.price.detail is None

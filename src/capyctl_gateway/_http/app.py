@@ -81,6 +81,9 @@ def create_app(
     app.cleanup_ctx.append(serve_fleet)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_route("*", "/v1/models", wrong_method("GET"))
+    # The name as the client wrote it, slashes included (openai's client escapes them as %2F).
+    app.router.add_get("/v1/models/{model:.+}", handlers.models)
+    app.router.add_route("*", "/v1/models/{model:.+}", wrong_method("GET"))
     app.router.add_post("/v1/chat/completions", handlers.chat)
     app.router.add_route("*", "/v1/chat/completions", wrong_method("POST"))
     app.router.add_post("/v1/systemone", handlers.decide)

@@ -1,4 +1,4 @@
-"""The public listener's handlers: ``/v1/models``, chat and decisions.
+"""The public listener's handlers: ``/v1/models`` (and one model), chat and decisions.
 
 Each API is one `Surface`, bound once: its body limit, its checks, the engine path it is
 posted to and how its answer is run. A chat or decision request goes: request ID, key,
@@ -24,7 +24,14 @@ from yarl import URL
 from .._config import REMOTE_MAX_BODY_BYTES, Api, Deployment, GatewayConfig
 from .._deployments.charge import Charge
 from .._deployments.routes import EngineInstance, Route
-from .._errors import EngineError, GatewayError, NotAcceptedError, TooLargeError, UnavailableError
+from .._errors import (
+    EngineError,
+    GatewayError,
+    NotAcceptedError,
+    TooLargeError,
+    UnavailableError,
+    UnknownModelError,
+)
 from .._fleet import Fleet
 from .._gateway import Gateway
 from .._loop import running_loop
@@ -96,6 +103,16 @@ DECISIONS = Surface(
 )
 
 
+def _listed(gateway: Gateway, name: str | None) -> bytes:
+    """The models list, or (``name``) that deployment's entry of it."""
+    if name is None:
+        return gateway.models_document
+    document = gateway.model_documents.get(name)
+    if document is None:
+        raise UnknownModelError(f"no deployment serves model {name!r}")
+    return document
+
+
 class Inference:
     """The handlers of the public listener, over one `Gateway`."""
 
@@ -106,14 +123,15 @@ class Inference:
         self.decide = functools.partial(self._serve, surface=DECISIONS)
 
     async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``, and ``GET /v1/models/{model}``: that entry of the list. Neither
+        asks an engine anything or wakes a model."""
         headers = {REQUEST_ID: new_ulid()}
         try:
             identify(self.gw, request, headers)
+            document = _listed(self.gw, request.match_info.get("model"))
         except GatewayError as err:
             return error_response(err, headers)
-        return web.Response(
-            body=self.gw.models_document, headers=headers, content_type="application/json"
-        )
+        return web.Response(body=document, headers=headers, content_type="application/json")
 
     async def _serve(self, request: web.Request, surface: Surface) -> web.StreamResponse:
         loop = running_loop()

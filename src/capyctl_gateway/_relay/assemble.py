@@ -1,4 +1,9 @@
-"""Folding a verified stream into one ``chat.completion`` for a non-streaming client."""
+"""Folding a verified stream into one ``chat.completion`` for a non-streaming client.
+
+The answer has the members OpenAI's chat completion object requires, whatever the engine
+streamed: each choice's ``logprobs`` (the engine's, joined, or null) and its message's
+``refusal`` (the engine's text, joined, or null when it sent none).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class Assembler:
         "_first",
         "_logprobs",
         "_reasoning",
+        "_refusal",
         "finish",
     )
 
@@ -30,6 +36,7 @@ class Assembler:
         self._reasoning: dict[str, list[str]] = {}
         self._calls: dict[int, dict[str, Any]] = {}
         self._logprobs: list[Any] | None = None
+        self._refusal: list[str] | None = None
         self._chunk_extra: dict[str, Any] = {}
         self.finish: Any = None
         """The finish_reason the engine sent, whatever it is (stop, length, vLLM's abort...)."""
@@ -60,6 +67,9 @@ class Assembler:
                 text = delta.get(key)
                 if text is not None:
                     self._reasoning.setdefault(key, []).append(text)
+            refusal = delta.get("refusal")
+            if isinstance(refusal, str):
+                self._refusal = (self._refusal or []) + [refusal]
             for call in delta.get("tool_calls") or ():
                 self._fold_call(call)
             lp = choice.get("logprobs")
@@ -94,6 +104,7 @@ class Assembler:
         first = self._first or {}
         message: dict[str, Any] = {"role": "assistant"}
         message["content"] = "".join(self._content) if self._content or not self._calls else None
+        message["refusal"] = None if self._refusal is None else "".join(self._refusal)
         for key, parts in self._reasoning.items():
             message[key] = "".join(parts)
         if self._calls:
@@ -101,9 +112,13 @@ class Assembler:
                 {"id": c.get("id"), "type": c.get("type", "function"), "function": c["function"]}
                 for _, c in sorted(self._calls.items())
             ]
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish}
-        if self._logprobs is not None:
-            choice["logprobs"] = {"content": self._logprobs}
+        logprobs = None if self._logprobs is None else {"content": self._logprobs}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": self.finish,
+        }
         out: dict[str, Any] = {
             "id": first.get("id"),
             "object": "chat.completion",
