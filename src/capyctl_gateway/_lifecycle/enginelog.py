@@ -129,6 +129,18 @@ class EngineLog:
 
     def tail(self, max_bytes: int = 2000) -> str:
         """The run's last ``max_bytes`` of output (from its newest two parts)."""
+        return self._tail(max_bytes).decode("utf-8", "replace")
+
+    def lines(self, count: int, max_bytes: int) -> list[str]:
+        """The run's last ``count`` whole lines, within its last ``max_bytes`` of output (a
+        line cut by that bound is left out)."""
+        raw = self._tail(max_bytes)
+        if len(raw) >= max_bytes:
+            raw = raw.partition(b"\n")[2]
+        found = raw.decode("utf-8", "replace").splitlines()
+        return found[-count:] if count > 0 else []
+
+    def _tail(self, max_bytes: int) -> bytes:
         with self._lock:
             out = b""
             for n in range(min(self._policy.files, 2)):
@@ -141,7 +153,7 @@ class EngineLog:
                     break
                 if len(out) >= max_bytes:
                     break
-        return out.decode("utf-8", "replace")
+        return out
 
 
 def _create(path: Path) -> int:

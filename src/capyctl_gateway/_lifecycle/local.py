@@ -54,6 +54,8 @@ class LocalRunner:
         self.seen = Seen(collector, inst.key, clock)
         self._recorded: str | None = None
         """Its answer to the wake check's prompt when it first became ready."""
+        self._log: tuple[EngineLog, list[str]] | None = None
+        """The latest run's log, and the secrets its output may carry."""
 
     # -- what it reads ------------------------------------------------------------------------
     def watch(self) -> None:
@@ -78,6 +80,14 @@ class LocalRunner:
     def silent_s(self) -> float | None:
         return self.seen.silent_s()
 
+    def log_lines(self, count: int, max_bytes: int) -> list[str] | None:
+        """The last ``count`` lines of the latest run's log (within its last ``max_bytes``),
+        masked as a failed start's excerpt is; None when the engine never ran."""
+        if self._log is None:
+            return None
+        log, secrets = self._log
+        return [masked(line, secrets) for line in log.lines(count, max_bytes)]
+
     def why_unreachable(self) -> str:
         return "dispatch_closed"  # never: this machine is always reached
 
@@ -99,13 +109,15 @@ class LocalRunner:
         env = launch_env(d.engine, launch, sleep=sleep)
         proc = EngineProcess(argv, env, log, port)
         self._proc = proc
+        # The engine's output may carry its keys (vLLM prints its arguments): masked as
+        # ``status`` masks a command line, and the engine's own key wherever it appears.
+        secrets = [s for s in (inst.engine_key, *secrets_in(argv, env)) if s]
+        self._log = (log, secrets)
         try:
             await proc.start(self._session, launch.startup_timeout)
         except StartFailedError as exc:
             self._proc = None
-            # The engine's output may carry its keys (vLLM prints its arguments): masked as
-            # ``status`` masks a command line, and the engine's own key wherever it appears.
-            tail = masked(exc.log_tail.rstrip(), [inst.engine_key, *secrets_in(argv, env)])
+            tail = masked(exc.log_tail.rstrip(), secrets)
             logger.error(
                 "%s did not start: %s; its log %s ends:\n%s",
                 inst.where,
