@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from aiohttp import web
@@ -21,6 +22,7 @@ from typer.testing import CliRunner
 
 from capyctl_gateway import _events
 from capyctl_gateway._events import BUS, EventBus
+from capyctl_gateway._lifecycle.local import LocalRunner
 from capyctl_gateway._log import event
 from capyctl_gateway._management import live
 from capyctl_gateway._management.api import create_management_app
@@ -75,6 +77,15 @@ async def launched_console(
     return await console_of(gw)
 
 
+async def polled(happened: Callable[[], bool], within: float = 10) -> None:
+    """Return once ``happened()`` is true; fail after ``within`` seconds."""
+    with anyio.fail_after(within):
+        while True:
+            if happened():
+                return
+            await asyncio.sleep(0.01)
+
+
 # -- the page ----------------------------------------------------------------------------------
 async def test_the_page_and_its_files_need_no_key_and_forbid_inline_scripts(
     launched_console: Console,
@@ -115,16 +126,17 @@ async def events_until(
 async def test_events_stream_lifecycle_and_router_events_without_the_callers_id(
     launched_console: Console,
 ) -> None:
-    async with launched_console.client() as m, launched_console.gw.client() as c:
-        async with m.stream("GET", "/management/v1/events") as resp:
-            assert resp.status_code == 200
-            assert resp.headers["content-type"] == "text/event-stream"
-            r = await c.post(
-                "/v1/chat/completions", json=chat(), headers={"X-Request-Id": "caller-77"}
-            )
-            assert r.status_code == 200
-            rid = r.headers["x-capyctl-request-id"]
-            seen = await events_until(resp, lambda e: e["event"] == "router_selection")
+    async with (
+        launched_console.client() as m,
+        launched_console.gw.client() as c,
+        m.stream("GET", "/management/v1/events") as resp,
+    ):
+        assert resp.status_code == 200
+        assert resp.headers["content-type"] == "text/event-stream"
+        r = await c.post("/v1/chat/completions", json=chat(), headers={"X-Request-Id": "caller-77"})
+        assert r.status_code == 200
+        rid = r.headers["x-capyctl-request-id"]
+        seen = await events_until(resp, lambda e: e["event"] == "router_selection")
     names = {e["event"] for e in seen}
     assert {"lifecycle", "dispatch", "router_selection"} <= names
     selection = next(e for e in seen if e["event"] == "router_selection")
@@ -158,10 +170,7 @@ async def test_subscribers_are_capped(launched_console: Console) -> None:
         finally:
             for s in streams:
                 await s.__aexit__(None, None, None)
-    deadline = time.monotonic() + 10  # the handlers notice the hang-ups
-    while BUS.subscribers and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    assert not BUS.subscribers
+    await polled(lambda: not BUS.subscribers)  # the handlers notice the hang-ups
 
 
 async def test_a_full_queue_drops_its_subscriber_and_publishing_never_waits() -> None:
@@ -194,9 +203,7 @@ async def test_a_reader_that_takes_nothing_is_dropped_and_its_stream_ends(
         b"Authorization: Bearer " + launched_console.gw.key.encode() + b"\r\n\r\n"
     )
     try:
-        deadline = time.monotonic() + 10
-        while not BUS.subscribers and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await polled(lambda: bool(BUS.subscribers))
         (sub,) = BUS.subscribers
         big = "x" * 100_000
         started = time.monotonic()
@@ -227,7 +234,8 @@ async def test_log_lines_are_masked_and_capped_in_lines_and_bytes(
         assert len((await m.get(path, params={"lines": 1})).json()["lines"]) == 1
         # the engine's log grows past both caps: lines cut to LOG_MAX_LINES, bytes to LOG_MAX_BYTES
         runner = launched_console.gw.gateway.fleet.routes["my-model"].instances[0].runner
-        log = runner._log[0]  # type: ignore[attr-defined]
+        assert isinstance(runner, LocalRunner) and runner.log is not None
+        log = runner.log.log
         with log.path.open("a") as f:
             f.writelines(f"line {i} {'y' * 20}\n" for i in range(5000))
         many = (await m.get(path, params={"lines": 100000})).json()["lines"]

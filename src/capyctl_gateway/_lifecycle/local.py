@@ -22,7 +22,7 @@ from .._deployments.routes import EngineInstance
 from .._deployments.runner import LoadSample, ProcessView, Tracked, never
 from .._errors import StartFailedError
 from .._log import masked, secrets_in
-from .enginelog import EngineLog
+from .enginelog import EngineLog, ShownLog
 from .parking import drive
 from .process import EngineProcess, free_port, launch_argv, launch_env
 from .seen import Seen
@@ -54,8 +54,7 @@ class LocalRunner:
         self.seen = Seen(collector, inst.key, clock)
         self._recorded: str | None = None
         """Its answer to the wake check's prompt when it first became ready."""
-        self._log: tuple[EngineLog, list[str]] | None = None
-        """The latest run's log, and the secrets its output may carry."""
+        self.log: ShownLog | None = None  # the latest run's, masked
 
     # -- what it reads ------------------------------------------------------------------------
     def watch(self) -> None:
@@ -80,14 +79,6 @@ class LocalRunner:
     def silent_s(self) -> float | None:
         return self.seen.silent_s()
 
-    def log_lines(self, count: int, max_bytes: int) -> list[str] | None:
-        """The last ``count`` lines of the latest run's log (within its last ``max_bytes``),
-        masked as a failed start's excerpt is; None when the engine never ran."""
-        if self._log is None:
-            return None
-        log, secrets = self._log
-        return [masked(line, secrets) for line in log.lines(count, max_bytes)]
-
     def why_unreachable(self) -> str:
         return "dispatch_closed"  # never: this machine is always reached
 
@@ -111,13 +102,12 @@ class LocalRunner:
         self._proc = proc
         # The engine's output may carry its keys (vLLM prints its arguments): masked as
         # ``status`` masks a command line, and the engine's own key wherever it appears.
-        secrets = [s for s in (inst.engine_key, *secrets_in(argv, env)) if s]
-        self._log = (log, secrets)
+        self.log = ShownLog(log, [s for s in (inst.engine_key, *secrets_in(argv, env)) if s])
         try:
             await proc.start(self._session, launch.startup_timeout)
         except StartFailedError as exc:
             self._proc = None
-            tail = masked(exc.log_tail.rstrip(), secrets)
+            tail = masked(exc.log_tail.rstrip(), self.log.secrets)
             logger.error(
                 "%s did not start: %s; its log %s ends:\n%s",
                 inst.where,

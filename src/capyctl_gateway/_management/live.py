@@ -172,11 +172,11 @@ async def _log_lines(gateway: Gateway, request: web.Request) -> dict[str, Any]:
             status=409,
             code="log_on_host",
         )
-    lines = await asyncio.to_thread(runner.log_lines, count, LOG_MAX_BYTES)
-    doc: dict[str, Any] = {"deployment": name, "instance": index, "lines": lines or []}
-    if lines is None:
-        doc["never_ran"] = True
-    return doc
+    log = runner.log
+    if log is None:
+        return {"deployment": name, "instance": index, "lines": [], "never_ran": True}
+    lines = await asyncio.to_thread(log.lines, count, LOG_MAX_BYTES)
+    return {"deployment": name, "instance": index, "lines": lines}
 
 
 def recent_doc(gateway: Gateway) -> dict[str, Any]:

@@ -197,7 +197,7 @@ function figures(name) {
   const total = slots.reduce((a, s) => a + s.requests, 0);
   const errors = errs.reduce((a, b) => a + b, 0);
   const withT = slots.filter((s) => s.ttft_s !== undefined);
-  const minutes = Math.max(1, Math.round(seconds / 60));
+  const span = seconds >= 90 ? `${Math.round(seconds / 60)} min` : `${Math.round(seconds)} s`;
   const fig = (label, value, series, bad) =>
     el("div", { class: "figure" }, el("span", { class: "muted" }, label),
       el("span", { class: "value" }, value), spark(series, bad));
@@ -205,7 +205,7 @@ function figures(name) {
     fig("req/s", seconds > 0 ? (total / seconds).toFixed(2) : "—", rps, false),
     fig("TTFT", withT.length ? `${Math.round(withT.reduce((a, s) => a + s.ttft_s, 0) / withT.length * 1000)} ms` : "—", ttft, false),
     fig("errors", String(errors), errs, errors > 0),
-    el("span", { class: "muted" }, `last ${minutes} min, ${recentDoc.slot_s} s slots`));
+    el("span", { class: "muted" }, `last ${span}, ${recentDoc.slot_s} s slots`));
 }
 
 function instanceRows(name, doc, launched) {

@@ -1,5 +1,6 @@
 """Headless Chromium driven over the DevTools protocol with aiohttp's websocket client: enough
-to open a page, read and click its DOM, and take a screenshot. No selenium, no downloads:
+to open a page, read and click its DOM, and take a screenshot (the console's browser tests and
+`bench.console_shot`). No selenium, no downloads:
 Debian's ``chromium`` package (``.ci/run`` installs it).
 
 `Browser` starts Chromium in a process group of its own with a fresh profile directory, and
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +62,7 @@ class Browser:
             "--disable-background-networking", "--disable-dev-shm-usage",
             f"--window-size={width},{height}", "about:blank",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(  # noqa: S603 - our own argv
+        self.proc = subprocess.Popen(  # noqa: ASYNC220 - it returns at once
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
         port_file = self.profile / "DevToolsActivePort"
@@ -117,7 +119,8 @@ class Browser:
         return found["result"].get("value")
 
     async def until(self, expression: str, within: float = 20.0) -> Any:
-        """Poll ``expression`` until it is truthy (its value), for up to ``within`` seconds."""
+        """Poll ``expression`` until it is truthy (its value), for up to ``within`` seconds (an
+        element comes back as ``{}``: ask ``!!`` of it)."""
         deadline = time.monotonic() + within
         last: Any = None
         while time.monotonic() < deadline:
@@ -129,7 +132,7 @@ class Browser:
         raise AssertionError(f"not true within {within} s: {expression} (last {last!r})")
 
     async def click(self, selector: str) -> None:
-        await self.until(f"document.querySelector({json.dumps(selector)})")
+        await self.until(f"!!document.querySelector({json.dumps(selector)})")
         await self.js(f"document.querySelector({json.dumps(selector)}).click()")
 
     async def screenshot(self, path: Path) -> None:
@@ -142,10 +145,12 @@ class Browser:
             mobile=False,
         )
         shot = await self.send("Page.captureScreenshot", format="png")
-        path.write_bytes(base64.b64decode(shot["data"]))
+        await asyncio.to_thread(path.write_bytes, base64.b64decode(shot["data"]))
 
     async def close(self) -> None:
         if self._ws is not None:
+            with contextlib.suppress(Exception):  # Chromium closes its children and exits
+                await asyncio.wait_for(self.send("Browser.close"), 5)
             await self._ws.close()
         if self._reader is not None:
             self._reader.cancel()
@@ -154,18 +159,27 @@ class Browser:
         if self._http is not None:
             await self._http.close()
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
+            await _until(lambda: self.proc is None or self.proc.poll() is not None, 10)
+            with contextlib.suppress(ProcessLookupError):  # whatever is left of its group
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
-            deadline = time.monotonic() + 10
-            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            pid = self.proc.pid
+            await _until(lambda: not _group_alive(pid), 10)
         shutil.rmtree(self.profile, ignore_errors=True)
 
     def gone(self) -> bool:
         """Whether no process of Chromium's group runs and its profile directory is deleted."""
         alive = self.proc is not None and _group_alive(self.proc.pid)
         return not alive and not self.profile.exists()
+
+
+async def _until(happened: Callable[[], bool], within: float) -> None:
+    """Return once ``happened()`` is true, or after ``within`` seconds (the caller checks)."""
+    deadline = time.monotonic() + within
+    while True:
+        if happened() or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.05)
 
 
 def _group_alive(pgid: int) -> bool:
