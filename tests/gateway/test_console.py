@@ -40,6 +40,7 @@ class Console:
     gw: Gw
     url: str
     """The management listener's base URL."""
+    runner: web.AppRunner
 
     def client(self, key: str | None = None, **kw: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key or self.gw.key}"}
@@ -58,7 +59,7 @@ async def console_of() -> AsyncIterator[Callable[[Gw], Awaitable[Console]]]:
         await site.start()
         runners.append(runner)
         host, port = runner.addresses[0][:2]
-        return Console(gw, f"http://{host}:{port}")
+        return Console(gw, f"http://{host}:{port}", runner)
 
     try:
         yield serve
@@ -194,6 +195,7 @@ async def test_a_reader_that_takes_nothing_is_dropped_and_its_stream_ends(
     launched_console: Console, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(BUS, "queue_events", 10)
+    monkeypatch.setattr(live, "WRITE_TIMEOUT_S", 1.0)
     host, port = launched_console.url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -215,8 +217,26 @@ async def test_a_reader_that_takes_nothing_is_dropped_and_its_stream_ends(
         assert time.monotonic() - started < 10  # the gateway never waited for it
         assert sub.ended is not None and "dropped" in sub.ended
         assert sub not in BUS.subscribers
+        # its handler waits on a write the reader never takes: the connection is closed after
+        # WRITE_TIMEOUT_S, with the reader still reading nothing
+        server = launched_console.runner.server
+        assert server is not None
+        await polled(lambda: not server.connections, within=live.WRITE_TIMEOUT_S + 10)
     finally:
         sock.close()
+
+
+async def test_a_quiet_stream_gets_heartbeats(
+    launched_console: Console, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(live, "HEARTBEAT_S", 0.05)
+    async with launched_console.client() as m, m.stream("GET", "/management/v1/events") as resp:
+        beats = 0
+        async with asyncio.timeout(10):
+            async for line in resp.aiter_lines():
+                beats += line == ": keep-alive"
+                if beats == 3:
+                    break
 
 
 # -- the engine's log --------------------------------------------------------------------------

@@ -121,6 +121,7 @@ async def _stream(request: web.Request, rid: str, sub: Subscription) -> web.Stre
             "X-Accel-Buffering": "no",
         }
     )
+    resp.force_close()  # the connection ends with the stream
     await resp.prepare(request)
     try:
         await _write(resp, b": capyctl events\n\n")
@@ -131,6 +132,8 @@ async def _stream(request: web.Request, rid: str, sub: Subscription) -> web.Stre
             elif sub.ended is not None:
                 end = orjson.dumps({"reason": sub.ended})
                 await _write(resp, b"event: end\ndata: " + end + b"\n\n")
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await resp.write_eof()
                 break
             else:
                 await _write(resp, b": keep-alive\n\n")
