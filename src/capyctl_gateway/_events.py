@@ -14,6 +14,7 @@ Imports nothing of the gateway but `_loop`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from typing import Any
@@ -61,8 +62,9 @@ class Subscription:
             here = False
         if here:
             self._wake.set()
-        else:  # an event logged from another thread
-            self._loop.call_soon_threadsafe(self._wake.set)
+        else:  # an event logged from another thread (its loop closed: nobody reads it)
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._wake.set)
 
     def end(self, why: str) -> None:
         if self.ended is None:
