@@ -5,7 +5,8 @@ formatter writes those fields, the text formatter the message. Keys and prompts 
 
 In JSON mode every line goes through `JsonLines`, which writes what one event-loop iteration
 logged in one write, and `event` hands it its line directly, without a ``LogRecord``: a line
-per request is on the gateway's hot path. Lines keep their order either way.
+per request is on the gateway's hot path. Lines keep their order either way. While someone
+reads the live event stream (``_events.py``), each event is handed to it as well.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from ._events import BUS
 from ._loop import running_loop
 
 __all__ = [
@@ -40,7 +42,10 @@ _root = logging.getLogger()
 
 def event(name: str, message: str, /, *args: object, **fields: Any) -> None:
     """Log one gateway event at INFO: ``message % args`` for people, ``fields`` for machines
-    (the message is only formatted when a person will read it)."""
+    (the message is only formatted when a person will read it). The console's live stream
+    (`_events.BUS`) gets it too while someone subscribes."""
+    if BUS.subscribers:
+        BUS.publish(name, fields)
     handlers = _root.handlers
     if (
         len(handlers) == 1

@@ -16,7 +16,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-__all__ = ["BUCKETS", "CUTS", "OUTCOMES", "PHASES", "Ending", "Histogram", "Telemetry"]
+__all__ = [
+    "BUCKETS", "CUTS", "OUTCOMES", "PHASES", "RECENT_SLOTS", "RECENT_SLOT_S", "Ending",
+    "Histogram", "Recent", "Telemetry",
+]  # fmt: skip
 
 BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -65,7 +68,7 @@ class Histogram:
 class Telemetry:
     """Counters and histograms keyed by (deployment, ...)."""
 
-    __slots__ = ("requests", "refusals", "timings", "transitions", "settled")
+    __slots__ = ("requests", "refusals", "timings", "transitions", "settled", "recent")
 
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, str, str]] = Counter()
@@ -78,6 +81,8 @@ class Telemetry:
         """(deployment, to state) -> lifecycle transitions."""
         self.settled: Counter[tuple[str, str, str]] = Counter()
         """(deployment, instance, how) -> cut requests settled."""
+        self.recent: dict[str, Recent] = {}
+        """deployment -> its last few minutes (the console's figures)."""
 
     def phases(self, deployment: str, instance: str) -> list[Histogram]:
         """The histograms of (deployment, instance), indexed as `PHASES`."""
@@ -86,3 +91,70 @@ class Telemetry:
         if found is None:
             found = self.timings[key] = [Histogram() for _ in PHASES]
         return found
+
+    def window(self, deployment: str, now: float) -> Recent:
+        """Deployment ``deployment``'s recent window (made at ``now`` on first use)."""
+        found = self.recent.get(deployment)
+        if found is None:
+            found = self.recent[deployment] = Recent(now)
+        return found
+
+
+RECENT_SLOT_S = 10
+"""The width of one slot of a deployment's recent window, in seconds."""
+RECENT_SLOTS = 30
+"""Slots in the window: the last five minutes."""
+
+
+class Recent:
+    """A deployment's last `RECENT_SLOTS` slots of `RECENT_SLOT_S` seconds: requests ended,
+    errors, and the sum and count of times to first content. A fixed ring: recording a request
+    is a division, an index and a few additions; a slot is reused once its time has passed."""
+
+    __slots__ = ("since", "slot", "requests", "errors", "ttft_sum", "ttft_n")
+
+    def __init__(self, now: float) -> None:
+        self.since = now
+        """When the window began (loop time): it says nothing of the time before."""
+        self.slot = [-1] * RECENT_SLOTS
+        """The slot number (loop time // `RECENT_SLOT_S`) each ring entry holds now."""
+        self.requests = [0] * RECENT_SLOTS
+        self.errors = [0] * RECENT_SLOTS
+        self.ttft_sum = [0.0] * RECENT_SLOTS
+        self.ttft_n = [0] * RECENT_SLOTS
+
+    def add(self, now: float, error: bool, ttft: float | None) -> None:
+        """One request ended at ``now`` (loop time): an error or not, its time to first content
+        (None when it had none)."""
+        n = int(now // RECENT_SLOT_S)
+        i = n % RECENT_SLOTS
+        if self.slot[i] != n:
+            self.slot[i] = n
+            self.requests[i] = self.errors[i] = self.ttft_n[i] = 0
+            self.ttft_sum[i] = 0.0
+        self.requests[i] += 1
+        if error:
+            self.errors[i] += 1
+        if ttft is not None:
+            self.ttft_sum[i] += ttft
+            self.ttft_n[i] += 1
+
+    def slots(self, now: float) -> list[tuple[float, int, int, float | None]]:
+        """The window at ``now``, oldest slot first: each slot's seconds within the window (the
+        current slot's so far; the first one's since the window began), requests ended, errors,
+        and the mean time to first content (None when no request had content). Slots before
+        the window began are left out."""
+        last = int(now // RECENT_SLOT_S)
+        first = max(last - RECENT_SLOTS + 1, int(self.since // RECENT_SLOT_S))
+        out: list[tuple[float, int, int, float | None]] = []
+        for n in range(first, last + 1):
+            start = max(n * RECENT_SLOT_S, self.since)
+            seconds = round(min((n + 1) * RECENT_SLOT_S, now) - start, 3)
+            i = n % RECENT_SLOTS
+            if self.slot[i] != n:
+                out.append((seconds, 0, 0, None))
+                continue
+            count = self.ttft_n[i]
+            ttft = self.ttft_sum[i] / count if count else None
+            out.append((seconds, self.requests[i], self.errors[i], ttft))
+        return out

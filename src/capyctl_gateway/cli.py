@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import httpx
 import typer
@@ -159,8 +160,8 @@ def serve(
     asyncio.run(run(application, sock, msock, listening, xsock, extra))
 
 
-def _call(method: str, path: str, state_dir: Path | None, management: str | None) -> Any:
-    """One call to the running gateway's management API; its JSON answer."""
+def _where(state_dir: Path | None, management: str | None) -> tuple[str, int, str]:
+    """The management listener's host and port, and the key it takes."""
     try:
         host, port = management_address(management)
         state = state_path(state_dir)
@@ -176,6 +177,12 @@ def _call(method: str, path: str, state_dir: Path | None, management: str | None
         ) from None
     except OperatorError as exc:
         raise fail(str(exc)) from None
+    return host, port, key
+
+
+def _call(method: str, path: str, state_dir: Path | None, management: str | None) -> Any:
+    """One call to the running gateway's management API; its JSON answer."""
+    host, port, key = _where(state_dir, management)
     url = f"http://{host}:{port}/management/v1/{path}"
     try:
         # A start waits for the engine: as long as its startup_timeout allows.
@@ -189,6 +196,14 @@ def _call(method: str, path: str, state_dir: Path | None, management: str | None
             message = resp.text
         raise fail(f"{resp.status_code}: {message}")
     return resp.json()
+
+
+@app.command("console")
+def console(state_dir: StateOpt = None, management: ManagementOpt = None) -> None:
+    """Print the console's address on this machine, the key in its fragment (the browser
+    keeps it; it never goes to the gateway in a URL)."""
+    host, port, key = _where(state_dir, management)
+    typer.echo(f"http://{f'[{host}]' if ':' in host else host}:{port}/#key={quote(key, safe='')}")
 
 
 @status_app.command("deployment")

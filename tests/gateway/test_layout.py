@@ -31,7 +31,7 @@ _EVERY_ROOM = {
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
     "_fleet",
 }  # fmt: skip
-for _leaf in ("_loop", "_ulid", "_log", "_engine_answer", "_engine_client", "_aiohttp"):
+for _leaf in ("_loop", "_ulid", "_log", "_events", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM
 
 

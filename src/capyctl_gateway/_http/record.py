@@ -1,6 +1,7 @@
 """What each request adds to the gateway's own counts and timings (`Telemetry`), once it is
 answered or its client has gone: its outcome, the code it was refused with, and the timings of
-its phases, all counted from its arrival."""
+its phases, all counted from its arrival; and its deployment's recent window (the console's
+requests, errors and time to first content)."""
 
 from __future__ import annotations
 
@@ -70,15 +71,24 @@ def record(t: Telemetry, r: Tally) -> None:
         if r.launched:
             activation.observe(r.slot - arrival if r.gated else 0.0)
     ex = r.ex
+    ttft = None
     if ex is not None:
         out = ex.outcome
         if out.head_at is not None:
             head.observe(out.head_at - arrival)
         if out.first_content_at is not None:
-            content.observe(out.first_content_at - arrival)
+            ttft = out.first_content_at - arrival
+            content.observe(ttft)
         if out.last_at is not None:
             last.observe(out.last_at - arrival)
-    total.observe(running_loop().time() - arrival)
+    now = running_loop().time()
+    total.observe(now - arrival)
+    recent = t.recent.get(deployment) or t.window(deployment, now)
+    recent.add(now, outcome not in _FINE, ttft)
+
+
+_FINE = frozenset({Ending.COMPLETED, Ending.HANG_UP})
+"""The endings the console's recent window does not count as errors."""
 
 
 _INDEX = {i: str(i) for i in range(64)}

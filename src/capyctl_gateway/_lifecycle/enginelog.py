@@ -17,11 +17,13 @@ import contextlib
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from .._config.parts import EngineLogs
+from .._log import masked
 
-__all__ = ["EngineLog"]
+__all__ = ["EngineLog", "ShownLog"]
 
 CHUNK = 1 << 16
 DRAIN_S = 1.0
@@ -129,19 +131,44 @@ class EngineLog:
 
     def tail(self, max_bytes: int = 2000) -> str:
         """The run's last ``max_bytes`` of output (from its newest two parts)."""
-        with self._lock:
-            out = b""
-            for n in range(min(self._policy.files, 2)):
-                try:
-                    with self._part(n).open("rb") as f:
-                        f.seek(0, os.SEEK_END)
-                        f.seek(max(0, f.tell() - (max_bytes - len(out))))
-                        out = f.read() + out
-                except OSError:
-                    break
-                if len(out) >= max_bytes:
-                    break
-        return out.decode("utf-8", "replace")
+        return _tail(self, max_bytes).decode("utf-8", "replace")
+
+    def lines(self, count: int, max_bytes: int) -> list[str]:
+        """The run's last ``count`` whole lines, within its last ``max_bytes`` of output (a
+        line cut by that bound is left out)."""
+        raw = _tail(self, max_bytes)
+        if len(raw) >= max_bytes:
+            raw = raw.partition(b"\n")[2]
+        return raw.decode("utf-8", "replace").splitlines()[-count:] if count > 0 else []
+
+
+@dataclass(frozen=True)
+class ShownLog:
+    """A run's log as the console shows it: its lines masked as a failed start's excerpt is
+    (``secrets``, and any value after a name that says key, token, secret or password)."""
+
+    log: EngineLog
+    secrets: list[str]
+
+    def lines(self, count: int, max_bytes: int) -> list[str]:
+        return [masked(line, self.secrets) for line in self.log.lines(count, max_bytes)]
+
+
+def _tail(log: EngineLog, max_bytes: int) -> bytes:
+    """The last ``max_bytes`` of ``log``'s current run, from its newest two parts."""
+    with log._lock:
+        out = b""
+        for n in range(min(log._policy.files, 2)):
+            try:
+                with log._part(n).open("rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.seek(max(0, f.tell() - (max_bytes - len(out))))
+                    out = f.read() + out
+            except OSError:
+                break
+            if len(out) >= max_bytes:
+                break
+    return out
 
 
 def _create(path: Path) -> int:

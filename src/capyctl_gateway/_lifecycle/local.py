@@ -22,7 +22,7 @@ from .._deployments.routes import EngineInstance
 from .._deployments.runner import LoadSample, ProcessView, Tracked, never
 from .._errors import StartFailedError
 from .._log import masked, secrets_in
-from .enginelog import EngineLog
+from .enginelog import EngineLog, ShownLog
 from .parking import drive
 from .process import EngineProcess, free_port, launch_argv, launch_env
 from .seen import Seen
@@ -54,6 +54,7 @@ class LocalRunner:
         self.seen = Seen(collector, inst.key, clock)
         self._recorded: str | None = None
         """Its answer to the wake check's prompt when it first became ready."""
+        self.log: ShownLog | None = None  # the latest run's, masked
 
     # -- what it reads ------------------------------------------------------------------------
     def watch(self) -> None:
@@ -99,13 +100,14 @@ class LocalRunner:
         env = launch_env(d.engine, launch, sleep=sleep)
         proc = EngineProcess(argv, env, log, port)
         self._proc = proc
+        # The engine's output may carry its keys (vLLM prints its arguments): masked as
+        # ``status`` masks a command line, and the engine's own key wherever it appears.
+        self.log = ShownLog(log, [s for s in (inst.engine_key, *secrets_in(argv, env)) if s])
         try:
             await proc.start(self._session, launch.startup_timeout)
         except StartFailedError as exc:
             self._proc = None
-            # The engine's output may carry its keys (vLLM prints its arguments): masked as
-            # ``status`` masks a command line, and the engine's own key wherever it appears.
-            tail = masked(exc.log_tail.rstrip(), [inst.engine_key, *secrets_in(argv, env)])
+            tail = masked(exc.log_tail.rstrip(), self.log.secrets)
             logger.error(
                 "%s did not start: %s; its log %s ends:\n%s",
                 inst.where,

@@ -17,6 +17,8 @@ from .._lifecycle.operator import (
     operator_stop,
 )
 from .._ulid import REQUEST_ID, new_ulid
+from .console import add_console_routes, annotate
+from .live import add_live_routes
 from .metrics import exposition
 from .status import deployment_status, instance_hosts
 
@@ -33,7 +35,8 @@ async def not_found(request: web.Request) -> web.Response:
 
 
 def create_management_app(gateway: Gateway) -> web.Application:
-    """The management application over ``gateway``: status, operator commands, ``/metrics``."""
+    """The management application over ``gateway``: status, operator commands, ``/metrics``,
+    and the console (its page, event stream, engine logs and recent figures)."""
 
     async def deployment(request: web.Request) -> web.Response:
         rid = new_ulid()
@@ -43,11 +46,7 @@ def create_management_app(gateway: Gateway) -> web.Application:
         doc = deployment_status(gateway.fleet, name)
         if doc is None:
             return _error(UnknownModelError(f"no deployment named {name!r}"), rid)
-        return web.Response(
-            body=orjson.dumps(doc),
-            headers={REQUEST_ID: rid},
-            content_type="application/json",
-        )
+        return _json(annotate(gateway.fleet, doc), rid)
 
     def _json(doc: object, rid: str) -> web.Response:
         return web.Response(
@@ -82,13 +81,16 @@ def create_management_app(gateway: Gateway) -> web.Application:
             await command[action](fleet.lifecycle, name, known=known)
         except GatewayError as err:
             return _error(err, rid)
-        return _json(deployment_status(fleet, name), rid)
+        doc = deployment_status(fleet, name)
+        return _json(annotate(fleet, doc) if doc is not None else doc, rid)
 
     app = web.Application()
     app.router.add_get("/metrics", _metrics_handler(gateway))
     app.router.add_get("/management/v1/deployments", listing)
     app.router.add_get("/management/v1/deployments/{name}", deployment)
     app.router.add_post("/management/v1/deployments/{name}/{action:start|stop|park}", act)
+    add_live_routes(app, gateway)
+    add_console_routes(app)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 

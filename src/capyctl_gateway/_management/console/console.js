@@ -1,0 +1,388 @@
+// capyctl console: reads and drives the gateway through its management API, with the key kept
+// in this tab's session storage and sent as a bearer header. No framework, no build step.
+"use strict";
+
+const KEY = "capyctl-key";
+const API = "/management/v1";
+const REFRESH_MS = 5000;
+const EVENTS_SHOWN = 200;
+const $ = (id) => document.getElementById(id);
+
+let deploymentsDoc = null;
+let recentDoc = null;
+const statusDocs = new Map();
+const answers = new Map(); // deployment -> {text, bad}
+const logs = new Map(); // "name/index" -> lines or an error
+let streamAbort = null;
+let refreshTimer = null;
+const pending = new Set();
+
+// -- the key --------------------------------------------------------------------------------
+function takeKeyFromFragment() {
+  const m = /(?:^#|&)key=([^&]*)/.exec(location.hash);
+  if (m) {
+    sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+}
+
+function key() {
+  return sessionStorage.getItem(KEY);
+}
+
+function askForKey(message) {
+  sessionStorage.removeItem(KEY);
+  if (streamAbort) streamAbort.abort();
+  clearTimeout(refreshTimer);
+  $("main").hidden = true;
+  $("forget").hidden = true;
+  $("keyform").hidden = false;
+  $("keymsg").textContent = message || "";
+  $("live").textContent = "not connected";
+  $("key").value = "";
+  $("key").focus();
+}
+
+class Unauthorized extends Error {}
+
+async function call(method, path) {
+  const resp = await fetch(API + path, {
+    method,
+    headers: { Authorization: "Bearer " + key() },
+    cache: "no-store",
+  });
+  if (resp.status === 401) throw new Unauthorized();
+  let body = null;
+  try {
+    body = await resp.json();
+  } catch (e) {
+    body = { message: resp.statusText };
+  }
+  if (!resp.ok) {
+    const err = new Error(`${resp.status} ${body.code || ""}: ${body.message || ""}`);
+    err.status = resp.status;
+    throw err;
+  }
+  return body;
+}
+
+function refused() {
+  askForKey("The gateway refused this key (401 unauthorized). Enter its API key again.");
+}
+
+// -- reading ---------------------------------------------------------------------------------
+async function refreshAll() {
+  clearTimeout(refreshTimer);
+  try {
+    deploymentsDoc = await call("GET", "/deployments");
+    const names = deploymentsDoc.deployments.map((d) => d.name);
+    const [docs, recent] = await Promise.all([
+      Promise.all(names.map((n) => call("GET", "/deployments/" + encodeURIComponent(n)))),
+      call("GET", "/recent"),
+    ]);
+    names.forEach((n, i) => statusDocs.set(n, docs[i]));
+    recentDoc = recent;
+    $("problem").textContent = "";
+    render();
+  } catch (e) {
+    if (e instanceof Unauthorized) return refused();
+    $("problem").textContent = "Could not read the gateway: " + e.message;
+  }
+  refreshTimer = setTimeout(refreshAll, REFRESH_MS);
+}
+
+async function refreshOne(name) {
+  if (pending.has(name)) return;
+  pending.add(name);
+  try {
+    const [list, doc] = await Promise.all([
+      call("GET", "/deployments"),
+      call("GET", "/deployments/" + encodeURIComponent(name)),
+    ]);
+    deploymentsDoc = list;
+    statusDocs.set(name, doc);
+    render();
+  } catch (e) {
+    if (e instanceof Unauthorized) return refused();
+  } finally {
+    pending.delete(name);
+  }
+}
+
+// -- acting ----------------------------------------------------------------------------------
+async function act(name, action) {
+  answers.set(name, { text: `${action}: waiting for the gateway…`, bad: false });
+  render();
+  try {
+    const doc = await call("POST", `/deployments/${encodeURIComponent(name)}/${action}`);
+    statusDocs.set(name, doc);
+    const d = doc.deployment;
+    answers.set(name, { text: `${action}: done, ${d.lifecycle || d.state}`, bad: false });
+  } catch (e) {
+    if (e instanceof Unauthorized) return refused();
+    answers.set(name, { text: `${action}: ${e.message}`, bad: true });
+  }
+  await refreshOne(name);
+  render();
+}
+
+async function showLog(name, index) {
+  const id = `${name}/${index}`;
+  if (logs.has(id)) {
+    logs.delete(id);
+    return render();
+  }
+  try {
+    const doc = await call("GET", `/deployments/${encodeURIComponent(name)}/instances/${index}/log?lines=200`);
+    logs.set(id, doc.never_ran ? ["(the engine has not run yet)"] : doc.lines);
+  } catch (e) {
+    if (e instanceof Unauthorized) return refused();
+    logs.set(id, [e.message]);
+  }
+  render();
+}
+
+// -- drawing ---------------------------------------------------------------------------------
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null) continue;
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined) continue;
+    node.append(c instanceof Node ? c : String(c));
+  }
+  return node;
+}
+
+function bytes(n) {
+  if (n === null || n === undefined) return "—";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(n >= 10 || i === 0 ? 0 : 1)} ${units[i]}`;
+}
+
+const shown = (v, unit = "") => (v === null || v === undefined ? "—" : `${v}${unit}`);
+
+function spark(values, bad) {
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("class", bad ? "spark bad" : "spark");
+  svg.setAttribute("viewBox", "0 0 120 24");
+  svg.setAttribute("preserveAspectRatio", "none");
+  const known = values.filter((v) => v !== null);
+  if (known.length > 1) {
+    const top = Math.max(...known) || 1;
+    const step = 120 / (values.length - 1);
+    const points = values
+      .map((v, i) => (v === null ? null : `${(i * step).toFixed(1)},${(22 - (v / top) * 20).toFixed(1)}`))
+      .filter((p) => p !== null);
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", points.join(" "));
+    svg.append(line);
+  }
+  return svg;
+}
+
+function figures(name) {
+  const slots = recentDoc && recentDoc.deployments[name];
+  if (!slots || !slots.length) return null;
+  const rps = slots.map((s) => (s.s > 0 ? s.requests / s.s : null));
+  const errs = slots.map((s) => s.errors);
+  const ttft = slots.map((s) => (s.ttft_s === undefined ? null : s.ttft_s * 1000));
+  const seconds = slots.reduce((a, s) => a + s.s, 0);
+  const total = slots.reduce((a, s) => a + s.requests, 0);
+  const errors = errs.reduce((a, b) => a + b, 0);
+  const withT = slots.filter((s) => s.ttft_s !== undefined);
+  const span = seconds >= 90 ? `${Math.round(seconds / 60)} min` : `${Math.round(seconds)} s`;
+  const fig = (label, value, series, bad) =>
+    el("div", { class: "figure" }, el("span", { class: "muted" }, label),
+      el("span", { class: "value" }, value), spark(series, bad));
+  return el("div", { class: "figures", "data-figures": name },
+    fig("req/s", seconds > 0 ? (total / seconds).toFixed(2) : "—", rps, false),
+    fig("TTFT", withT.length ? `${Math.round(withT.reduce((a, s) => a + s.ttft_s, 0) / withT.length * 1000)} ms` : "—", ttft, false),
+    fig("errors", String(errors), errs, errors > 0),
+    el("span", { class: "muted" }, `last ${span}, ${recentDoc.slot_s} s slots`));
+}
+
+function instanceRows(name, doc, launched) {
+  const engine = `${doc.deployment.engine} ${doc.deployment.engine_version || ""}`.trim();
+  const rows = [];
+  const table = el("table", {},
+    el("thead", {}, el("tr", {}, ...["#", "engine", "host", "state", "running", "waiting",
+      "cache/slots", "sample age", "in flight", ""].map((h) => el("th", {}, h)))));
+  const body = el("tbody");
+  for (const inst of doc.instances) {
+    const state = inst.lifecycle && inst.lifecycle !== inst.state
+      ? `${inst.state} (${inst.lifecycle})` : inst.state;
+    const usage = inst.usage === undefined ? "—" : `${(inst.usage * 100).toFixed(1)}%`;
+    const age = inst.sample_age_s === undefined ? inst.snapshot_age_s : inst.sample_age_s;
+    body.append(el("tr", { "data-instance": inst.index },
+      el("td", {}, inst.index), el("td", {}, engine), el("td", {}, shown(inst.host)),
+      el("td", {}, el("span", { class: "state " + inst.state }, state)),
+      el("td", {}, shown(inst.running)), el("td", {}, shown(inst.waiting)),
+      el("td", {}, usage), el("td", {}, age === null || age === undefined ? "—" : `${age.toFixed(1)} s`),
+      el("td", {}, shown(inst.router_running)),
+      el("td", {}, launched ? el("button", { type: "button", "data-log": inst.index,
+        onclick: () => showLog(name, inst.index) }, logs.has(`${name}/${inst.index}`) ? "Hide log" : "Log") : "")));
+    if (inst.failure) {
+      body.append(el("tr", {}, el("td", {}), el("td", { class: "failure", colspan: 9 },
+        `failed: ${inst.failure}` + (inst.restart_backoff_s ? ` (next try in ${inst.restart_backoff_s} s)` : ""))));
+    }
+  }
+  table.append(body);
+  rows.push(table);
+  for (const inst of doc.instances) {
+    if (inst.cancelled && inst.cancelled.length) {
+      rows.push(el("div", { class: "cut" },
+        el("div", {}, `instance ${inst.index}: ${inst.cancelled.length} cut request(s) still counted`),
+        ...inst.cancelled.map((c) => el("div", { class: "mono" },
+          `${c.capyctl_request_id} (${c.reason}, ${c.age_s.toFixed(0)} s ago): settles ${c.settles.replaceAll("_", " ")}`))));
+    }
+    const lines = logs.get(`${name}/${inst.index}`);
+    if (lines) rows.push(el("pre", { class: "log", "data-log-of": inst.index }, lines.join("\n")));
+  }
+  return rows;
+}
+
+function card(row) {
+  const name = row.name;
+  const doc = statusDocs.get(name);
+  const launched = row.run_by === "the gateway (launch)";
+  const d = doc ? doc.deployment : {};
+  const id = row.id || d.id;
+  const answer = answers.get(name);
+  const state = row.state;
+  const top = el("div", { class: "top" },
+    el("span", { class: "name" }, name),
+    id ? el("span", { class: "muted mono", "data-id": id }, id) : null,
+    el("span", { class: "state " + String(state).split(" ")[0], "data-state": name }, state),
+    d.lifecycle && d.lifecycle !== state ? el("span", { class: "muted" }, `lifecycle ${d.lifecycle}`) : null,
+    d.why ? el("span", { class: "why" }, d.why) : null,
+    el("span", { class: "actions" },
+      answer ? el("span", { class: "answer" + (answer.bad ? " bad" : ""), "data-answer": name }, answer.text) : null,
+      ...(launched ? ["start", "stop", "park"].map((a) => el("button", {
+        type: "button", "data-action": a, onclick: () => act(name, a),
+      }, a)) : [])));
+  const facts = [
+    `${row.api}`, `${d.engine || row.engine} ${d.engine_version || ""}`.trim(),
+    d.served_model ? `model ${d.served_model}` : null, row.run_by,
+    `${row.ready}/${row.instances} ready`,
+    d.running !== undefined ? `gateway running ${d.running}, waiting ${d.waiting}` : null,
+    row.memory_held !== undefined ? `memory ${bytes(row.memory_held)}` +
+      (deploymentsDoc.memory_budget ? ` of ${bytes(deploymentsDoc.memory_budget)} budget` : "") : null,
+    d.park ? `park: ${d.park}` : null,
+  ].filter(Boolean);
+  return el("section", { class: "card", "data-deployment": name }, top,
+    el("div", { class: "muted" }, facts.join(" · ")),
+    figures(name), ...(doc ? instanceRows(name, doc, launched) : []));
+}
+
+function render() {
+  if (!deploymentsDoc) return;
+  const box = $("deployments");
+  const scroll = new Map([...box.querySelectorAll("pre.log")].map((p) => [p.closest(".card").dataset.deployment + "/" + p.dataset.logOf, p.scrollTop]));
+  box.replaceChildren(...deploymentsDoc.deployments.map(card));
+  for (const p of box.querySelectorAll("pre.log")) {
+    const k = p.closest(".card").dataset.deployment + "/" + p.dataset.logOf;
+    p.scrollTop = scroll.has(k) ? scroll.get(k) : p.scrollHeight;
+  }
+  const b = deploymentsDoc.memory_budget;
+  $("budget").textContent = b ? `memory held ${bytes(deploymentsDoc.memory_held)} of ${bytes(b)}` : "";
+}
+
+// -- the live stream -------------------------------------------------------------------------
+function describe(ev) {
+  const f = { ...ev };
+  delete f.ts; delete f.event;
+  return Object.entries(f).map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join(" ");
+}
+
+function showEvent(ev) {
+  const list = $("events");
+  const at = new Date((ev.ts || Date.now() / 1000) * 1000).toLocaleTimeString();
+  list.prepend(el("li", { "data-event": ev.event }, el("span", { class: "muted" }, at),
+    el("span", { class: "ev" }, ev.event), el("span", { class: "mono" }, describe(ev))));
+  while (list.children.length > EVENTS_SHOWN) list.lastChild.remove();
+  if (ev.deployment && statusDocs.has(ev.deployment)) soon(ev.deployment);
+}
+
+const scheduled = new Set();
+function soon(name) {
+  // Under load every request is an event: refresh a deployment at most every 300 ms.
+  if (scheduled.has(name)) return;
+  scheduled.add(name);
+  setTimeout(() => { scheduled.delete(name); refreshOne(name); }, 300);
+}
+
+async function stream() {
+  let wait = 1000;
+  while (key()) {
+    streamAbort = new AbortController();
+    try {
+      const resp = await fetch(API + "/events", {
+        headers: { Authorization: "Bearer " + key() },
+        signal: streamAbort.signal, cache: "no-store",
+      });
+      if (resp.status === 401) return refused();
+      if (!resp.ok) {
+        const body = await resp.json().catch(() => ({}));
+        throw new Error(`${resp.status} ${body.code || ""}: ${body.message || ""}`);
+      }
+      $("eventstate").textContent = "live";
+      $("live").textContent = "live";
+      wait = 1000;
+      const reader = resp.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        let cut;
+        while ((cut = buffer.indexOf("\n\n")) >= 0) {
+          const block = buffer.slice(0, cut);
+          buffer = buffer.slice(cut + 2);
+          const data = block.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+          if (!data) continue;
+          const ev = JSON.parse(data);
+          if (block.startsWith("event: end")) $("eventstate").textContent = `ended: ${ev.reason}`;
+          else showEvent(ev);
+        }
+      }
+    } catch (e) {
+      if (e.name === "AbortError") return;
+      $("eventstate").textContent = `not connected (${e.message}); retrying`;
+    }
+    $("live").textContent = "reconnecting";
+    await new Promise((r) => setTimeout(r, wait));
+    wait = Math.min(wait * 2, 30000);
+    refreshAll();
+  }
+}
+
+// -- start -----------------------------------------------------------------------------------
+function open() {
+  $("keyform").hidden = true;
+  $("main").hidden = false;
+  $("forget").hidden = false;
+  $("keymsg").textContent = "";
+  refreshAll();
+  stream();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  takeKeyFromFragment();
+  $("keyf").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const k = $("key").value.trim();
+    if (!k) return;
+    sessionStorage.setItem(KEY, k);
+    open();
+  });
+  $("forget").addEventListener("click", () => askForKey(""));
+  if (key()) open(); else askForKey("");
+});

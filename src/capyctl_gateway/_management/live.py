@@ -1,0 +1,199 @@
+"""What the console reads beyond the status documents, each with the gateway's key: the live
+event stream, a launched engine's last log lines, and every deployment's recent window.
+
+``GET /management/v1/events`` is a server-sent event stream of the gateway's events
+(``_events.py``: at most `MAX_SUBSCRIBERS` streams, each dropped once `QUEUE_EVENTS` wait for
+it); a comment every `HEARTBEAT_S` keeps it open, and a write that waits `WRITE_TIMEOUT_S` for
+a reader ends it. ``GET /management/v1/deployments/{name}/instances/{index}/log`` answers at
+most `LOG_MAX_LINES` lines and `LOG_MAX_BYTES` bytes of the engine's latest run, masked.
+``GET /management/v1/recent`` answers each deployment's last minutes (`Recent`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .._errors import GatewayError, InvalidRequestError, UnauthorizedError, UnknownModelError
+from .._events import BUS, MAX_SUBSCRIBERS, QUEUE_EVENTS, EventBus, Subscription
+from .._gateway import Gateway
+from .._http.answers import error_response
+from .._lifecycle.local import LocalRunner
+from .._loop import running_loop
+from .._telemetry import RECENT_SLOT_S, RECENT_SLOTS
+from .._ulid import REQUEST_ID, new_ulid
+
+__all__ = [
+    "HEARTBEAT_S",
+    "LOG_LINES",
+    "LOG_MAX_BYTES",
+    "LOG_MAX_LINES",
+    "MAX_SUBSCRIBERS",
+    "QUEUE_EVENTS",
+    "WRITE_TIMEOUT_S",
+    "add_live_routes",
+]
+
+HEARTBEAT_S = 15.0
+"""A comment line on a quiet event stream this often."""
+WRITE_TIMEOUT_S = 30.0
+"""An event stream whose reader takes nothing for this long is closed."""
+LOG_LINES = 100
+"""Log lines answered when ``lines`` is not given."""
+LOG_MAX_LINES = 1000
+"""The most log lines one answer holds (a larger ``lines`` is cut to it)."""
+LOG_MAX_BYTES = 64 * 1024
+"""The most bytes of a log one answer reads."""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(doc: object, rid: str) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(doc), headers={REQUEST_ID: rid}, content_type="application/json"
+    )
+
+
+def _keyed(gateway: Gateway, handler: Callable[[web.Request, str], Awaitable[Any]]) -> Handler:
+    """``handler`` behind the key check; a `GatewayError` it raises becomes its answer."""
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        rid = new_ulid()
+        try:
+            if not gateway.admits(request.headers):
+                raise UnauthorizedError()
+            result = await handler(request, rid)
+        except GatewayError as err:
+            return error_response(err, {REQUEST_ID: rid})
+        return result if isinstance(result, web.StreamResponse) else _json(result, rid)
+
+    return run
+
+
+def add_live_routes(app: web.Application, gateway: Gateway, bus: EventBus = BUS) -> None:
+    """Add the event stream, the log lines and the recent windows to ``app``."""
+    streams: set[Subscription] = set()
+
+    async def events(request: web.Request, rid: str) -> web.StreamResponse:
+        sub = bus.subscribe()
+        if sub is None:
+            raise GatewayError(
+                f"{bus.max_subscribers} event streams are open already; close one first",
+                status=503,
+                code="too_many_subscribers",
+                retryable=True,
+            )
+        streams.add(sub)
+        try:
+            return await _stream(request, rid, sub)
+        finally:
+            streams.discard(sub)
+            bus.unsubscribe(sub)
+
+    async def closing(_app: web.Application) -> None:
+        for sub in list(streams):
+            sub.end("the gateway is stopping")
+
+    async def log(request: web.Request, rid: str) -> dict[str, Any]:
+        return await _log_lines(gateway, request)
+
+    async def recent(request: web.Request, rid: str) -> dict[str, Any]:
+        return recent_doc(gateway)
+
+    app.on_shutdown.append(closing)
+    app.router.add_get("/management/v1/events", _keyed(gateway, events))
+    app.router.add_get(
+        "/management/v1/deployments/{name}/instances/{index:\\d+}/log", _keyed(gateway, log)
+    )
+    app.router.add_get("/management/v1/recent", _keyed(gateway, recent))
+
+
+async def _stream(request: web.Request, rid: str, sub: Subscription) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            REQUEST_ID: rid,
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-store",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    resp.force_close()  # the connection ends with the stream
+    await resp.prepare(request)
+    try:
+        await _write(resp, b": capyctl events\n\n")
+        while True:
+            items = await sub.take(HEARTBEAT_S)
+            if items:
+                await _write(resp, b"".join(b"data: " + i + b"\n\n" for i in items))
+            elif sub.ended is not None:
+                end = orjson.dumps({"reason": sub.ended})
+                await _write(resp, b"event: end\ndata: " + end + b"\n\n")
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await resp.write_eof()
+                break
+            else:
+                await _write(resp, b": keep-alive\n\n")
+    except (TimeoutError, ConnectionError):
+        if request.transport is not None:  # a reader that takes nothing: nothing more to say
+            request.transport.abort()
+    return resp
+
+
+async def _write(resp: web.StreamResponse, data: bytes) -> None:
+    async with asyncio.timeout(WRITE_TIMEOUT_S):
+        await resp.write(data)
+
+
+async def _log_lines(gateway: Gateway, request: web.Request) -> dict[str, Any]:
+    name, index = request.match_info["name"], int(request.match_info["index"])
+    raw = request.query.get("lines", str(LOG_LINES))
+    if not raw.isdigit():
+        raise InvalidRequestError("lines takes a whole number")
+    count = min(int(raw), LOG_MAX_LINES)
+    route = gateway.fleet.routes.get(name)
+    if route is None:
+        raise UnknownModelError(f"no deployment named {name!r}")
+    if index >= len(route.instances):
+        raise GatewayError(
+            f"deployment {name} has no instance {index}", status=404, code="not_found"
+        )
+    inst = route.instances[index]
+    runner = inst.runner
+    if inst.launch is None:
+        raise GatewayError(
+            f"deployment {name} is an engine someone else runs (url:): its log is theirs",
+            status=409,
+            code="deployment_not_launched",
+        )
+    if not isinstance(runner, LocalRunner):
+        raise GatewayError(
+            f"instance {index} of {name} runs on host {runner.host}: its log is there",
+            status=409,
+            code="log_on_host",
+        )
+    log = runner.log
+    if log is None:
+        return {"deployment": name, "instance": index, "lines": [], "never_ran": True}
+    lines = await asyncio.to_thread(log.lines, count, LOG_MAX_BYTES)
+    return {"deployment": name, "instance": index, "lines": lines}
+
+
+def recent_doc(gateway: Gateway) -> dict[str, Any]:
+    """Every deployment's recent window: per slot, oldest first, its length in seconds (the
+    current one is partial), requests ended, errors, and the mean time to first content (left
+    out where no request had content)."""
+    telemetry, now = gateway.telemetry, running_loop().time()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for d in gateway.config.deployments:
+        window = telemetry.recent.get(d.name) or telemetry.window(d.name, now)
+        rows = out[d.name] = []
+        for seconds, requests, errors, ttft in window.slots(now):
+            row: dict[str, Any] = {"s": seconds, "requests": requests, "errors": errors}
+            if ttft is not None:
+                row["ttft_s"] = round(ttft, 4)
+            rows.append(row)
+    return {"slot_s": RECENT_SLOT_S, "slots": RECENT_SLOTS, "deployments": out}

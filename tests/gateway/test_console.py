@@ -1,0 +1,346 @@
+"""The console's server side and its bounds: the page and its headers, the live event stream
+(subscribers capped, a reader that falls behind dropped, the caller's ID never in it), a
+launched engine's log lines (lines and bytes capped, masked), the recent window (a fixed
+ring), and ``capyctl console``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from aiohttp import web
+from typer.testing import CliRunner
+
+from capyctl_gateway import _events
+from capyctl_gateway._events import BUS, EventBus
+from capyctl_gateway._lifecycle.local import LocalRunner
+from capyctl_gateway._log import event
+from capyctl_gateway._management import live
+from capyctl_gateway._management.api import create_management_app
+from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Recent
+from capyctl_gateway.cli import app as cli_app
+from tests.gateway.conftest import Gw
+from tests.gateway.test_lifecycle import chat, launched
+
+pytestmark = pytest.mark.anyio
+MakeGateway = Callable[..., Awaitable[Gw]]
+
+
+@dataclass
+class Console:
+    gw: Gw
+    url: str
+    """The management listener's base URL."""
+    runner: web.AppRunner
+
+    def client(self, key: str | None = None, **kw: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key or self.gw.key}"}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30, **kw)
+
+
+@pytest.fixture
+async def console_of() -> AsyncIterator[Callable[[Gw], Awaitable[Console]]]:
+    """Serve a gateway's management application on a loopback port."""
+    runners: list[web.AppRunner] = []
+
+    async def serve(gw: Gw) -> Console:
+        runner = web.AppRunner(create_management_app(gw.gateway), handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return Console(gw, f"http://{host}:{port}", runner)
+
+    try:
+        yield serve
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        assert not BUS.subscribers, "a stream outlived its listener"
+
+
+@pytest.fixture
+async def launched_console(
+    make_gateway: MakeGateway, console_of: Callable[[Gw], Awaitable[Console]], tmp_path: Path
+) -> Console:
+    dep = launched(extra=["--api-key", "SeCrEt-FlAg-99"])
+    gw = await make_gateway({"deployments": [dep]}, engine_logs=tmp_path / "logs")
+    return await console_of(gw)
+
+
+async def polled(happened: Callable[[], bool], within: float = 10) -> None:
+    """Return once ``happened()`` is true; fail after ``within`` seconds."""
+    with anyio.fail_after(within):
+        while True:
+            if happened():
+                return
+            await asyncio.sleep(0.01)
+
+
+# -- the page ----------------------------------------------------------------------------------
+async def test_the_page_and_its_files_need_no_key_and_forbid_inline_scripts(
+    launched_console: Console,
+) -> None:
+    async with httpx.AsyncClient(base_url=launched_console.url) as c:
+        page = await c.get("/")
+        css = await c.get("/console/console.css")
+        js = await c.get("/console/console.js")
+        refused = await c.get("/management/v1/recent")
+    assert page.status_code == css.status_code == js.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert js.headers["content-type"].startswith("text/javascript")
+    for r in (page, css, js):
+        assert "default-src 'self'" in r.headers["content-security-policy"]
+        assert r.headers["x-frame-options"] == "DENY"
+        assert r.headers["referrer-policy"] == "no-referrer"
+    assert '<script src="/console/console.js"' in page.text
+    assert "<script>" not in page.text and "http" not in page.text.replace("http-equiv", "")
+    assert launched_console.gw.key not in page.text + js.text
+    assert refused.status_code == 401
+
+
+# -- the event stream --------------------------------------------------------------------------
+async def events_until(
+    resp: httpx.Response, done: Callable[[dict[str, Any]], bool], within: float = 15
+) -> list[dict[str, Any]]:
+    """The stream's events up to the first one ``done`` says is the last."""
+    found: list[dict[str, Any]] = []
+    async with asyncio.timeout(within):
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                found.append(json.loads(line[6:]))
+                if done(found[-1]):
+                    break
+    return found
+
+
+async def test_events_stream_lifecycle_and_router_events_without_the_callers_id(
+    launched_console: Console,
+) -> None:
+    async with (
+        launched_console.client() as m,
+        launched_console.gw.client() as c,
+        m.stream("GET", "/management/v1/events") as resp,
+    ):
+        assert resp.status_code == 200
+        assert resp.headers["content-type"] == "text/event-stream"
+        r = await c.post("/v1/chat/completions", json=chat(), headers={"X-Request-Id": "caller-77"})
+        assert r.status_code == 200
+        rid = r.headers["x-capyctl-request-id"]
+        seen = await events_until(resp, lambda e: e["event"] == "router_selection")
+    names = {e["event"] for e in seen}
+    assert {"lifecycle", "dispatch", "router_selection"} <= names
+    selection = next(e for e in seen if e["event"] == "router_selection")
+    assert selection["capyctl_request_id"] == rid and selection["deployment"] == "my-model"
+    assert "caller-77" not in json.dumps(seen) and "caller_request_id" not in json.dumps(seen)
+    assert any(e["event"] == "lifecycle" and e["to"] == "ready" for e in seen)
+
+
+async def test_a_stream_needs_the_key(launched_console: Console) -> None:
+    async with launched_console.client(key="wrong") as m:
+        r = await m.get("/management/v1/events")
+    assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+    assert not BUS.subscribers
+
+
+async def test_subscribers_are_capped(launched_console: Console) -> None:
+    assert BUS.max_subscribers == _events.MAX_SUBSCRIBERS == 8
+    async with launched_console.client() as m:
+        streams = [m.stream("GET", "/management/v1/events") for _ in range(8)]
+        opened = [await s.__aenter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in opened)
+            assert len(BUS.subscribers) == 8
+            r = await m.get("/management/v1/events")
+            assert r.status_code == 503
+            assert r.json() == {
+                "code": "too_many_subscribers",
+                "message": "8 event streams are open already; close one first",
+                "retryable": True,
+            }
+        finally:
+            for s in streams:
+                await s.__aexit__(None, None, None)
+    await polled(lambda: not BUS.subscribers)  # the handlers notice the hang-ups
+
+
+async def test_a_full_queue_drops_its_subscriber_and_publishing_never_waits() -> None:
+    bus = EventBus(max_subscribers=2, queue_events=5)
+    slow, fast = bus.subscribe(), bus.subscribe()
+    assert slow is not None and fast is not None
+    for i in range(5):
+        bus.publish("e", {"i": i, "caller_request_id": "mine"})
+    assert [json.loads(x)["i"] for x in await fast.take(1)] == [0, 1, 2, 3, 4]
+    bus.publish("e", {"i": 5})  # the sixth waiting for slow: slow goes, fast stays
+    assert bus.subscribers == (fast,)
+    assert slow.ended is not None and "5 events waited" in slow.ended
+    queued = await slow.take(1)  # what it held it may still read; then its stream ends
+    assert len(queued) == 5 and all(b"caller_request_id" not in q for q in queued)
+    assert await slow.take(1) == [] and slow.ended is not None
+    assert [json.loads(x)["i"] for x in await fast.take(1)] == [5]
+    assert bus.subscribe() is not None and bus.subscribe() is None  # two at most
+
+
+async def test_a_reader_that_takes_nothing_is_dropped_and_its_stream_ends(
+    launched_console: Console, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(BUS, "queue_events", 10)
+    monkeypatch.setattr(live, "WRITE_TIMEOUT_S", 1.0)
+    host, port = launched_console.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(
+        b"GET /management/v1/events HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer " + launched_console.gw.key.encode() + b"\r\n\r\n"
+    )
+    try:
+        await polled(lambda: bool(BUS.subscribers))
+        (sub,) = BUS.subscribers
+        big = "x" * 100_000
+        started = time.monotonic()
+        for _ in range(400):  # 40 MB for a reader that reads nothing
+            event("console_test", "filler", filler=big)
+            await asyncio.sleep(0)
+            if sub.ended is not None:
+                break
+        assert time.monotonic() - started < 10  # the gateway never waited for it
+        assert sub.ended is not None and "dropped" in sub.ended
+        assert sub not in BUS.subscribers
+        # its handler waits on a write the reader never takes: the connection is closed after
+        # WRITE_TIMEOUT_S, with the reader still reading nothing
+        server = launched_console.runner.server
+        assert server is not None
+        await polled(lambda: not server.connections, within=live.WRITE_TIMEOUT_S + 10)
+    finally:
+        sock.close()
+
+
+async def test_a_quiet_stream_gets_heartbeats(
+    launched_console: Console, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(live, "HEARTBEAT_S", 0.05)
+    async with launched_console.client() as m, m.stream("GET", "/management/v1/events") as resp:
+        beats = 0
+        async with asyncio.timeout(10):
+            async for line in resp.aiter_lines():
+                beats += line == ": keep-alive"
+                if beats == 3:
+                    break
+
+
+# -- the engine's log --------------------------------------------------------------------------
+async def test_log_lines_are_masked_and_capped_in_lines_and_bytes(
+    launched_console: Console,
+) -> None:
+    async with launched_console.gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    path = "/management/v1/deployments/my-model/instances/0/log"
+    async with launched_console.client() as m:
+        doc = (await m.get(path)).json()
+        assert doc["deployment"] == "my-model" and doc["instance"] == 0
+        text = "\n".join(doc["lines"])
+        assert "fake engine args" in text and "SeCrEt-FlAg-99" not in text and "***" in text
+        assert len((await m.get(path, params={"lines": 1})).json()["lines"]) == 1
+        # the engine's log grows past both caps: lines cut to LOG_MAX_LINES, bytes to LOG_MAX_BYTES
+        runner = launched_console.gw.gateway.fleet.routes["my-model"].instances[0].runner
+        assert isinstance(runner, LocalRunner) and runner.log is not None
+        log = runner.log.log
+        with log.path.open("a") as f:
+            f.writelines(f"line {i} {'y' * 20}\n" for i in range(5000))
+        many = (await m.get(path, params={"lines": 100000})).json()["lines"]
+        assert len(many) == live.LOG_MAX_LINES and many[-1].startswith("line 4999 ")
+        with log.path.open("a") as f:
+            f.writelines(f"wide {i} {'z' * 2000}\n" for i in range(100))
+        wide = (await m.get(path, params={"lines": 1000})).json()["lines"]
+        assert sum(len(x) + 1 for x in wide) <= live.LOG_MAX_BYTES
+        assert wide[-1].startswith("wide 99 ") and all(x.startswith("wide ") for x in wide)
+        assert (await m.get(path, params={"lines": "-1"})).json()["code"] == "invalid_request"
+        assert (await m.get(path.replace("/0/", "/3/"))).json()["code"] == "not_found"
+        assert (await m.get(path.replace("my-model", "nope"))).json()["code"] == "unknown_model"
+
+
+async def test_an_engine_someone_else_runs_has_no_log_here(
+    make_gateway: MakeGateway, console_of: Callable[[Gw], Awaitable[Console]], engine: Any
+) -> None:
+    from tests.gateway.conftest import deployments
+
+    con = await console_of(await make_gateway({"deployments": [deployments(engine.url)]}))
+    async with con.client() as m:
+        r = await m.get("/management/v1/deployments/my-model/instances/0/log")
+    assert r.status_code == 409 and r.json()["code"] == "deployment_not_launched"
+
+
+# -- the recent window -------------------------------------------------------------------------
+def test_the_recent_window_is_a_fixed_ring() -> None:
+    w = Recent(1000.0)
+    ring = (w.slot, w.requests, w.errors, w.ttft_sum, w.ttft_n)
+    w.add(1001.0, False, 0.5)
+    w.add(1002.0, True, None)
+    w.add(1003.0, False, 1.5)
+    assert w.slots(1005.0) == [(5.0, 3, 1, 1.0)]  # nothing before the window began
+    for t in range(1000, 1000 + 3 * RECENT_SLOTS * RECENT_SLOT_S, 7):  # three laps
+        w.add(float(t), t % 2 == 0, None)
+    assert all(len(x) == RECENT_SLOTS for x in ring)  # the same lists, never grown
+    assert (w.slot, w.requests, w.errors, w.ttft_sum, w.ttft_n) == ring
+    now = 1000.0 + 3 * RECENT_SLOTS * RECENT_SLOT_S
+    slots = w.slots(now)
+    assert len(slots) == RECENT_SLOTS and slots[-1][0] == now % RECENT_SLOT_S
+    last = int(now // RECENT_SLOT_S)
+    kept = [t for t in range(1000, int(now), 7) if t // RECENT_SLOT_S > last - RECENT_SLOTS]
+    assert sum(s[1] for s in slots) == len(kept)
+    later = w.slots(now + 10 * RECENT_SLOTS * RECENT_SLOT_S)  # quiet since: zeros, no stale
+    assert len(later) == RECENT_SLOTS and all(s[1:] == (0, 0, None) for s in later)
+
+
+async def test_recent_counts_requests_errors_and_time_to_first_content(
+    launched_console: Console,
+) -> None:
+    async with launched_console.gw.client() as c:
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        bad = {"model": "my-model", "messages": [], "n": 2}
+        assert (await c.post("/v1/chat/completions", json=bad)).status_code == 400
+    async with launched_console.client() as m:
+        doc = (await m.get("/management/v1/recent")).json()
+    assert doc["slot_s"] == RECENT_SLOT_S and doc["slots"] == RECENT_SLOTS
+    slots = doc["deployments"]["my-model"]
+    assert sum(s["requests"] for s in slots) == 4 and sum(s["errors"] for s in slots) == 1
+    timed = [s["ttft_s"] for s in slots if "ttft_s" in s]
+    assert timed and all(0 < t < 60 for t in timed)
+
+
+# -- the status document's additions and the command -------------------------------------------
+async def test_status_says_why_and_the_load_sample(launched_console: Console) -> None:
+    async with launched_console.client() as m:
+        before = (await m.get("/management/v1/deployments/my-model")).json()
+        assert before["deployment"]["why"] == "stopped: the next request starts it"
+        started = (await m.post("/management/v1/deployments/my-model/start")).json()
+        assert started["deployment"]["why"] == "serving"
+        stopped = (await m.post("/management/v1/deployments/my-model/stop")).json()
+    assert "stopped by an operator" in stopped["deployment"]["why"]
+
+
+def test_console_prints_the_local_url_with_the_key_in_its_fragment(tmp_path: Path) -> None:
+    (tmp_path / "identity").mkdir(mode=0o700)
+    creds = tmp_path / "identity" / "credentials"
+    key = "abc-DEF_123" * 4
+    creds.write_text(f"api_key: {key}\n")
+    creds.chmod(0o600)
+    result = CliRunner().invoke(
+        cli_app, ["console", "--state-dir", str(tmp_path), "--management", "127.0.0.1:7999"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output == f"http://127.0.0.1:7999/#key={key}\n"
+    gone = CliRunner().invoke(cli_app, ["console", "--state-dir", str(tmp_path / "none")])
+    assert gone.exit_code == 2 and "no credentials" in gone.output

@@ -1,0 +1,111 @@
+"""The console in a real browser: headless Chromium (``bench/browser.py``) against a
+gateway running a launched fake engine. The page lists the deployment, its stop and start
+buttons move it, an event shows without a reload, and a wrong key is told plainly. Without
+Chromium these tests skip, except under CI, where they fail."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from bench.browser import Browser, chromium
+
+from tests.gateway.conftest import Gw
+from tests.gateway.test_console import Console, console_of, launched_console  # noqa: F401
+from tests.gateway.test_lifecycle import chat
+
+pytestmark = pytest.mark.anyio
+MakeGateway = Callable[..., Awaitable[Gw]]
+CARD = '[data-deployment="my-model"]'
+
+
+def state_is(text: str) -> str:
+    sel = json.dumps(f'{CARD} [data-state="my-model"]')
+    return f"document.querySelector({sel})?.textContent === {json.dumps(text)}"
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    binary = chromium()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed: .ci/run installs Debian's package")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    b = Browser(binary)
+    try:
+        await b.start()
+        yield b
+    finally:
+        await b.close()
+        assert b.gone(), "chromium or its profile outlived the test"
+
+
+async def test_the_page_lists_the_deployment_and_its_buttons_stop_and_start_it(
+    browser: Browser,
+    launched_console: Console,  # noqa: F811
+) -> None:
+    con = launched_console
+    await browser.goto(f"{con.url}/#key={con.gw.key}")
+    await browser.until(f"!!document.querySelector('{CARD}')")
+    assert await browser.js("location.hash") == ""  # the key left the address bar
+    assert await browser.js("sessionStorage.getItem('capyctl-key')") == con.gw.key
+    await browser.until(state_is("stopped"))
+    await browser.click(f'{CARD} button[data-action="start"]')
+    await browser.until(state_is("ready"), within=60)
+    await browser.until(f"document.querySelector('{CARD} [data-answer]')?.textContent"
+                        " === 'start: done, ready'")  # fmt: skip
+    await browser.click(f'{CARD} button[data-action="stop"]')
+    await browser.until(f"document.querySelector('{CARD} [data-answer]')?.textContent"
+                        " === 'stop: done, stopped'", within=60)  # fmt: skip
+    await browser.until(state_is("stopped by an operator"))
+    doc = con.gw.gateway.fleet.lifecycle.lives["my-model"]
+    assert doc.operator_stopped and doc.state == "stopped"
+    await browser.click(f'{CARD} button[data-action="start"]')
+    await browser.until(state_is("ready"), within=60)
+    assert con.gw.gateway.fleet.lifecycle.lives["my-model"].state == "ready"
+    # the engine's log, on its button
+    await browser.click(f'{CARD} button[data-log="0"]')
+    text = await browser.until(f"document.querySelector('{CARD} pre.log')?.textContent")
+    assert "fake engine args" in text and "SeCrEt-FlAg-99" not in text
+
+
+async def test_an_event_shows_without_a_reload(
+    browser: Browser,
+    launched_console: Console,  # noqa: F811
+) -> None:
+    con = launched_console
+    await browser.goto(f"{con.url}/#key={con.gw.key}")
+    await browser.until("document.querySelector('#eventstate')?.textContent === 'live'")
+    await browser.js("window.stayed = true")  # gone if the page reloads
+    async with con.gw.client() as c:
+        r = await c.post("/v1/chat/completions", json=chat(), headers={"X-Request-Id": "mine-5"})
+    assert r.status_code == 200
+    rid = r.headers["x-capyctl-request-id"]
+    shown = await browser.until(
+        "document.querySelector('#events li[data-event=\"router_selection\"]')?.textContent"
+    )
+    assert rid in shown and "mine-5" not in await browser.js("document.body.textContent")
+    assert await browser.js("window.stayed") is True
+    # the deployment it concerns is refreshed too: ready, and the request counted
+    await browser.until(state_is("ready"))
+    await browser.until(f"!!document.querySelector('{CARD} [data-figures]')")
+
+
+async def test_a_wrong_key_is_told_plainly_and_another_can_be_entered(
+    browser: Browser,
+    launched_console: Console,  # noqa: F811
+) -> None:
+    con = launched_console
+    await browser.goto(f"{con.url}/#key=not-the-key")
+    message = await browser.until("document.querySelector('#keymsg')?.textContent")
+    assert "refused this key (401" in message
+    assert await browser.js("document.querySelector('#keyform').hidden") is False
+    assert await browser.js("sessionStorage.getItem('capyctl-key')") is None
+    await browser.js(
+        f"document.querySelector('#key').value = {json.dumps(con.gw.key)};"
+        "document.querySelector('#keyf').requestSubmit()"
+    )
+    await browser.until(f"!!document.querySelector('{CARD}')")
+    assert await browser.js("document.querySelector('#keymsg').textContent") == ""
