@@ -28,9 +28,9 @@ docs``, or ``pip install --target DIR matplotlib`` and ``PYTHONPATH=DIR``).
 Run from the repository root: ``.venv/bin/python -m bench.ops.render_dashboard`` (about 2.5
 minutes; writes docs/ops/dashboard.png, or ``--out FILE``). ``--json FILE`` keeps the run's
 record (the requests' endings, every query and Prometheus' answer); ``--from-json FILE`` draws a
-record again without running anything; ``--keep`` keeps the processes' logs. Everything it
-started is stopped (by process group) and its temporary directory removed, however it ends
-(Ctrl-C included).
+record again without running anything; ``--keep`` keeps the processes' logs (a process that
+fails to start shows its log's tail anyway). Everything it started is stopped (by process
+group) and its temporary directory removed, however it ends (Ctrl-C included).
 """
 
 from __future__ import annotations
@@ -87,7 +87,6 @@ def _run(args: argparse.Namespace, dashboard: dict[str, Any], log: Log) -> dict[
     procs = ProcessSet(work)
     old = {s: signal.signal(s, _terminate) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     began = time.monotonic()
-    keep = args.keep
     tally: dict[str, Counter[str]] = {}
     try:
         binary = ensure_llama_server()
@@ -127,14 +126,11 @@ def _run(args: argparse.Namespace, dashboard: dict[str, Any], log: Log) -> dict[
             stack.prometheus_url, dashboard, start=start, end=end, step_s=STEP_S, values=values
         )
         listed = realrun.label_values(stack.prometheus_url, dashboard)
-    except StartupError:
-        keep = True
-        raise
     finally:
         procs.stop_all()
         for s, h in old.items():
             signal.signal(s, h)
-        if keep:
+        if args.keep:
             log(f"logs in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
