@@ -1,47 +1,44 @@
 """Draw the Grafana dashboard of docs/ops/ from a real run, without Grafana.
 
-Grafana cannot be used here (its licence, and no package installs it), so this script does what
-Grafana would do with the dashboard's JSON, against real processes on loopback:
+Grafana cannot be used here (no package installs it), so this script does what Grafana would do
+with the dashboard's JSON, against real processes on loopback (``bench.ops.realrun``, shared
+with the live test ``contract/live/test_dashboard_live.py``):
 
-1. starts a fault-injecting engine (``bench.perf.fault_engine``) and a ``capyctl-gateway`` in front
-   of it as deployment ``bench`` (``bench.perf.run.start_gateway``), with ``serve --metrics`` on
-   its own port and a second deployment, ``launched``, whose engine (``bench.perf.fake_engine``)
-   the gateway starts on request and stops when idle, under a memory budget;
-2. starts a real Prometheus (a config it writes, scraping that ``/metrics`` every second with the
-   gateway's key);
-3. drives a few minutes of mixed load in phases of changing concurrency (``--load-s``, default
-   180 s): streamed and non-streamed requests drawn as the fault soak draws them
-   (``bench.perf.faults``: mostly served, some with a client hang-up in every phase, some with an
-   engine that is slow, hangs, dies or only pings), a burst past the queue's room (429
-   ``queue_full``), requests for the launched deployment in two waves (so it starts, stops when
-   idle, and starts again), and a steady trickle of refusals (unknown model, wrong key, invalid
-   body); then waits ``--settle-s`` with no load;
-4. runs every panel's queries against Prometheus's HTTP API (``/api/v1/query_range``, step 2 s,
-   ``$__rate_interval`` as 15 s, ``$deployment`` as ``.*``, i.e. "All"), and draws the panels
-   into one PNG laid out by their ``gridPos``, titled as in the JSON, each series named by its
+1. starts a ``capyctl-gateway`` (``serve --metrics``) with one deployment, ``my-model``, whose
+   ``llama-server`` (the cached build 10798, a tiny random model generated on the spot) the
+   gateway starts on the first request and stops after 15 s idle, under a memory budget; 2
+   running slots and 6 places to wait;
+2. starts a real Prometheus (a config it writes in a temporary directory, scraping the metrics
+   listener every 2 s with the gateway's key read from a file);
+3. drives a load in phases (``PHASES``): steady streamed and non-streamed requests, 4 at once,
+   some hung up mid-stream; a burst of 16 at once, past the queue's room (429 ``queue_full``);
+   a lull longer than the idle timeout (the gateway stops llama-server); the load again (the
+   gateway starts it again); throughout the load a trickle of refusals (unknown model, wrong
+   key, malformed body); then ``--settle-s`` with none;
+4. sends every panel target's query to Prometheus' ``/api/v1/query_range`` (step 2 s, Grafana's
+   variables as ``realrun.variables`` puts them, deployment "All"), prints a report (each
+   target: its query, how many series, a value, or why it is empty), and draws the panels into
+   one PNG laid out by their ``gridPos``, titled as in the JSON, each series named by its
    ``legendFormat``. A panel whose queries return nothing says "No data".
 
-What it needs beyond the project's venv (neither is a project dependency):
+Needs, beyond the project's venv: Prometheus on PATH or ``--prometheus PATH``
+(``apt-get install prometheus``; 2.42 tested) and matplotlib (``.venv/bin/pip install --group
+docs``, or ``pip install --target DIR matplotlib`` and ``PYTHONPATH=DIR``).
 
-* Prometheus on PATH (or ``--prometheus PATH``): ``apt-get install prometheus`` (2.42 tested);
-* matplotlib: ``.venv/bin/pip install matplotlib``, or into a directory of its own,
-  ``.venv/bin/pip install --target /tmp/mpl matplotlib`` and ``PYTHONPATH=/tmp/mpl``.
-
-Run from the repository root: ``.venv/bin/python -m bench.ops.render_dashboard`` (about 3.5
-minutes; writes docs/ops/dashboard.png, or ``--out FILE``). ``--json FILE`` keeps the run's record
-(the request counts, every query and Prometheus's answer); ``--from-json FILE`` draws a record
-again without running anything; ``--keep`` keeps the processes' logs. It stops everything it
-started, by process group, however it ends.
+Run from the repository root: ``.venv/bin/python -m bench.ops.render_dashboard`` (about 2.5
+minutes; writes docs/ops/dashboard.png, or ``--out FILE``). ``--json FILE`` keeps the run's
+record (the requests' endings, every query and Prometheus' answer); ``--from-json FILE`` draws a
+record again without running anything; ``--keep`` keeps the processes' logs (a process that
+fails to start shows its log's tail anyway). Everything it started is stopped (by process
+group) and its temporary directory removed, however it ends (Ctrl-C included).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import math
-import random
 import re
 import shutil
 import signal
@@ -49,290 +46,121 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-import httpx
-
-from ..perf._procs import ROOT, ProcessSet, StartupError, free_port
-from ..perf.faults import Ctx, Plan, make_plans, run_one
-from ..perf.run import _check_target, _terminate, start_gateway
-from ..perf.soak import _run_async
+from ..perf._procs import ROOT, ProcessSet, StartupError
+from . import realrun
 
 __all__ = ["main"]
 
-DASHBOARD = ROOT / "docs" / "ops" / "capyctl-gateway.grafana.json"
 OUT = ROOT / "docs" / "ops" / "dashboard.png"
-RATE_INTERVAL = "15s"
 STEP_S = 2.0
-SCRAPE_S = 1.0
-LAUNCHED = "launched"
+SCRAPE_S = 2.0
+IDLE_TIMEOUT_S = 15.0
 Log = Callable[[str], None]
 
-# The launched deployment's engine: the fast fake engine, less the flag the gateway forces on a
-# vLLM command line (the fake engine does not know it).
-_LAUNCH_SNIPPET = (
-    "import sys; from bench.perf.fake_engine import main; "
-    "main([a for a in sys.argv[1:] if a != '--enable-per-request-metrics'])"
+PHASES: tuple[tuple[str, realrun.Load | float], ...] = (
+    ("steady", realrun.Load(requests=300, duration_s=60, concurrency=4, max_tokens=(64, 512))),
+    ("burst", realrun.Load(requests=240, duration_s=8, concurrency=16, max_tokens=(256, 768))),
+    ("steady", realrun.Load(requests=100, duration_s=20, concurrency=3, max_tokens=(64, 512))),
+    ("lull", IDLE_TIMEOUT_S + 12),  # no request: llama-server is stopped when idle
+    ("again", realrun.Load(requests=150, duration_s=30, concurrency=4, max_tokens=(64, 512))),
 )
+"""The load: a phase is a load or seconds without requests."""
 
 
-@dataclass(frozen=True)
-class Phase:
-    """A stretch of the load: until ``until`` (a fraction of the load's length), ``clients``
-    concurrent clients on deployment ``bench``; clients on ``launched`` when ``launched``."""
-
-    until: float
-    clients: int
-    launched: bool
-    think_s: tuple[float, float] = (0.2, 0.5)
+# -- the run ----------------------------------------------------------------------------------
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
-SCHEDULE = (
-    Phase(0.17, 6, True),
-    Phase(0.22, 0, True),  # a lull: the engine goes idle, cut requests settle
-    Phase(0.42, 24, False),  # twice the running slots: a queue; `launched` stops when idle
-    Phase(0.46, 0, False),
-    Phase(0.56, 48, False, (0.05, 0.15)),  # past the queue's room: 429 queue_full
-    Phase(0.62, 0, True),  # `launched` is started again
-    Phase(0.85, 12, True),
-    Phase(1.0, 3, False),
-)
-MAX_RUNNING = 12
-MAX_WAITING = 24
-FAULTY_SHARE = 0.3
-"""The share of requests on ``bench`` drawn from the fault soak's whole mix (hang-ups, engine
-faults); the rest are its plain served kind, with 10-30 ms between chunks."""
+def _run(args: argparse.Namespace, dashboard: dict[str, Any], log: Log) -> dict[str, Any]:
+    """The run: processes, load, settling, queries. Its record, for ``render`` (and ``--json``)."""
+    from contract.engines.llamacpp import ensure_llama_server
+    from contract.engines.tiny_gguf import write_tiny_gguf
 
-
-def _extra_config() -> str:
-    """YAML after run.CONFIG (whose last line is deployment ``bench``'s instance): a second,
-    launched deployment, a memory budget, and a small queue so that the burst overflows it."""
-    command = [sys.executable, "-c", _LAUNCH_SNIPPET, "--served", LAUNCHED]
-    command += ["--chunks", "12", "--ttft-ms", "40", "--delay-ms", "15"]
-    return (
-        f"  - name: {LAUNCHED}\n"
-        "    engine: vllm\n"
-        '    engine_version: "0.31.0"\n'
-        f"    served_model: {LAUNCHED}\n"
-        "    memory: {ready: 6GiB, parked: 0}\n"
-        "    lifecycle:\n"
-        "      ready_idle_timeout: 15s\n"
-        "    instances:\n"
-        "      - launch:\n"
-        f"          command: {json.dumps(command)}\n"
-        f"          env: {json.dumps({'PYTHONPATH': str(ROOT)})}\n"
-        "          startup_timeout: 30s\n"
-        "resources:\n"
-        "  memory_budget: 16GiB\n"
-        "queue:\n"
-        "  request_deadline: 5s\n"
-        "  stream_idle_timeout: 1.5s\n"
-        f"  max_running_per_deployment: {MAX_RUNNING}\n"
-        f"  max_waiting_per_deployment: {MAX_WAITING}\n"
-        f"  max_waiting_total: {4 * MAX_WAITING}\n"
-    )
-
-
-# -- the processes ----------------------------------------------------------------------------
-@dataclass
-class Served:
-    ctx: Ctx
-    gateway_url: str
-    key: str
-    prometheus_url: str
-
-
-def _serve(procs: ProcessSet, work: Path, prometheus: str, log: Log) -> Served:
-    eport = free_port()
-    engine = procs.start(
-        "engine",
-        [sys.executable, "-m", "bench.perf.fault_engine", "--port", str(eport), "--served", "tiny"],
-    )
-    engine.wait_http(f"http://127.0.0.1:{eport}/health")
-    mport = free_port()
-    _, target = start_gateway(
-        procs,
-        work,
-        f"http://127.0.0.1:{eport}",
-        extra=_extra_config(),
-        args=["--metrics", f"127.0.0.1:{mport}"],
-    )
-    _check_target(target, stream=True)
-    _check_target(target, stream=False)
-    key = target.key or ""
-    log(f"gateway at {target.url}, its metrics at 127.0.0.1:{mport}")
-
-    prom = work / "prometheus"
-    prom.mkdir()
-    (prom / "key").write_text(key, encoding="utf-8")
-    (prom / "prometheus.yml").write_text(
-        "global:\n"
-        f"  scrape_interval: {SCRAPE_S:g}s\n"
-        f"  scrape_timeout: {SCRAPE_S:g}s\n"
-        "scrape_configs:\n"
-        "  - job_name: capyctl-gateway\n"
-        "    metrics_path: /metrics\n"
-        # The gateway's own `instance` label (the instance's index) is what the panels mean;
-        # without this Prometheus renames it `exported_instance` and puts its target there.
-        "    honor_labels: true\n"
-        "    authorization:\n"
-        f"      credentials_file: {prom / 'key'}\n"
-        "    static_configs:\n"
-        f'      - targets: ["127.0.0.1:{mport}"]\n',
-        encoding="utf-8",
-    )
-    pport = free_port()
-    server = procs.start(
-        "prometheus",
-        [
-            prometheus,
-            f"--config.file={prom / 'prometheus.yml'}",
-            f"--storage.tsdb.path={prom / 'data'}",
-            f"--web.listen-address=127.0.0.1:{pport}",
-            "--log.level=warn",
-        ],
-    )
-    purl = f"http://127.0.0.1:{pport}"
-    server.wait_http(f"{purl}/-/ready", timeout_s=60)
-    deadline = time.monotonic() + 30
-    while True:  # the first scrape, answered
-        server.check_alive()
-        targets = httpx.get(f"{purl}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
-        if targets and all(t["health"] == "up" for t in targets):
-            break
-        if time.monotonic() > deadline:
-            raise StartupError(f"prometheus: the gateway's /metrics is not up: {targets}")
-        time.sleep(0.5)
-    log(f"prometheus {purl} scrapes it every {SCRAPE_S:g} s")
-    parts = httpx.URL(target.url)
-    ctx = Ctx(parts.host, parts.port or 80, key, eport, timeout_s=30.0)
-    return Served(ctx, target.url, key, purl)
-
-
-# -- the load ---------------------------------------------------------------------------------
-class Plans:
-    """Plans for deployment ``bench``: from the fault soak's mix (``FAULTY_SHARE``) or its plain
-    served kind, with ids unique over the run (the fault engine keys requests by id)."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.next_id = 0
-        self.faulty: Iterator[Plan] = iter(())
-        self.plain: Iterator[Plan] = iter(())
-
-    def draw(self) -> Plan:
-        faulty = self.rng.random() < FAULTY_SHARE
-        source = self.faulty if faulty else self.plain
-        plan = next(source, None)
-        if plan is None:
-            seed = self.rng.randrange(2**31)
-            source = iter(make_plans(1000, seed, None if faulty else ["none/normal"]))
-            if faulty:
-                self.faulty = source
-            else:
-                self.plain = source
-            plan = next(source)
-        self.next_id += 1
-        if faulty:
-            return dataclasses.replace(plan, rid=self.next_id)
-        # plain streams of a few hundred ms, as a small model's answers take
-        gap = self.rng.choice((10.0, 20.0, 30.0))
-        return dataclasses.replace(plan, rid=self.next_id, gap_ms=gap)
-
-
-def _phase(t0: float, load_s: float) -> Phase | None:
-    frac = (time.monotonic() - t0) / load_s
-    return next((p for p in SCHEDULE if frac < p.until), None)
-
-
-async def _drive(sv: Served, load_s: float, seed: int, log: Log) -> dict[str, Counter[str]]:
-    rng = random.Random(seed)
-    plans = Plans(seed)
-    tally: dict[str, Counter[str]] = {"bench": Counter(), LAUNCHED: Counter(), "refused": Counter()}
-    url = f"{sv.gateway_url}/v1/chat/completions"
-    auth = {"Authorization": f"Bearer {sv.key}"}
-    messages = [{"role": "user", "content": "dashboard"}]
-    t0 = time.monotonic()
-
-    async def bench_client(i: int) -> None:
-        while (ph := _phase(t0, load_s)) is not None:
-            if i >= ph.clients:
-                await asyncio.sleep(0.25)
-                continue
-            result = await run_one(sv.ctx, plans.draw())
-            tally["bench"][result.label] += 1
-            await asyncio.sleep(rng.uniform(*ph.think_s))
-
-    async def launched_client(client: httpx.AsyncClient) -> None:
-        while (ph := _phase(t0, load_s)) is not None:
-            if not ph.launched:
-                await asyncio.sleep(0.25)
-                continue
-            body: dict[str, Any] = {
-                "model": LAUNCHED,
-                "messages": messages,
-                "max_tokens": rng.randint(4, 24),
-            }
-            stream, hang_up = rng.random() < 0.6, rng.random() < 0.15
-            try:
-                if stream:
-                    body["stream"] = True
-                    async with client.stream("POST", url, json=body, headers=auth) as r:
-                        async for _ in r.aiter_bytes():
-                            if hang_up:  # closing the unread response closes the connection
-                                break
-                    label = "hung up" if hang_up else f"HTTP {r.status_code}"
-                else:
-                    label = f"HTTP {(await client.post(url, json=body, headers=auth)).status_code}"
-            except httpx.HTTPError as exc:
-                label = type(exc).__name__
-            tally[LAUNCHED][label] += 1
-            await asyncio.sleep(rng.uniform(0.3, 0.8))
-
-    async def refusals(client: httpx.AsyncClient) -> None:
-        kinds: list[tuple[dict[str, Any], dict[str, str]]] = [
-            ({"model": "no-such-model", "messages": messages}, auth),
-            ({"model": "bench", "messages": messages}, {"Authorization": "Bearer wrong-key"}),
-            ({"model": "bench", "messages": "not a list"}, auth),
-        ]
-        n = 0
-        while _phase(t0, load_s) is not None:
-            body, headers = kinds[n % len(kinds)]
-            n += 1
-            try:
-                r = await client.post(url, json=body, headers=headers)
-                tally["refused"][f"HTTP {r.status_code} {r.json().get('code', '?')}"] += 1
-            except (httpx.HTTPError, ValueError) as exc:
-                tally["refused"][type(exc).__name__] += 1
-            await asyncio.sleep(1.0)
-
-    async def progress() -> None:
-        last: Phase | None = None
-        while (ph := _phase(t0, load_s)) is not None:
-            if ph != last:
-                done = sum(sum(c.values()) for c in tally.values())
-                log(
-                    f"{time.monotonic() - t0:5.0f} s: {ph.clients} clients on bench, "
-                    f"{LAUNCHED} {'on' if ph.launched else 'off'} ({done:,} requests so far)"
-                )
-                last = ph
-            await asyncio.sleep(0.5)
-
-    limits = httpx.Limits(max_connections=16)
-    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
-        await asyncio.gather(
-            progress(),
-            refusals(client),
-            *(launched_client(client) for _ in range(2)),
-            *(bench_client(i) for i in range(max(p.clients for p in SCHEDULE))),
+    work = Path(tempfile.mkdtemp(prefix="capyctl-dashboard-"))
+    procs = ProcessSet(work)
+    old = {s: signal.signal(s, _terminate) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    began = time.monotonic()
+    tally: dict[str, Counter[str]] = {}
+    try:
+        binary = ensure_llama_server()
+        model = write_tiny_gguf(work / "tiny.gguf", seed=0, context_length=8192)
+        stack = realrun.Stack.start(
+            procs,
+            work,
+            prometheus=args.prometheus,
+            binary=binary,
+            model=model,
+            scrape_s=SCRAPE_S,
+            idle_timeout_s=IDLE_TIMEOUT_S,
+            max_running=2,
+            max_waiting=6,
+            log=log,
         )
-    return tally
+        start = time.time() - 4
+        for i, (name, phase) in enumerate(PHASES):
+            t0 = time.monotonic()
+            if isinstance(phase, float):
+                log(f"{name}: {phase:g} s without requests")
+                time.sleep(phase)
+                continue
+            got = asyncio.run(realrun.drive(stack.gateway_url, stack.key, phase))
+            tally.setdefault(name, Counter()).update(got)
+            took = time.monotonic() - t0
+            log(f"{name}: {sum(got.values())} requests in {took:.0f} s: {_counts(got)}")
+            if i == 0 and got["HTTP 200"] + got["HTTP 200 streamed"] == 0:
+                raise StartupError(f"nothing was served: {_counts(got)}")
+        log(f"load done; {args.settle_s:g} s with none")
+        time.sleep(args.settle_s + SCRAPE_S)
+        end = time.time()
+        values = realrun.variables(
+            dashboard, step_s=STEP_S, scrape_s=SCRAPE_S, range_s=end - start, deployment="$__all"
+        )
+        answers = realrun.evaluate(
+            stack.prometheus_url, dashboard, start=start, end=end, step_s=STEP_S, values=values
+        )
+        listed = realrun.label_values(stack.prometheus_url, dashboard)
+    finally:
+        procs.stop_all()
+        for s, h in old.items():
+            signal.signal(s, h)
+        if args.keep:
+            log(f"logs in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return {
+        "date": time.strftime("%Y-%m-%d", time.gmtime(start)),
+        "start": start,
+        "end": end,
+        "elapsed_s": round(time.monotonic() - began, 1),
+        "prometheus": stack.prometheus_version,
+        "variables": values,
+        "label_values": listed,
+        "requests": {name: dict(c.most_common()) for name, c in tally.items()},
+        "answers": [
+            {
+                "panel": a.panel,
+                "expr": a.expr,
+                "legend": a.legend,
+                "query": a.query,
+                "answer": a.doc,
+            }
+            for a in answers
+        ],
+    }
 
 
-# -- the queries ------------------------------------------------------------------------------
+def _counts(c: Counter[str]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in c.most_common())
+
+
+# -- the panels -------------------------------------------------------------------------------
 @dataclass
 class Series:
     legend: str
@@ -349,61 +177,28 @@ class PanelData:
     errors: list[str]
 
 
-def _expr(expr: str) -> str:
-    return (
-        expr.replace("$__rate_interval", RATE_INTERVAL)
-        .replace("${deployment}", ".*")
-        .replace("$deployment", ".*")
-    )
-
-
 def _legend(fmt: str, metric: dict[str, str]) -> str:
     text = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: metric.get(m.group(1), ""), fmt)
     return " ".join(text.split()) or json.dumps(metric)
 
 
-def fetch(
-    prometheus_url: str, dashboard: dict[str, Any], start: float, end: float
-) -> list[dict[str, Any]]:
-    """Prometheus's answer to every panel's every target over [start, end], in order."""
-    answers: list[dict[str, Any]] = []
-    with httpx.Client(base_url=prometheus_url, timeout=30) as client:
-        for p in dashboard["panels"]:
-            for t in p["targets"]:
-                q = _expr(t["expr"])
-                params: dict[str, str | float] = {
-                    "query": q,
-                    "start": start,
-                    "end": end,
-                    "step": STEP_S,
-                }
-                doc = client.get("/api/v1/query_range", params=params).json()
-                answers.append({"panel": p["title"], "query": q, "answer": doc})
-    return answers
-
-
-def panels_from(dashboard: dict[str, Any], answers: list[dict[str, Any]]) -> list[PanelData]:
-    """The dashboard's panels with their series, from ``fetch``'s answers."""
+def panels_from(dashboard: dict[str, Any], answers: list[realrun.Answer]) -> list[PanelData]:
+    """The dashboard's panels with their series, from ``realrun.evaluate``'s answers."""
     panels: list[PanelData] = []
     it = iter(answers)
     for p in dashboard["panels"]:
         unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit", "short")
         data = PanelData(p["title"], unit, p["gridPos"], [], [])
-        for t in p["targets"]:
-            got = next(it)
-            doc = got["answer"]
-            if got["panel"] != p["title"] or got["query"] != _expr(t["expr"]):
+        for t in p.get("targets", []):
+            a = next(it)
+            if a.panel != p["title"] or a.expr != t["expr"]:
                 raise ValueError(f"the answers do not match the dashboard at {p['title']!r}")
-            if doc.get("status") != "success":
-                data.errors.append(f"{got['query']}: {doc.get('error')}")
-                continue
-            for res in doc["data"]["result"]:
-                points = [(float(ts), float(v)) for ts, v in res["values"]]
-                points = [(ts, v) for ts, v in points if math.isfinite(v)]
+            if a.error is not None:
+                data.errors.append(f"{a.query}: {a.error}")
+            for metric, points in a.finite():
                 if points:
-                    legend = _legend(t.get("legendFormat", ""), res["metric"])
                     times, values = (list(x) for x in zip(*points, strict=True))
-                    data.series.append(Series(legend, times, values))
+                    data.series.append(Series(_legend(a.legend, metric), times, values))
         panels.append(data)
     return panels
 
@@ -563,58 +358,15 @@ def render(
     fig.savefig(out, dpi=DPI, facecolor=BG)
 
 
-# -- the run ----------------------------------------------------------------------------------
-def _run(args: argparse.Namespace, dashboard: dict[str, Any], log: Log) -> dict[str, Any]:
-    """The run: processes, load, settling, queries. Its record, for ``render`` (and ``--json``)."""
-    work = Path(tempfile.mkdtemp(prefix="capyctl-dashboard-"))
-    procs = ProcessSet(work)
-    old = {s: signal.signal(s, _terminate) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    began = time.monotonic()
-    keep = args.keep
-    try:
-        sv = _serve(procs, work, args.prometheus, log)
-        start = time.time() - 10
-        tally = _run_async(_drive(sv, args.load_s, args.seed, log))
-        log(f"load done; {args.settle_s:g} s with none")
-        time.sleep(args.settle_s + 2 * SCRAPE_S)
-        end = time.time()
-        answers = fetch(sv.prometheus_url, dashboard, start, end)
-        info = httpx.get(f"{sv.prometheus_url}/api/v1/status/buildinfo", timeout=10).json()
-    except StartupError:
-        keep = True
-        raise
-    finally:
-        procs.stop_all()
-        for s, h in old.items():
-            signal.signal(s, h)
-        if keep:
-            log(f"logs in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    return {
-        "load_s": args.load_s,
-        "settle_s": args.settle_s,
-        "seed": args.seed,
-        "start": start,
-        "end": end,
-        "elapsed_s": round(time.monotonic() - began, 1),
-        "prometheus": info["data"]["version"],
-        "requests": {group: dict(counts.most_common()) for group, counts in tally.items()},
-        "answers": answers,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.ops.render_dashboard",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--load-s", type=float, default=180.0, help="the load's length")
-    parser.add_argument("--settle-s", type=float, default=20.0, help="no load, after it")
-    parser.add_argument("--seed", type=int, default=14)
+    parser.add_argument("--settle-s", type=float, default=12.0, help="no load, after it")
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--dashboard", type=Path, default=DASHBOARD)
+    parser.add_argument("--dashboard", type=Path, default=realrun.DASHBOARD)
     parser.add_argument("--prometheus", default=shutil.which("prometheus"))
     parser.add_argument("--json", type=Path, default=None, help="write the run's record here")
     parser.add_argument(
@@ -629,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        parser.error("matplotlib is not installed (.venv/bin/pip install matplotlib)")
-    dashboard = json.loads(args.dashboard.read_text(encoding="utf-8"))
+        parser.error("matplotlib is not installed (.venv/bin/pip install --group docs)")
+    dashboard = realrun.load_dashboard(args.dashboard)
     if args.from_json is not None:
         record = json.loads(args.from_json.read_text(encoding="utf-8"))
     else:
@@ -643,26 +395,33 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.json is not None:
             args.json.write_text(json.dumps(record, indent=1), encoding="utf-8")
-    for group, counts in record["requests"].items():
-        listed = ", ".join(f"{k} {v:,}" for k, v in counts.items())
-        log(f"{group}: {sum(counts.values()):,} requests: {listed}")
-    panels = panels_from(dashboard, record["answers"])
-    for p in panels:
-        err = f"; errors: {p.errors}" if p.errors else ""
-        log(f"panel {p.title!r}: {len(p.series)} series{err}")
+    answers = [
+        realrun.Answer(a["panel"], a["expr"], a["legend"], a["query"], a["answer"])
+        for a in record["answers"]
+    ]
     total = sum(sum(c.values()) for c in record["requests"].values())
+    print(f"# A real run, {record['date']}: {total:,} requests\n")
+    for name, counts in record["requests"].items():
+        print(f"- {name}: {_counts(Counter(counts))}")
+    print(f"\n$deployment lists: {record['label_values']}; variables: {record['variables']}\n")
+    print(realrun.report(answers))
+    empty = [a for a in answers if not a.has_data]
     start, end = record["start"], record["end"]
     subtitle = (
-        f"A real run, drawn without Grafana: {record['load_s']:g} s of mixed load ({total:,} "
-        f"requests) through capyctl-gateway, then {record['settle_s']:g} s of none, scraped "
-        f"every {SCRAPE_S:g} s by Prometheus {record.get('prometheus', '')}.\n"
-        f"Each panel is Prometheus's answer to the panel's own queries (step {STEP_S:g} s, "
-        f"$__rate_interval = {RATE_INTERVAL}, deployment = All). "
-        f"Times in UTC, {time.strftime('%Y-%m-%d', time.gmtime(start))}."
+        f"A real run, drawn without Grafana: capyctl-gateway running llama-server (tiny model), "
+        f"{total:,} requests in phases (steady, a burst past the queue, a lull that stops "
+        f"the engine, again), scraped every {SCRAPE_S:g} s by Prometheus {record['prometheus']}.\n"
+        f"Each panel is Prometheus' answer to the panel's own queries (step {STEP_S:g} s, "
+        f"$__rate_interval = {record['variables']['__rate_interval']}, deployment = All). "
+        f"Times in UTC, {record['date']}."
     )
+    panels = panels_from(dashboard, answers)
     render(panels, args.out, title=dashboard["title"], subtitle=subtitle, start=start, end=end)
     took = f" after a run of {record['elapsed_s']:g} s" if args.from_json is None else ""
     log(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB){took}")
+    if empty:
+        log(f"{len(empty)} of {len(answers)} panel targets have no data")
+        return 1
     return 0
 
 
