@@ -1,7 +1,7 @@
 """Headless Chromium driven over the DevTools protocol with aiohttp's websocket client: enough
 to open a page, read and click its DOM, and take a screenshot (the console's browser tests and
 `bench.console_shot`). No selenium, no downloads:
-Debian's ``chromium`` package (``.ci/run`` installs it).
+Debian's ``chromium`` package (``scripts/system-packages`` installs it).
 
 `Browser` starts Chromium in a process group of its own with a fresh profile directory, and
 `close` ends the group and deletes the directory (`gone` says whether both are)."""

@@ -27,7 +27,9 @@ def _prometheus() -> str:
     found = shutil.which("prometheus")
     if found is None:
         if os.environ.get("CI"):
-            pytest.fail("prometheus is not installed (.ci/run installs Debian's package)")
+            pytest.fail(
+                "prometheus is not installed (scripts/system-packages installs Debian's package)"
+            )
         pytest.skip("prometheus is not installed (apt-get install prometheus)")
     return found
 

@@ -31,7 +31,9 @@ async def browser() -> AsyncIterator[Browser]:
     binary = chromium()
     if binary is None:
         if os.environ.get("CI"):
-            pytest.fail("chromium is not installed: .ci/run installs Debian's package")
+            pytest.fail(
+                "chromium is not installed: scripts/system-packages installs Debian's package"
+            )
         pytest.skip("chromium is not installed (apt-get install chromium)")
     b = Browser(binary)
     try:
