@@ -178,7 +178,10 @@ def configure_logging(fmt: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-_SECRET_FLAG = ("key", "token", "secret", "password")
+_SECRET_WORD = r"key|token(?!s)|secret|password"
+"""What names a secret: a key, a token (not a count of tokens: ``n_tokens``, ``--max-tokens``),
+a secret or a password."""
+_SECRET_NAME = re.compile(_SECRET_WORD, re.IGNORECASE)
 
 
 def shown(argv: list[str]) -> list[str]:
@@ -188,7 +191,7 @@ def shown(argv: list[str]) -> list[str]:
     mask_next = False
     for arg in argv:
         name, eq, _ = arg.partition("=")
-        secret = arg.startswith("-") and any(word in name.lower() for word in _SECRET_FLAG)
+        secret = arg.startswith("-") and _SECRET_NAME.search(name) is not None
         if mask_next:
             out.append("***")
         elif secret and eq:
@@ -199,7 +202,6 @@ def shown(argv: list[str]) -> list[str]:
     return out
 
 
-_SECRET_WORD = "|".join(_SECRET_FLAG)
 _SECRET_TEXT = re.compile(
     r"(?i)(?P<flag>(?<![\w-])--?[\w-]*(?:" + _SECRET_WORD + r")[\w-]*[ \t]+)[^\s'\",}]+"
     r"|(?P<pair>[\w-]*(?:" + _SECRET_WORD + r")[\w-]*['\"]?[ \t]*[:=][ \t]*['\"]?)[^\s'\",}]+"
@@ -212,7 +214,7 @@ def secrets_in(argv: list[str], env: dict[str, str]) -> list[str]:
     names say key, token, secret or password."""
     found = [a for a, s in zip(argv, shown(argv), strict=True) if s != a]
     found = [a.partition("=")[2] if a.startswith("-") else a for a in found]
-    found += [v for k, v in env.items() if any(w in k.lower() for w in _SECRET_FLAG)]
+    found += [v for k, v in env.items() if _SECRET_NAME.search(k)]
     return [s for s in found if s]
 
 

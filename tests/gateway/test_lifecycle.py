@@ -311,6 +311,49 @@ async def management(gw: Gw) -> Any:
     return runner, f"http://{host}:{port}/management/v1"
 
 
+async def test_list_shows_a_stop_under_way_as_the_state_it_is_in(make_gateway: MakeGateway) -> None:
+    """While an operator's stop drains a running request, ``list`` says the deployment is
+    still ready and being stopped, not stopped; once it is, it says so."""
+    gw = await make_gateway({"deployments": [launched()]})
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    queue = gw.gateway.fleet.routes["my-model"].queue
+
+    async def row(m: httpx.AsyncClient) -> dict[str, Any]:
+        listing = (await m.get(f"{base}/deployments")).json()
+        return next(d for d in listing["deployments"] if d["name"] == "my-model")
+
+    try:
+        async with gw.client() as c, httpx.AsyncClient(headers=auth, timeout=60) as m:
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+            long = {**chat(), "messages": [{"role": "user", "content": "take:3"}]}
+            async with anyio.create_task_group() as tg:
+                answers: list[int] = []
+
+                async def ask() -> None:
+                    answers.append((await c.post("/v1/chat/completions", json=long)).status_code)
+
+                tg.start_soon(ask)
+                with anyio.fail_after(10):
+                    while queue.running != 1:
+                        await anyio.sleep(0.01)
+                stops: list[int] = []
+
+                async def stop() -> None:
+                    stops.append((await m.post(f"{base}/deployments/my-model/stop")).status_code)
+
+                tg.start_soon(stop)
+                with anyio.fail_after(10):
+                    while (during := await row(m))["state"] == "ready":
+                        await anyio.sleep(0.01)
+                assert during["state"] == "ready (an operator's stop)", during
+                assert not stops  # the stop still waits for the running request
+            assert answers == [200] and stops == [200]
+            assert (await row(m))["state"] == "stopped by an operator"
+    finally:
+        await runner.cleanup()
+
+
 async def test_operator_stop_start_and_park(
     make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from capyctl_gateway._log import JsonFormatter, JsonLines, event, logger
+from capyctl_gateway._log import JsonFormatter, JsonLines, event, logger, masked, shown
 
 
 class Writes(io.BytesIO):
@@ -109,3 +109,34 @@ def test_a_handler_above_info_gets_no_events(sink: Writes) -> None:
     logging.getLogger().handlers[0].setLevel(logging.WARNING)
     event("router_selection", "unused", capyctl_request_id="01F")
     assert sink.writes == []
+
+
+# -- masking ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("--api-key sk-live-1 --port 8", "--api-key *** --port 8"),
+        ("HF_TOKEN=hf_abc rest", "HF_TOKEN=*** rest"),
+        ('{"token": "t0k"}', '{"token": "***"}'),
+        ("Authorization: Bearer abc.def", "Authorization: Bearer ***"),
+        ("db_password: hunter2", "db_password: ***"),
+        # Counts of tokens are not secrets: an engine's log is full of them.
+        ("stop processing: n_tokens = 20, truncated = 0", None),
+        ("prompt eval time = 0.24 ms / 1 tokens", None),
+        ("--max-tokens 64 -n 64", None),
+    ],
+)
+def test_masked_hides_secrets_and_leaves_token_counts(text: str, want: str | None) -> None:
+    assert masked(text) == (text if want is None else want)
+
+
+def test_shown_masks_a_flags_value_but_not_a_token_count() -> None:
+    argv = ["llama-server", "--api-key", "s3cret", "--hf-token=x", "--max-tokens", "64"]
+    assert shown(argv) == [
+        "llama-server",
+        "--api-key",
+        "***",
+        "--hf-token=***",
+        "--max-tokens",
+        "64",
+    ]

@@ -116,7 +116,13 @@ def deployments_list(
             row["state"] = "ready" if row["ready"] else "unavailable"
         else:
             row["run_by"] = "the gateway (launch)"
-            row["state"] = "stopped by an operator" if life.operator_stopped else life.state
+            row["state"] = life.state
+            if life.operator_stopped:  # while its stop is under way, the state it is in
+                row["state"] = (
+                    "stopped by an operator"
+                    if life.state in ("stopped", "failed")
+                    else f"{life.state} (an operator's stop)"
+                )
             if d.memory is not None:
                 row["memory_held"] = lifecycle.budget.held_by(life)
         rows.append(row)

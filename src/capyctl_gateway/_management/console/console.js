@@ -212,7 +212,7 @@ function instanceRows(name, doc, launched) {
   const engine = `${doc.deployment.engine} ${doc.deployment.engine_version || ""}`.trim();
   const rows = [];
   const table = el("table", {},
-    el("thead", {}, el("tr", {}, ...["#", "engine", "host", "state", "running", "waiting",
+    el("thead", {}, el("tr", {}, ...["#", "engine", "machine", "state", "running", "waiting",
       "cache/slots", "sample age", "in flight", ""].map((h) => el("th", {}, h)))));
   const body = el("tbody");
   for (const inst of doc.instances) {
@@ -221,7 +221,7 @@ function instanceRows(name, doc, launched) {
     const usage = inst.usage === undefined ? "—" : `${(inst.usage * 100).toFixed(1)}%`;
     const age = inst.sample_age_s === undefined ? inst.snapshot_age_s : inst.sample_age_s;
     body.append(el("tr", { "data-instance": inst.index },
-      el("td", {}, inst.index), el("td", {}, engine), el("td", {}, shown(inst.host)),
+      el("td", {}, inst.index), el("td", {}, engine), el("td", {}, shown(inst.machine || inst.host)),
       el("td", {}, el("span", { class: "state " + inst.state }, state)),
       el("td", {}, shown(inst.running)), el("td", {}, shown(inst.waiting)),
       el("td", {}, usage), el("td", {}, age === null || age === undefined ? "—" : `${age.toFixed(1)} s`),
