@@ -334,8 +334,10 @@ async def test_list_shows_a_stop_under_way_as_the_state_it_is_in(make_gateway: M
                     answers.append((await c.post("/v1/chat/completions", json=long)).status_code)
 
                 tg.start_soon(ask)
-                with anyio.fail_after(10):
-                    while queue.running != 1:
+                with anyio.fail_after(10):  # polled: the request reaches the engine
+                    while True:
+                        if queue.running == 1:
+                            break
                         await anyio.sleep(0.01)
                 stops: list[int] = []
 
@@ -343,8 +345,10 @@ async def test_list_shows_a_stop_under_way_as_the_state_it_is_in(make_gateway: M
                     stops.append((await m.post(f"{base}/deployments/my-model/stop")).status_code)
 
                 tg.start_soon(stop)
-                with anyio.fail_after(10):
-                    while (during := await row(m))["state"] == "ready":
+                with anyio.fail_after(10):  # polled: the stop has begun
+                    while True:
+                        if (during := await row(m))["state"] != "ready":
+                            break
                         await anyio.sleep(0.01)
                 assert during["state"] == "ready (an operator's stop)", during
                 assert not stops  # the stop still waits for the running request
