@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
 import shutil
 import signal
 import statistics
@@ -36,7 +38,7 @@ from contract.engines.tiny_gguf import write_tiny_gguf
 
 from ._loads import Target
 from ._procfs import cpu_seconds
-from ._procs import ProcessSet, StartupError
+from ._procs import Proc, ProcessSet, StartupError
 from .run import _check_target, _peer_bin, start_gateway, start_peer
 
 __all__ = ["main"]
@@ -109,6 +111,23 @@ async def interleaved(targets: list[Target], requests: int, tokens: int) -> dict
     return out
 
 
+def _base_gateway(procs: ProcessSet, work: Path, url: str, src: str) -> Target:
+    """A gateway whose code comes from the source tree ``src``, named ``base``."""
+    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+    start = procs.start
+
+    def with_env(name: str, argv: list[str], **_: object) -> Proc:
+        return start(f"{name}-base", argv, env=env)
+
+    procs.start = with_env  # type: ignore[method-assign,assignment]
+    try:
+        work.mkdir()
+        target = start_gateway(procs, work, url, engine="llamacpp", engine_version="b10798")[1]
+    finally:
+        procs.start = start  # type: ignore[method-assign]
+    return dataclasses.replace(target, name="base")
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -122,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-bin", default=None)
     parser.add_argument("--profile", type=Path, default=None, help="cProfile the gateway here")
     parser.add_argument("--gateway-arg", action="append", default=[], help="more serve options")
+    parser.add_argument(
+        "--base", default=None, help="a second gateway from this source tree (an A/B)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="capyctl-real-ttft-"))
@@ -145,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             profile=args.profile,
         )
         targets.append(gw)
+        if args.base is not None:
+            targets.append(_base_gateway(procs, work / "base", url, args.base))
         peer_bin = None if args.no_peer else _peer_bin(args.peer_bin)
         if peer_bin is not None:
             targets.append(start_peer(procs, peer_bin, url))
