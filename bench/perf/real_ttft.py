@@ -215,6 +215,8 @@ def _table(runs: list[dict[str, list[float]]]) -> str:
             f"{got[k][0]:.3f} ms" if k in got else "-" for k in ("gateway_cpu_ms", "peer_cpu_ms")
         )
         rows.append(f"| {i} | {direct:.3f} ms | {added('gateway')} | {added('peer')} | {cpu} |")
+        if "base" in got:
+            rows.append(f"| {i}, the base tree | | {added('base')} | | |")
     return "\n".join(rows)
 
 
