@@ -66,6 +66,10 @@ class Gateway:
     def now(self) -> float:
         return self.clock()
 
+    def key_for_console(self) -> str:
+        """The key, for the console's one-time ticket trade alone (`_management/tickets.py`)."""
+        return self._key.decode("utf-8", "surrogateescape")
+
     def authorized(self, header: str) -> bool:
         """Whether an ``Authorization`` header value carries the gateway's key."""
         scheme, _, key = header.partition(" ")

@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import quote
 
 import httpx
 import typer
@@ -200,10 +199,11 @@ def _call(method: str, path: str, state_dir: Path | None, management: str | None
 
 @app.command("console")
 def console(state_dir: StateOpt = None, management: ManagementOpt = None) -> None:
-    """Print the console's address on this machine, the key in its fragment (the browser
-    keeps it; it never goes to the gateway in a URL)."""
-    host, port, key = _where(state_dir, management)
-    typer.echo(f"http://{f'[{host}]' if ':' in host else host}:{port}/#key={quote(key, safe='')}")
+    """Print the address that opens the console on this machine: it carries a one-time ticket
+    (good for 60 s, once), never the key, so what the browser's history keeps opens nothing."""
+    host, port, _ = _where(state_dir, management)
+    ticket = _call("POST", "console/tickets", state_dir, management)["ticket"]
+    typer.echo(f"http://{f'[{host}]' if ':' in host else host}:{port}/#ticket={ticket}")
 
 
 @status_app.command("deployment")

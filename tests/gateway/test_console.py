@@ -18,7 +18,6 @@ import anyio
 import httpx
 import pytest
 from aiohttp import web
-from typer.testing import CliRunner
 
 from capyctl_gateway import _events
 from capyctl_gateway._events import BUS, EventBus
@@ -27,7 +26,6 @@ from capyctl_gateway._log import event
 from capyctl_gateway._management import live
 from capyctl_gateway._management.api import create_management_app
 from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Recent
-from capyctl_gateway.cli import app as cli_app
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched
 
@@ -329,18 +327,3 @@ async def test_status_says_why_and_the_load_sample(launched_console: Console) ->
         assert started["deployment"]["why"] == "serving"
         stopped = (await m.post("/management/v1/deployments/my-model/stop")).json()
     assert "stopped by an operator" in stopped["deployment"]["why"]
-
-
-def test_console_prints_the_local_url_with_the_key_in_its_fragment(tmp_path: Path) -> None:
-    (tmp_path / "identity").mkdir(mode=0o700)
-    creds = tmp_path / "identity" / "credentials"
-    key = "abc-DEF_123" * 4
-    creds.write_text(f"api_key: {key}\n")
-    creds.chmod(0o600)
-    result = CliRunner().invoke(
-        cli_app, ["console", "--state-dir", str(tmp_path), "--management", "127.0.0.1:7999"]
-    )
-    assert result.exit_code == 0, result.output
-    assert result.output == f"http://127.0.0.1:7999/#key={key}\n"
-    gone = CliRunner().invoke(cli_app, ["console", "--state-dir", str(tmp_path / "none")])
-    assert gone.exit_code == 2 and "no credentials" in gone.output

@@ -49,10 +49,13 @@ async def test_the_page_lists_the_deployment_and_its_buttons_stop_and_start_it(
     launched_console: Console,  # noqa: F811
 ) -> None:
     con = launched_console
-    await browser.goto(f"{con.url}/#key={con.gw.key}")
+    async with con.client() as c:  # what `capyctl console` asks for and prints
+        ticket = (await c.post("/management/v1/console/tickets")).json()["ticket"]
+    await browser.goto(f"{con.url}/#ticket={ticket}")
     await browser.until(f"!!document.querySelector('{CARD}')")
-    assert await browser.js("location.hash") == ""  # the key left the address bar
+    assert await browser.js("location.hash") == ""  # the ticket left the address bar
     assert await browser.js("sessionStorage.getItem('capyctl-key')") == con.gw.key
+    assert con.gw.key not in await browser.js("location.href")
     await browser.until(state_is("stopped"))
     await browser.click(f'{CARD} button[data-action="start"]')
     await browser.until(state_is("ready"), within=60)
@@ -111,3 +114,24 @@ async def test_a_wrong_key_is_told_plainly_and_another_can_be_entered(
     )
     await browser.until(f"!!document.querySelector('{CARD}')")
     assert await browser.js("document.querySelector('#keymsg').textContent") == ""
+
+
+async def test_a_ticket_opens_the_console_once(
+    browser: Browser,
+    launched_console: Console,  # noqa: F811
+) -> None:
+    """The address `capyctl console` printed, opened again (from the browser's history, say),
+    opens nothing: the page says why and asks for the key."""
+    con = launched_console
+    async with con.client() as c:
+        ticket = (await c.post("/management/v1/console/tickets")).json()["ticket"]
+    await browser.goto(f"{con.url}/#ticket={ticket}")
+    await browser.until(f"!!document.querySelector('{CARD}')")
+    await browser.js("sessionStorage.clear()")
+    await browser.goto("about:blank")  # a new load, not a jump within the page
+    await browser.goto(f"{con.url}/#ticket={ticket}")
+    message = await browser.until("document.querySelector('#keymsg')?.textContent")
+    assert "used already or has expired" in message
+    assert await browser.js("document.querySelector('#keyform').hidden") is False
+    assert await browser.js("sessionStorage.getItem('capyctl-key')") is None
+    assert await browser.js("location.hash") == ""

@@ -21,6 +21,7 @@ from .console import add_console_routes, annotate
 from .live import add_live_routes
 from .metrics import exposition
 from .status import deployment_status, instance_hosts
+from .tickets import Tickets, add_ticket_routes
 
 __all__ = ["create_management_app", "create_metrics_app"]
 
@@ -91,6 +92,7 @@ def create_management_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/management/v1/deployments/{name}/{action:start|stop|park}", act)
     add_live_routes(app, gateway)
     add_console_routes(app)
+    add_ticket_routes(app, gateway, Tickets())
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 

@@ -18,13 +18,45 @@ let refreshTimer = null;
 const pending = new Set();
 
 // -- the key --------------------------------------------------------------------------------
-function takeKeyFromFragment() {
-  const m = /(?:^#|&)key=([^&]*)/.exec(location.hash);
-  if (m) {
-    sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
-    history.replaceState(null, "", location.pathname + location.search);
+// `capyctl console` prints the page's address with a one-time ticket in its fragment (#ticket=):
+// the page trades it for the key once, so the address the browser's history keeps opens
+// nothing. A key in the fragment (#key=) is taken as well; either way the fragment is dropped.
+async function takeKeyFromFragment() {
+  const hash = location.hash;
+  if (!hash) return;
+  history.replaceState(null, "", location.pathname + location.search);
+  const ticket = /(?:^#|&)ticket=([^&]*)/.exec(hash);
+  const given = /(?:^#|&)key=([^&]*)/.exec(hash);
+  if (ticket) {
+    let resp = null;
+    try {
+      resp = await fetch(API + "/console/redeem", {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ ticket: ticket[1] }),
+        cache: "no-store",
+      });
+    } catch (e) {
+      ticketProblem = "Could not reach the gateway to open this link: " + e.message;
+      return;
+    }
+    if (resp.ok) {
+      sessionStorage.setItem(KEY, (await resp.json()).key);
+    } else {
+      sessionStorage.removeItem(KEY);
+      ticketProblem = "This link's ticket was used already or has expired (a ticket opens the " +
+        "console once, within 60 s): run capyctl console again, or enter the API key.";
+    }
+  } else if (given) {
+    try {
+      sessionStorage.setItem(KEY, decodeURIComponent(given[1]));
+    } catch (e) {
+      ticketProblem = "The key in this link is not readable: enter the API key.";
+    }
   }
 }
+
+let ticketProblem = "";
 
 function key() {
   return sessionStorage.getItem(KEY);
@@ -374,8 +406,8 @@ function open() {
   stream();
 }
 
-document.addEventListener("DOMContentLoaded", () => {
-  takeKeyFromFragment();
+document.addEventListener("DOMContentLoaded", async () => {
+  await takeKeyFromFragment();
   $("keyf").addEventListener("submit", (e) => {
     e.preventDefault();
     const k = $("key").value.trim();
@@ -384,5 +416,5 @@ document.addEventListener("DOMContentLoaded", () => {
     open();
   });
   $("forget").addEventListener("click", () => askForKey(""));
-  if (key()) open(); else askForKey("");
+  if (key()) open(); else askForKey(ticketProblem);
 });
