@@ -21,11 +21,11 @@ from aiohttp import web
 from typer.testing import CliRunner
 
 from capyctl_gateway import _events
+from capyctl_gateway._cli_common import local_runners
 from capyctl_gateway._events import BUS, EventBus
 from capyctl_gateway._lifecycle.local import LocalRunner
 from capyctl_gateway._log import event
 from capyctl_gateway._management import live
-from capyctl_gateway._management.api import create_management_app
 from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Recent
 from capyctl_gateway.cli import app as cli_app
 from tests.gateway.conftest import Gw
@@ -49,11 +49,12 @@ class Console:
 
 @pytest.fixture
 async def console_of() -> AsyncIterator[Callable[[Gw], Awaitable[Console]]]:
-    """Serve a gateway's management application on a loopback port."""
+    """Serve a gateway's management application on a loopback port, with the runner
+    ``capyctl serve`` uses (its handlers are not cancelled when their client hangs up)."""
     runners: list[web.AppRunner] = []
 
     async def serve(gw: Gw) -> Console:
-        runner = web.AppRunner(create_management_app(gw.gateway), handler_cancellation=True)
+        runner = local_runners(gw.gateway)[0]
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -172,6 +173,33 @@ async def test_subscribers_are_capped(launched_console: Console) -> None:
             for s in streams:
                 await s.__aexit__(None, None, None)
     await polled(lambda: not BUS.subscribers)  # the handlers notice the hang-ups
+
+
+async def test_a_stream_whose_client_hangs_up_frees_its_slot_at_once(
+    launched_console: Console,
+) -> None:
+    assert live.HEARTBEAT_S >= 15  # what a hang-up would otherwise wait for
+    async with launched_console.client() as m:
+        for _ in range(2 * BUS.max_subscribers):  # reloads of the page, one after the other
+            async with m.stream("GET", "/management/v1/events") as resp:
+                assert resp.status_code == 200
+                assert await anext(resp.aiter_lines()) == ": capyctl events"
+            await polled(lambda: not BUS.subscribers, within=2)
+
+
+async def test_an_open_stream_ends_with_its_end_event_when_the_listener_stops(
+    launched_console: Console,
+) -> None:
+    async with launched_console.client() as m, m.stream("GET", "/management/v1/events") as resp:
+        lines = resp.aiter_lines()
+        assert await anext(lines) == ": capyctl events"
+        stopping = asyncio.create_task(launched_console.runner.cleanup())
+        async with asyncio.timeout(10):
+            rest = [line async for line in lines]  # to the stream's end
+        await stopping
+    said = [line for line in rest if line]
+    assert said == ["event: end", 'data: {"reason":"the gateway is stopping"}'], rest
+    assert not BUS.subscribers
 
 
 async def test_a_full_queue_drops_its_subscriber_and_publishing_never_waits() -> None:

@@ -3,9 +3,10 @@ event stream, a launched engine's last log lines, and every deployment's recent 
 
 ``GET /management/v1/events`` is a server-sent event stream of the gateway's events
 (``_events.py``: at most `MAX_SUBSCRIBERS` streams, each dropped once `QUEUE_EVENTS` wait for
-it); a comment every `HEARTBEAT_S` keeps it open, and a write that waits `WRITE_TIMEOUT_S` for
-a reader ends it. ``GET /management/v1/deployments/{name}/instances/{index}/log`` answers at
-most `LOG_MAX_LINES` lines and `LOG_MAX_BYTES` bytes of the engine's latest run, masked.
+it); a comment every `HEARTBEAT_S` keeps it open, a client that hangs up frees its slot within
+`HANGUP_CHECK_S`, and a write that waits `WRITE_TIMEOUT_S` for a reader ends it.
+``GET /management/v1/deployments/{name}/instances/{index}/log`` answers at most `LOG_MAX_LINES`
+lines and `LOG_MAX_BYTES` bytes of the engine's latest run, masked.
 ``GET /management/v1/recent`` answers each deployment's last minutes (`Recent`).
 """
 
@@ -28,6 +29,7 @@ from .._telemetry import RECENT_SLOT_S, RECENT_SLOTS
 from .._ulid import REQUEST_ID, new_ulid
 
 __all__ = [
+    "HANGUP_CHECK_S",
     "HEARTBEAT_S",
     "LOG_LINES",
     "LOG_MAX_BYTES",
@@ -40,6 +42,9 @@ __all__ = [
 
 HEARTBEAT_S = 15.0
 """A comment line on a quiet event stream this often."""
+HANGUP_CHECK_S = 0.5
+"""How often a quiet event stream looks whether its client hung up (the listener does not
+cancel its handlers, so a hang-up is otherwise noticed at the next write), freeing its slot."""
 WRITE_TIMEOUT_S = 30.0
 """An event stream whose reader takes nothing for this long is closed."""
 LOG_LINES = 100
@@ -125,8 +130,10 @@ async def _stream(request: web.Request, rid: str, sub: Subscription) -> web.Stre
     await resp.prepare(request)
     try:
         await _write(resp, b": capyctl events\n\n")
+        loop = running_loop()
+        beat_at = loop.time() + HEARTBEAT_S
         while True:
-            items = await sub.take(HEARTBEAT_S)
+            items = await sub.take(max(0.0, min(HANGUP_CHECK_S, beat_at - loop.time())))
             if items:
                 await _write(resp, b"".join(b"data: " + i + b"\n\n" for i in items))
             elif sub.ended is not None:
@@ -135,8 +142,11 @@ async def _stream(request: web.Request, rid: str, sub: Subscription) -> web.Stre
                 async with asyncio.timeout(WRITE_TIMEOUT_S):
                     await resp.write_eof()
                 break
-            else:
+            elif request.transport is None or request.transport.is_closing():
+                break  # the client hung up: its slot is free at once
+            elif loop.time() >= beat_at:
                 await _write(resp, b": keep-alive\n\n")
+                beat_at = loop.time() + HEARTBEAT_S
     except (TimeoutError, ConnectionError):
         if request.transport is not None:  # a reader that takes nothing: nothing more to say
             request.transport.abort()
