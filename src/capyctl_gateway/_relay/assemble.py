@@ -3,6 +3,9 @@
 The answer has the members OpenAI's chat completion object requires, whatever the engine
 streamed: each choice's ``logprobs`` (the engine's, joined, or null) and its message's
 ``refusal`` (the engine's text, joined, or null when it sent none).
+
+The parts are gathered in lists extended in place and joined once at the end: an answer of
+32k tokens with logprobs costs linear time, not one copy of the list so far per chunk.
 """
 
 from __future__ import annotations
@@ -69,12 +72,12 @@ class Assembler:
                     self._reasoning.setdefault(key, []).append(text)
             refusal = delta.get("refusal")
             if isinstance(refusal, str):
-                self._refusal = (self._refusal or []) + [refusal]
+                self._refusal = _joined(self._refusal, [refusal])
             for call in delta.get("tool_calls") or ():
                 self._fold_call(call)
             lp = choice.get("logprobs")
-            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-                self._logprobs = (self._logprobs or []) + lp["content"]
+            if isinstance(lp, dict):
+                self._logprobs = _joined(self._logprobs, lp.get("content"))
             finish = choice.get("finish_reason")
             if finish is not None:
                 self.finish = finish  # as sent: the verifier does not judge it
@@ -128,3 +131,13 @@ class Assembler:
         }
         out.update(self._chunk_extra)  # usage, metrics, timings, tensorfold...: the last non-null
         return out
+
+
+def _joined(parts: list[Any] | None, more: Any) -> list[Any] | None:
+    """``parts`` extended in place by ``more`` when it is a list (the first makes the list)."""
+    if not isinstance(more, list):
+        return parts
+    if parts is None:
+        return list(more)
+    parts.extend(more)
+    return parts
