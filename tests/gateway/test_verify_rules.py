@@ -99,7 +99,7 @@ def test_an_assembled_answer_has_openais_required_logprobs_and_refusal_null_when
     assert choice["message"] == {"role": "assistant", "content": "Hi", "refusal": None}
 
 
-def test_an_assembled_answer_joins_the_engines_logprobs_and_refusal() -> None:
+def test_an_assembled_answer_joins_the_engines_logprobs() -> None:
     v, assembler = verifier(), Assembler()
     first, second = b'[{"token":"a","logprob":-0.5}]', b'[{"token":"b","logprob":-1E-7}]'
     for i, lp in enumerate(
@@ -107,15 +107,22 @@ def test_an_assembled_answer_joins_the_engines_logprobs_and_refusal() -> None:
     ):
         raw = vllm(b'{"index":0,"delta":{"content":"x"},"logprobs":' + lp + b"}")
         assembler.add(v.collect(raw, float(i)))
-    # The verifier's delta table has no refusal (an engine's ends the stream as unverified),
-    # so the assembler is handed one directly: it keeps what the engine said.
-    for part in ("I can", "not."):
-        assembler.add({**orjson.loads(ROLE), "choices": [{"index": 0, "delta": {"refusal": part}}]})
     (choice,) = assembler.result()["choices"]
     assert choice["logprobs"] == {
         "content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1e-7}]
     }
-    assert choice["message"]["refusal"] == "I cannot."
+
+
+def test_a_refusal_in_a_delta_ends_the_stream_so_an_answers_refusal_is_always_null() -> None:
+    v = verifier()
+    refusal = vllm(b'{"index":0,"delta":{"refusal":"I cannot."},"finish_reason":null}')
+    with pytest.raises(UnverifiedError):
+        v.collect(refusal, 0.0)
+    # The verifier's delta table has no refusal, so no assembled answer ever had one; the
+    # assembler does not join one even when handed it.
+    assembler = Assembler()
+    assembler.add({**orjson.loads(ROLE), "choices": [{"index": 0, "delta": {"refusal": "No."}}]})
+    assert assembler.result()["choices"][0]["message"]["refusal"] is None
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 The answer has the members OpenAI's chat completion object requires, whatever the engine
 streamed: each choice's ``logprobs`` (the engine's, joined, or null) and its message's
-``refusal`` (the engine's text, joined, or null when it sent none).
+``refusal``, always null: the verifier's table of delta keys has no ``refusal``, so a stream
+whose delta carries one ends unverified and is never assembled.
 
 The parts are gathered in lists extended in place and joined once at the end: an answer of
 32k tokens with logprobs costs linear time, not one copy of the list so far per chunk.
@@ -29,7 +30,6 @@ class Assembler:
         "_first",
         "_logprobs",
         "_reasoning",
-        "_refusal",
         "finish",
     )
 
@@ -39,7 +39,6 @@ class Assembler:
         self._reasoning: dict[str, list[str]] = {}
         self._calls: dict[int, dict[str, Any]] = {}
         self._logprobs: list[Any] | None = None
-        self._refusal: list[str] | None = None
         self._chunk_extra: dict[str, Any] = {}
         self.finish: Any = None
         """The finish_reason the engine sent, whatever it is (stop, length, vLLM's abort...)."""
@@ -70,9 +69,6 @@ class Assembler:
                 text = delta.get(key)
                 if text is not None:
                     self._reasoning.setdefault(key, []).append(text)
-            refusal = delta.get("refusal")
-            if isinstance(refusal, str):
-                self._refusal = _joined(self._refusal, [refusal])
             for call in delta.get("tool_calls") or ():
                 self._fold_call(call)
             lp = choice.get("logprobs")
@@ -107,7 +103,7 @@ class Assembler:
         first = self._first or {}
         message: dict[str, Any] = {"role": "assistant"}
         message["content"] = "".join(self._content) if self._content or not self._calls else None
-        message["refusal"] = None if self._refusal is None else "".join(self._refusal)
+        message["refusal"] = None  # never assembled: see the module's docstring
         for key, parts in self._reasoning.items():
             message[key] = "".join(parts)
         if self._calls:
