@@ -1,7 +1,8 @@
 """Folding a verified stream into one ``chat.completion`` for a non-streaming client.
 
 The answer has the members OpenAI's chat completion object requires, whatever the engine
-streamed: each choice's ``logprobs`` (the engine's, joined, or null) and its message's
+streamed: each choice's ``logprobs`` (null when the engine sent none; otherwise its ``content``
+and ``refusal`` lists, each joined, or null when the engine sent none of it) and its message's
 ``refusal``, always null: the verifier's table of delta keys has no ``refusal``, so a stream
 whose delta carries one ends unverified and is never assembled.
 
@@ -29,6 +30,7 @@ class Assembler:
         "_content",
         "_first",
         "_logprobs",
+        "_lp_refusal",
         "_reasoning",
         "finish",
     )
@@ -39,6 +41,9 @@ class Assembler:
         self._reasoning: dict[str, list[str]] = {}
         self._calls: dict[int, dict[str, Any]] = {}
         self._logprobs: list[Any] | None = None
+        """The engine's ``logprobs.content`` entries; None while it sent none."""
+        self._lp_refusal: list[Any] | None = None
+        """The engine's ``logprobs.refusal`` entries; None while it sent none."""
         self._chunk_extra: dict[str, Any] = {}
         self.finish: Any = None
         """The finish_reason the engine sent, whatever it is (stop, length, vLLM's abort...)."""
@@ -74,6 +79,7 @@ class Assembler:
             lp = choice.get("logprobs")
             if isinstance(lp, dict):
                 self._logprobs = _joined(self._logprobs, lp.get("content"))
+                self._lp_refusal = _joined(self._lp_refusal, lp.get("refusal"))
             finish = choice.get("finish_reason")
             if finish is not None:
                 self.finish = finish  # as sent: the verifier does not judge it
@@ -111,7 +117,9 @@ class Assembler:
                 {"id": c.get("id"), "type": c.get("type", "function"), "function": c["function"]}
                 for _, c in sorted(self._calls.items())
             ]
-        logprobs = None if self._logprobs is None else {"content": self._logprobs}
+        logprobs = None
+        if self._logprobs is not None or self._lp_refusal is not None:
+            logprobs = {"content": self._logprobs, "refusal": self._lp_refusal}
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,
