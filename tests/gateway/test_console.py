@@ -298,6 +298,27 @@ async def test_log_lines_are_masked_and_capped_in_lines_and_bytes(
         assert (await m.get(path.replace("my-model", "nope"))).json()["code"] == "unknown_model"
 
 
+@pytest.mark.parametrize("lines", ["\u00b2", "\u0663", "1" * 5000, "1234567", "+5", " 5"])
+async def test_log_lines_that_are_not_a_short_ascii_number_are_a_400(
+    launched_console: Console, lines: str
+) -> None:
+    path = "/management/v1/deployments/my-model/instances/0/log"
+    async with launched_console.client() as m:
+        r = await m.get(path, params={"lines": lines})
+    assert r.status_code == 400
+    assert r.json() == {"code": "invalid_request", "message": "lines takes a whole number"}
+
+
+@pytest.mark.parametrize("index", ["9" * 5000, "12345", "\u0663"])
+async def test_an_instance_index_past_four_ascii_digits_is_not_found(
+    launched_console: Console, index: str
+) -> None:
+    async with launched_console.client() as m:
+        r = await m.get(f"/management/v1/deployments/my-model/instances/{index}/log")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    assert set(r.json()) == {"code", "message"}
+
+
 async def test_an_engine_someone_else_runs_has_no_log_here(
     make_gateway: MakeGateway, console_of: Callable[[Gw], Awaitable[Console]], engine: Any
 ) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "HANGUP_CHECK_S",
     "HEARTBEAT_S",
     "LOG_LINES",
+    "LOG_LINES_DIGITS",
     "LOG_MAX_BYTES",
     "LOG_MAX_LINES",
     "MAX_SUBSCRIBERS",
@@ -53,6 +54,8 @@ LOG_MAX_LINES = 1000
 """The most log lines one answer holds (a larger ``lines`` is cut to it)."""
 LOG_MAX_BYTES = 64 * 1024
 """The most bytes of a log one answer reads."""
+LOG_LINES_DIGITS = 6
+"""The most digits ``lines`` may have (ASCII ones only); a longer value is a 400."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -112,7 +115,7 @@ def add_live_routes(app: web.Application, gateway: Gateway, bus: EventBus = BUS)
     app.on_shutdown.append(closing)
     app.router.add_get("/management/v1/events", _keyed(gateway, events))
     app.router.add_get(
-        "/management/v1/deployments/{name}/instances/{index:\\d+}/log", _keyed(gateway, log)
+        "/management/v1/deployments/{name}/instances/{index:[0-9]{1,4}}/log", _keyed(gateway, log)
     )
     app.router.add_get("/management/v1/recent", _keyed(gateway, recent))
 
@@ -161,7 +164,7 @@ async def _write(resp: web.StreamResponse, data: bytes) -> None:
 async def _log_lines(gateway: Gateway, request: web.Request) -> dict[str, Any]:
     name, index = request.match_info["name"], int(request.match_info["index"])
     raw = request.query.get("lines", str(LOG_LINES))
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= LOG_LINES_DIGITS):
         raise InvalidRequestError("lines takes a whole number")
     count = min(int(raw), LOG_MAX_LINES)
     route = gateway.fleet.routes.get(name)
