@@ -23,10 +23,11 @@ from typer.testing import CliRunner
 from capyctl_gateway import _events
 from capyctl_gateway._cli_common import local_runners
 from capyctl_gateway._events import BUS, EventBus
+from capyctl_gateway._http.record import failed
 from capyctl_gateway._lifecycle.local import LocalRunner
 from capyctl_gateway._log import event
 from capyctl_gateway._management import live
-from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Recent
+from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Ending, Recent
 from capyctl_gateway.cli import app as cli_app
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched
@@ -358,15 +359,54 @@ async def test_recent_counts_requests_errors_and_time_to_first_content(
     async with launched_console.gw.client() as c:
         for _ in range(3):
             assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
-        bad = {"model": "my-model", "messages": [], "n": 2}
+        bad = {"model": "my-model", "messages": [], "n": 2}  # the client's mistake: no error
         assert (await c.post("/v1/chat/completions", json=bad)).status_code == 400
     async with launched_console.client() as m:
         doc = (await m.get("/management/v1/recent")).json()
     assert doc["slot_s"] == RECENT_SLOT_S and doc["slots"] == RECENT_SLOTS
     slots = doc["deployments"]["my-model"]
-    assert sum(s["requests"] for s in slots) == 4 and sum(s["errors"] for s in slots) == 1
+    assert sum(s["requests"] for s in slots) == 4 and sum(s["errors"] for s in slots) == 0
     timed = [s["ttft_s"] for s in slots if "ttft_s" in s]
     assert timed and all(0 < t < 60 for t in timed)
+
+
+async def test_recent_errors_are_what_the_gateway_or_engine_failed_at(
+    make_gateway: MakeGateway, console_of: Callable[[Gw], Awaitable[Console]], tmp_path: Path
+) -> None:
+    dep = launched(extra=["--exit-at-once", "3"])  # its every start fails: 500
+    con = await console_of(await make_gateway({"deployments": [dep]}, engine_logs=tmp_path))
+    async with con.gw.client() as c:
+        failed = await c.post("/v1/chat/completions", json=chat())
+        assert failed.json()["code"] == "activation_failed" and failed.status_code == 500
+        for bad in ({"model": "my-model", "messages": [], "n": 2}, {**chat(), "bogus": 1}):
+            assert (await c.post("/v1/chat/completions", json=bad)).status_code == 400
+    async with con.client() as m:
+        slots = (await m.get("/management/v1/recent")).json()["deployments"]["my-model"]
+    assert sum(s["requests"] for s in slots) == 3 and sum(s["errors"] for s in slots) == 1
+
+
+@pytest.mark.parametrize(
+    ("ending", "status", "error"),
+    [
+        (Ending.COMPLETED, None, False),
+        (Ending.HANG_UP, None, False),
+        (Ending.ENGINE_ERROR, 502, True),
+        (Ending.UNVERIFIED, 502, True),
+        (Ending.DEADLINE, 503, True),
+        (Ending.IDLE_TIMEOUT, 503, True),
+        (Ending.REFUSED, 400, False),  # invalid_request, unsupported_parameter, engine_rejected
+        (Ending.REFUSED, 404, False),
+        (Ending.REFUSED, 409, False),  # an operator stopped the deployment
+        (Ending.REFUSED, 413, False),
+        (Ending.REFUSED, 429, True),  # queue_full: the gateway could not take it
+        (Ending.REFUSED, 500, True),  # activation_failed
+        (Ending.REFUSED, 503, True),  # unavailable
+    ],
+)
+def test_what_the_console_counts_as_an_error(
+    ending: Ending, status: int | None, error: bool
+) -> None:
+    assert failed(ending, status) is error
 
 
 # -- the status document's additions and the command -------------------------------------------
