@@ -20,9 +20,14 @@ const pending = new Set();
 // -- the key --------------------------------------------------------------------------------
 function takeKeyFromFragment() {
   const m = /(?:^#|&)key=([^&]*)/.exec(location.hash);
-  if (m) {
+  if (!m) return "";
+  history.replaceState(null, "", location.pathname + location.search);
+  try {
     sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
-    history.replaceState(null, "", location.pathname + location.search);
+    return "";
+  } catch (e) { // a malformed %-escape: ask for the key rather than stop on a blank page
+    sessionStorage.removeItem(KEY);
+    return "The key in the link could not be read. Enter the gateway's API key.";
   }
 }
 
@@ -375,7 +380,7 @@ function open() {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
-  takeKeyFromFragment();
+  const unread = takeKeyFromFragment();
   $("keyf").addEventListener("submit", (e) => {
     e.preventDefault();
     const k = $("key").value.trim();
@@ -384,5 +389,5 @@ document.addEventListener("DOMContentLoaded", () => {
     open();
   });
   $("forget").addEventListener("click", () => askForKey(""));
-  if (key()) open(); else askForKey("");
+  if (key()) open(); else askForKey(unread);
 });
