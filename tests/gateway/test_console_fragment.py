@@ -5,9 +5,10 @@ key instead of stopping on the error (a blank page). Headless Chromium, as
 from __future__ import annotations
 
 import pytest
+from bench.browser import Browser
 
 from tests.gateway.test_console import Console, console_of, launched_console  # noqa: F401
-from tests.gateway.test_console_browser import Browser, browser  # noqa: F401
+from tests.gateway.test_console_browser import browser  # noqa: F401
 
 pytestmark = pytest.mark.anyio
 
