@@ -178,43 +178,63 @@ def configure_logging(fmt: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-_SECRET_WORD = r"key|token(?!s)|secret|password"  # noqa: S105 (names, not a password)
-"""What names a secret: a key, a token (not a count of tokens: ``n_tokens``, ``--max-tokens``),
-a secret or a password."""
+_SECRET_WORD = r"key|tokens?|secret|password"  # noqa: S105 (names, not a password)
+"""What names a secret: a key, a token (or tokens), a secret or a password."""
 _SECRET_NAME = re.compile(_SECRET_WORD, re.IGNORECASE)
+_KEY_NAME = re.compile(r"key|secret|password", re.IGNORECASE)
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _hides(name: str, value: str) -> bool:
+    """Whether ``value``, given under a ``name`` that says secret, is masked: all but a number
+    under a name that says token(s) and nothing else (a count: ``n_tokens = 20``,
+    ``--max-tokens 64``); a key, secret or password is masked even when it is all digits."""
+    return _NUMBER.fullmatch(value) is None or _KEY_NAME.search(name) is not None
 
 
 def shown(argv: list[str]) -> list[str]:
     """A command line fit to show: the value of any flag that names a key, token, secret or
-    password is masked (``--api-key X``, ``--api-key=X``)."""
+    password is masked (``--api-key X``, ``--api-key=X``), but for a count of tokens."""
     out: list[str] = []
-    mask_next = False
+    secret_flag = ""
     for arg in argv:
-        name, eq, _ = arg.partition("=")
+        name, eq, value = arg.partition("=")
         secret = arg.startswith("-") and _SECRET_NAME.search(name) is not None
-        if mask_next:
-            out.append("***")
-        elif secret and eq:
+        if secret_flag:
+            out.append("***" if _hides(secret_flag, arg) else arg)
+        elif secret and eq and _hides(name, value):
             out.append(f"{name}=***")
         else:
             out.append(arg)
-        mask_next = secret and not eq
+        secret_flag = name if secret and not eq else ""
     return out
 
 
 _SECRET_TEXT = re.compile(
-    r"(?i)(?P<flag>(?<![\w-])--?[\w-]*(?:" + _SECRET_WORD + r")[\w-]*[ \t]+)[^\s'\",}]+"
-    r"|(?P<pair>[\w-]*(?:" + _SECRET_WORD + r")[\w-]*['\"]?[ \t]*[:=][ \t]*['\"]?)[^\s'\",}]+"
+    r"(?i)(?P<flag>(?<![\w-])--?(?P<fname>[\w-]*(?:" + _SECRET_WORD + r")[\w-]*)[ \t]+)"
+    r"(?P<fvalue>[^\s'\",}]+)"
+    r"|(?P<pair>(?P<pname>[\w-]*(?:" + _SECRET_WORD + r")[\w-]*)['\"]?[ \t]*[:=][ \t]*['\"]?)"
+    r"(?P<pvalue>[^\s'\",}]+)"
     r"|(?P<bearer>\b(?:bearer|basic)[ \t]+)[^\s'\",}]+"
 )
 
 
+def _mask(m: re.Match[str]) -> str:
+    if m.group("bearer"):
+        return m.group("bearer") + "***"
+    if m.group("flag"):
+        name, value, head = m.group("fname"), m.group("fvalue"), m.group("flag")
+    else:
+        name, value, head = m.group("pname"), m.group("pvalue"), m.group("pair")
+    return head + "***" if _hides(name, value) else m.group(0)
+
+
 def secrets_in(argv: list[str], env: dict[str, str]) -> list[str]:
     """The values that `shown` masks in ``argv``, and those of the variables in ``env`` whose
-    names say key, token, secret or password."""
+    names say key, token, secret or password (but for a count of tokens: ``MAX_TOKENS=64``)."""
     found = [a for a, s in zip(argv, shown(argv), strict=True) if s != a]
     found = [a.partition("=")[2] if a.startswith("-") else a for a in found]
-    found += [v for k, v in env.items() if _SECRET_NAME.search(k)]
+    found += [v for k, v in env.items() if _SECRET_NAME.search(k) and _hides(k, v)]
     return [s for s in found if s]
 
 
@@ -225,6 +245,4 @@ def masked(text: str, secrets: Iterable[str | None] = ()) -> str:
     a command line's."""
     for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
         text = text.replace(secret, "***")
-    return _SECRET_TEXT.sub(
-        lambda m: (m.group("flag") or m.group("pair") or m.group("bearer")) + "***", text
-    )
+    return _SECRET_TEXT.sub(_mask, text)

@@ -20,12 +20,13 @@ import pytest
 from aiohttp import web
 
 from capyctl_gateway import _events
+from capyctl_gateway._cli_common import local_runners
 from capyctl_gateway._events import BUS, EventBus
+from capyctl_gateway._http.record import failed
 from capyctl_gateway._lifecycle.local import LocalRunner
 from capyctl_gateway._log import event
 from capyctl_gateway._management import live
-from capyctl_gateway._management.api import create_management_app
-from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Recent
+from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Ending, Recent
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched
 
@@ -47,11 +48,12 @@ class Console:
 
 @pytest.fixture
 async def console_of() -> AsyncIterator[Callable[[Gw], Awaitable[Console]]]:
-    """Serve a gateway's management application on a loopback port."""
+    """Serve a gateway's management application on a loopback port, with the runner
+    ``capyctl serve`` uses (its handlers are not cancelled when their client hangs up)."""
     runners: list[web.AppRunner] = []
 
     async def serve(gw: Gw) -> Console:
-        runner = web.AppRunner(create_management_app(gw.gateway), handler_cancellation=True)
+        runner = local_runners(gw.gateway)[0]
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -172,6 +174,33 @@ async def test_subscribers_are_capped(launched_console: Console) -> None:
     await polled(lambda: not BUS.subscribers)  # the handlers notice the hang-ups
 
 
+async def test_a_stream_whose_client_hangs_up_frees_its_slot_at_once(
+    launched_console: Console,
+) -> None:
+    assert live.HEARTBEAT_S >= 15  # what a hang-up would otherwise wait for
+    async with launched_console.client() as m:
+        for _ in range(2 * BUS.max_subscribers):  # reloads of the page, one after the other
+            async with m.stream("GET", "/management/v1/events") as resp:
+                assert resp.status_code == 200
+                assert await anext(resp.aiter_lines()) == ": capyctl events"
+            await polled(lambda: not BUS.subscribers, within=2)
+
+
+async def test_an_open_stream_ends_with_its_end_event_when_the_listener_stops(
+    launched_console: Console,
+) -> None:
+    async with launched_console.client() as m, m.stream("GET", "/management/v1/events") as resp:
+        lines = resp.aiter_lines()
+        assert await anext(lines) == ": capyctl events"
+        stopping = asyncio.create_task(launched_console.runner.cleanup())
+        async with asyncio.timeout(10):
+            rest = [line async for line in lines]  # to the stream's end
+        await stopping
+    said = [line for line in rest if line]
+    assert said == ["event: end", 'data: {"reason":"the gateway is stopping"}'], rest
+    assert not BUS.subscribers
+
+
 async def test_a_full_queue_drops_its_subscriber_and_publishing_never_waits() -> None:
     bus = EventBus(max_subscribers=2, queue_events=5)
     slow, fast = bus.subscribe(), bus.subscribe()
@@ -268,6 +297,27 @@ async def test_log_lines_are_masked_and_capped_in_lines_and_bytes(
         assert (await m.get(path.replace("my-model", "nope"))).json()["code"] == "unknown_model"
 
 
+@pytest.mark.parametrize("lines", ["\u00b2", "\u0663", "1" * 5000, "1234567", "+5", " 5"])
+async def test_log_lines_that_are_not_a_short_ascii_number_are_a_400(
+    launched_console: Console, lines: str
+) -> None:
+    path = "/management/v1/deployments/my-model/instances/0/log"
+    async with launched_console.client() as m:
+        r = await m.get(path, params={"lines": lines})
+    assert r.status_code == 400
+    assert r.json() == {"code": "invalid_request", "message": "lines takes a whole number"}
+
+
+@pytest.mark.parametrize("index", ["9" * 5000, "12345", "\u0663"])
+async def test_an_instance_index_past_four_ascii_digits_is_not_found(
+    launched_console: Console, index: str
+) -> None:
+    async with launched_console.client() as m:
+        r = await m.get(f"/management/v1/deployments/my-model/instances/{index}/log")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    assert set(r.json()) == {"code", "message"}
+
+
 async def test_an_engine_someone_else_runs_has_no_log_here(
     make_gateway: MakeGateway, console_of: Callable[[Gw], Awaitable[Console]], engine: Any
 ) -> None:
@@ -307,15 +357,54 @@ async def test_recent_counts_requests_errors_and_time_to_first_content(
     async with launched_console.gw.client() as c:
         for _ in range(3):
             assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
-        bad = {"model": "my-model", "messages": [], "n": 2}
+        bad = {"model": "my-model", "messages": [], "n": 2}  # the client's mistake: no error
         assert (await c.post("/v1/chat/completions", json=bad)).status_code == 400
     async with launched_console.client() as m:
         doc = (await m.get("/management/v1/recent")).json()
     assert doc["slot_s"] == RECENT_SLOT_S and doc["slots"] == RECENT_SLOTS
     slots = doc["deployments"]["my-model"]
-    assert sum(s["requests"] for s in slots) == 4 and sum(s["errors"] for s in slots) == 1
+    assert sum(s["requests"] for s in slots) == 4 and sum(s["errors"] for s in slots) == 0
     timed = [s["ttft_s"] for s in slots if "ttft_s" in s]
     assert timed and all(0 < t < 60 for t in timed)
+
+
+async def test_recent_errors_are_what_the_gateway_or_engine_failed_at(
+    make_gateway: MakeGateway, console_of: Callable[[Gw], Awaitable[Console]], tmp_path: Path
+) -> None:
+    dep = launched(extra=["--exit-at-once", "3"])  # its every start fails: 500
+    con = await console_of(await make_gateway({"deployments": [dep]}, engine_logs=tmp_path))
+    async with con.gw.client() as c:
+        failed = await c.post("/v1/chat/completions", json=chat())
+        assert failed.json()["code"] == "activation_failed" and failed.status_code == 500
+        for bad in ({"model": "my-model", "messages": [], "n": 2}, {**chat(), "bogus": 1}):
+            assert (await c.post("/v1/chat/completions", json=bad)).status_code == 400
+    async with con.client() as m:
+        slots = (await m.get("/management/v1/recent")).json()["deployments"]["my-model"]
+    assert sum(s["requests"] for s in slots) == 3 and sum(s["errors"] for s in slots) == 1
+
+
+@pytest.mark.parametrize(
+    ("ending", "status", "error"),
+    [
+        (Ending.COMPLETED, None, False),
+        (Ending.HANG_UP, None, False),
+        (Ending.ENGINE_ERROR, 502, True),
+        (Ending.UNVERIFIED, 502, True),
+        (Ending.DEADLINE, 503, True),
+        (Ending.IDLE_TIMEOUT, 503, True),
+        (Ending.REFUSED, 400, False),  # invalid_request, unsupported_parameter, engine_rejected
+        (Ending.REFUSED, 404, False),
+        (Ending.REFUSED, 409, False),  # an operator stopped the deployment
+        (Ending.REFUSED, 413, False),
+        (Ending.REFUSED, 429, True),  # queue_full: the gateway could not take it
+        (Ending.REFUSED, 500, True),  # activation_failed
+        (Ending.REFUSED, 503, True),  # unavailable
+    ],
+)
+def test_what_the_console_counts_as_an_error(
+    ending: Ending, status: int | None, error: bool
+) -> None:
+    assert failed(ending, status) is error
 
 
 # -- the status document's additions and the command -------------------------------------------

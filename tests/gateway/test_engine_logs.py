@@ -6,6 +6,7 @@ pipe the gateway reads."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import stat
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from capyctl_gateway._config.parts import EngineLogs
+from capyctl_gateway._lifecycle.enginelog import EngineLog, ShownLog
+from capyctl_gateway._log import masked
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched
 
@@ -121,3 +125,40 @@ async def test_a_failed_starts_excerpt_in_the_gateways_log_is_masked(
     (parts,) = runs(tmp_path / "logs").values()
     kept = parts[0].read_text()
     assert all(s in kept for s in (engine_key, flag_key, token))  # the engine printed them
+
+
+async def logged(tmp_path: Path, data: bytes) -> EngineLog:
+    """An engine log of 4 KiB files (three per run) that got ``data`` through its pipe."""
+    log = EngineLog(tmp_path / "logs", "e-0", EngineLogs(file_size=4096, files=3))
+    log.open()
+    read_fd, write_fd = os.pipe()
+    log.follow(read_fd)
+    os.write(write_fd, data)
+    os.close(write_fd)
+    assert await log.drained(within=10)
+    return log
+
+
+SECRET = "SeCrEt-FlAg-99"
+
+
+@pytest.mark.parametrize("line_count", [400, 130, 60])
+async def test_the_log_view_and_the_excerpt_show_whole_lines_only(
+    tmp_path: Path, line_count: int
+) -> None:
+    # Each line names the key; rotation cuts at a byte count, mid-line: a view that began in
+    # the middle of one would show part of the key, which no mask recognises.
+    written = [f"{i:04d} args: --api-key {SECRET} {'p' * (i % 13)}" for i in range(line_count)]
+    log = await logged(tmp_path, "".join(line + "\n" for line in written).encode())
+    shown = ShownLog(log, [SECRET]).lines(1000, 64 * 1024)
+    assert shown and all(line in {masked(w, [SECRET]) for w in written} for line in shown)
+    assert shown[-1].startswith(f"{line_count - 1:04d} ")
+    excerpt = log.tail(500).splitlines()
+    assert excerpt and all(line in written for line in excerpt)
+    assert excerpt[-1] == written[-1]
+
+
+async def test_a_run_read_from_its_first_byte_keeps_its_first_line(tmp_path: Path) -> None:
+    written = [f"{i:04d} {'q' * 40}" for i in range(100)]  # 4,600 bytes: one rotation
+    log = await logged(tmp_path, "".join(line + "\n" for line in written).encode())
+    assert log.lines(1000, 64 * 1024) == written

@@ -10,7 +10,15 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from capyctl_gateway._log import JsonFormatter, JsonLines, event, logger, masked, shown
+from capyctl_gateway._log import (
+    JsonFormatter,
+    JsonLines,
+    event,
+    logger,
+    masked,
+    secrets_in,
+    shown,
+)
 
 
 class Writes(io.BytesIO):
@@ -120,10 +128,19 @@ def test_a_handler_above_info_gets_no_events(sink: Writes) -> None:
         ('{"token": "t0k"}', '{"token": "***"}'),
         ("Authorization: Bearer abc.def", "Authorization: Bearer ***"),
         ("db_password: hunter2", "db_password: ***"),
+        # A name that says tokens (plural) is still a secret's...
+        ("--api-tokens sk-live-1 --port 8", "--api-tokens *** --port 8"),
+        ("AUTH_TOKENS=abc123 rest", "AUTH_TOKENS=*** rest"),
+        ('{"tokens": "t0k"}', '{"tokens": "***"}'),
+        # ...and a key, secret or password stays masked even when it is all digits.
+        ("--api-key 12345678", "--api-key ***"),
+        ("db_password=123456", "db_password=***"),
         # Counts of tokens are not secrets: an engine's log is full of them.
         ("stop processing: n_tokens = 20, truncated = 0", None),
         ("prompt eval time = 0.24 ms / 1 tokens", None),
         ("--max-tokens 64 -n 64", None),
+        ("max_num_batched_tokens=8192, max_tokens: 2.5", None),
+        ("--max-tokens 64x", "--max-tokens ***"),
     ],
 )
 def test_masked_hides_secrets_and_leaves_token_counts(text: str, want: str | None) -> None:
@@ -139,4 +156,27 @@ def test_shown_masks_a_flags_value_but_not_a_token_count() -> None:
         "--hf-token=***",
         "--max-tokens",
         "64",
+    ]
+
+
+def test_shown_masks_plural_token_names_and_numeric_keys() -> None:
+    argv = [
+        "e",
+        "--access-tokens",
+        "abc",
+        "--api-key",
+        "1234",
+        "--max-tokens=64",
+        "--n-tokens",
+        "8",
+    ]
+    assert [a for a, s in zip(argv, shown(argv), strict=True) if s != a] == ["abc", "1234"]
+
+
+def test_secrets_in_takes_plural_token_variables_but_not_counts() -> None:
+    env = {"HF_TOKENS": "v", "MAX_TOKENS": "64", "API_KEY": "1234", "PATH": "/bin"}
+    assert sorted(secrets_in(["e", "--access-tokens", "abc", "--max-tokens", "64"], env)) == [
+        "1234",
+        "abc",
+        "v",
     ]

@@ -97,6 +97,8 @@ async def test_a_whole_answer_parses_to_what_the_gateway_sent(
         assert choice.logprobs is not None and choice.logprobs.content is not None
         got = [(t.token, t.logprob, t.bytes) for t in choice.logprobs.content]
         assert got == [("Hel", -0.25, [72, 101, 108]), ("lo", -0.5, [108, 111])]
+        assert {"content", "refusal"} <= choice.logprobs.model_fields_set  # sent, as required
+        assert choice.logprobs.refusal is None
     else:
         assert choice.logprobs is None
     usage = reply.usage

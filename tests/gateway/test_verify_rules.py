@@ -99,23 +99,53 @@ def test_an_assembled_answer_has_openais_required_logprobs_and_refusal_null_when
     assert choice["message"] == {"role": "assistant", "content": "Hi", "refusal": None}
 
 
-def test_an_assembled_answer_joins_the_engines_logprobs_and_refusal() -> None:
+def test_an_assembled_answer_joins_the_engines_logprobs_with_content_and_refusal() -> None:
     v, assembler = verifier(), Assembler()
     first, second = b'[{"token":"a","logprob":-0.5}]', b'[{"token":"b","logprob":-1E-7}]'
+    refused = b'[{"token":"no","logprob":-0.1}]'
     for i, lp in enumerate(
-        (b'{"content":' + first + b"}", b"null", b'{"content":' + second + b"}")
+        (
+            b'{"content":' + first + b"}",
+            b"null",
+            b'{"content":' + second + b',"refusal":' + refused + b"}",
+        )
     ):
         raw = vllm(b'{"index":0,"delta":{"content":"x"},"logprobs":' + lp + b"}")
         assembler.add(v.collect(raw, float(i)))
-    # The verifier's delta table has no refusal (an engine's ends the stream as unverified),
-    # so the assembler is handed one directly: it keeps what the engine said.
-    for part in ("I can", "not."):
-        assembler.add({**orjson.loads(ROLE), "choices": [{"index": 0, "delta": {"refusal": part}}]})
     (choice,) = assembler.result()["choices"]
     assert choice["logprobs"] == {
-        "content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1e-7}]
+        "content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1e-7}],
+        "refusal": [{"token": "no", "logprob": -0.1}],
     }
-    assert choice["message"]["refusal"] == "I cannot."
+
+
+def test_assembled_logprobs_carry_both_members_each_null_when_not_sent() -> None:
+    v, assembler = verifier(), Assembler()
+    lp = b'{"content":[{"token":"a","logprob":-0.5}]}'
+    assembler.add(v.collect(vllm(b'{"index":0,"delta":{"content":"a"},"logprobs":' + lp + b"}"), 0))
+    assert assembler.result()["choices"][0]["logprobs"] == {
+        "content": [{"token": "a", "logprob": -0.5}],
+        "refusal": None,
+    }
+    v, assembler = verifier(), Assembler()
+    lp = b'{"content":null,"refusal":[{"token":"no","logprob":-0.1}]}'
+    assembler.add(v.collect(vllm(b'{"index":0,"delta":{"content":"a"},"logprobs":' + lp + b"}"), 0))
+    assert assembler.result()["choices"][0]["logprobs"] == {
+        "content": None,
+        "refusal": [{"token": "no", "logprob": -0.1}],
+    }
+
+
+def test_a_refusal_in_a_delta_ends_the_stream_so_an_answers_refusal_is_always_null() -> None:
+    v = verifier()
+    refusal = vllm(b'{"index":0,"delta":{"refusal":"I cannot."},"finish_reason":null}')
+    with pytest.raises(UnverifiedError):
+        v.collect(refusal, 0.0)
+    # The verifier's delta table has no refusal, so no assembled answer ever had one; the
+    # assembler does not join one even when handed it.
+    assembler = Assembler()
+    assembler.add({**orjson.loads(ROLE), "choices": [{"index": 0, "delta": {"refusal": "No."}}]})
+    assert assembler.result()["choices"][0]["message"]["refusal"] is None
 
 
 @pytest.mark.parametrize(

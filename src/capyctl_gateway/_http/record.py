@@ -10,16 +10,16 @@ from .._loop import running_loop
 from .._relay.exchange import Exchange
 from .._telemetry import Ending, Telemetry
 
-__all__ = ["Tally", "ending_of", "record"]
+__all__ = ["Tally", "ending_of", "failed", "record"]
 
 
 class Tally:
     """One request as the gateway's counts see it, filled in as it goes: its deployment, the
     loop times of its milestones before an engine, how it ended, the code it was refused
-    with, and its last exchange and instance."""
+    with and its status, and its last exchange and instance."""
 
     __slots__ = ("api", "arrival", "code", "deployment", "ending", "ex", "instance", "launched",
-                 "gated", "slot")  # fmt: skip
+                 "gated", "slot", "status")  # fmt: skip
 
     def __init__(self, api: str, arrival: float) -> None:
         self.api = api
@@ -33,6 +33,8 @@ class Tally:
         self.ending = Ending.HANG_UP
         """What a cancellation leaves (a client that hung up); set on every other way out."""
         self.code: str | None = None
+        self.status: int | None = None
+        """The status of the error it was answered with, if any."""
         self.ex: Exchange | None = None
         self.instance: int | None = None
         self.launched = False
@@ -41,7 +43,7 @@ class Tally:
         """The request was answered: with ``err``, or as its exchange ended."""
         self.ending = ending_of(self.ex, err)
         if err is not None:
-            self.code = err.code
+            self.code, self.status = err.code, err.status
 
 
 def ending_of(ex: Exchange | None, err: GatewayError | None) -> Ending:
@@ -84,11 +86,21 @@ def record(t: Telemetry, r: Tally) -> None:
     now = running_loop().time()
     total.observe(now - arrival)
     recent = t.recent.get(deployment) or t.window(deployment, now)
-    recent.add(now, outcome not in _FINE, ttft)
+    recent.add(now, failed(outcome, r.status), ttft)
+
+
+def failed(ending: Ending, status: int | None) -> bool:
+    """Whether the console's recent window counts a request that ended so as an error: what
+    the gateway or the engine failed at (an engine error, an unverified stream, a deadline or
+    an idle timeout, a refusal answered 5xx, or 429 ``queue_full``: it could not take it), not
+    a client's mistake (any other 4xx refusal, the engine's ``engine_rejected`` included) nor
+    a client that hung up."""
+    if ending is Ending.REFUSED:
+        return status is not None and (status >= 500 or status == 429)
+    return ending not in _FINE
 
 
 _FINE = frozenset({Ending.COMPLETED, Ending.HANG_UP})
-"""The endings the console's recent window does not count as errors."""
 
 
 _INDEX = {i: str(i) for i in range(64)}

@@ -40,6 +40,8 @@ class EngineLog:
         self._lock = threading.Lock()
         self._fd = -1
         self._size = 0
+        self._parts = 0
+        """Files the current run has had (its first, then one per rotation)."""
         self.run = 0
         self.dropped = 0
         """Bytes read but not written (the disk refused them)."""
@@ -60,6 +62,7 @@ class EngineLog:
         self.run = _prune(self._dir, self._stem, self._policy.runs - 1) + 1
         self._fd = _create(self.path)
         self._size = 0
+        self._parts = 1
 
     def follow(self, read_fd: int) -> None:
         """Copy what arrives on ``read_fd`` into the run's files until its last writer closes
@@ -128,17 +131,16 @@ class EngineLog:
                 os.replace(self._part(n - 1), self._part(n))
         self._fd = _create(self.path)
         self._size = 0
+        self._parts += 1
 
     def tail(self, max_bytes: int = 2000) -> str:
-        """The run's last ``max_bytes`` of output (from its newest two parts)."""
+        """The run's last whole lines within its last ``max_bytes`` of output (from its newest
+        two parts)."""
         return _tail(self, max_bytes).decode("utf-8", "replace")
 
     def lines(self, count: int, max_bytes: int) -> list[str]:
-        """The run's last ``count`` whole lines, within its last ``max_bytes`` of output (a
-        line cut by that bound is left out)."""
+        """The run's last ``count`` whole lines, within its last ``max_bytes`` of output."""
         raw = _tail(self, max_bytes)
-        if len(raw) >= max_bytes:
-            raw = raw.partition(b"\n")[2]
         return raw.decode("utf-8", "replace").splitlines()[-count:] if count > 0 else []
 
 
@@ -155,20 +157,26 @@ class ShownLog:
 
 
 def _tail(log: EngineLog, max_bytes: int) -> bytes:
-    """The last ``max_bytes`` of ``log``'s current run, from its newest two parts."""
+    """The whole lines within the last ``max_bytes`` of ``log``'s current run, from its newest
+    two parts. Unless the read began at the run's first byte, what comes before its first
+    newline is left out: a line cut there (by ``max_bytes``, or by a rotation, which cuts at a
+    byte count) could show part of a key that no mask would recognise."""
     with log._lock:
         out = b""
+        whole = False
         for n in range(min(log._policy.files, 2)):
             try:
                 with log._part(n).open("rb") as f:
                     f.seek(0, os.SEEK_END)
-                    f.seek(max(0, f.tell() - (max_bytes - len(out))))
+                    start = max(0, f.tell() - (max_bytes - len(out)))
+                    f.seek(start)
                     out = f.read() + out
             except OSError:
                 break
-            if len(out) >= max_bytes:
+            whole = start == 0 and n == log._parts - 1  # from the first byte of its first file
+            if whole or len(out) >= max_bytes:
                 break
-    return out
+    return out if whole else out.partition(b"\n")[2]
 
 
 def _create(path: Path) -> int:

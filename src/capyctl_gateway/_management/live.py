@@ -3,9 +3,10 @@ event stream, a launched engine's last log lines, and every deployment's recent 
 
 ``GET /management/v1/events`` is a server-sent event stream of the gateway's events
 (``_events.py``: at most `MAX_SUBSCRIBERS` streams, each dropped once `QUEUE_EVENTS` wait for
-it); a comment every `HEARTBEAT_S` keeps it open, and a write that waits `WRITE_TIMEOUT_S` for
-a reader ends it. ``GET /management/v1/deployments/{name}/instances/{index}/log`` answers at
-most `LOG_MAX_LINES` lines and `LOG_MAX_BYTES` bytes of the engine's latest run, masked.
+it); a comment every `HEARTBEAT_S` keeps it open, a client that hangs up frees its slot within
+`HANGUP_CHECK_S`, and a write that waits `WRITE_TIMEOUT_S` for a reader ends it.
+``GET /management/v1/deployments/{name}/instances/{index}/log`` answers at most `LOG_MAX_LINES`
+lines and `LOG_MAX_BYTES` bytes of the engine's latest run, masked.
 ``GET /management/v1/recent`` answers each deployment's last minutes (`Recent`).
 """
 
@@ -28,8 +29,10 @@ from .._telemetry import RECENT_SLOT_S, RECENT_SLOTS
 from .._ulid import REQUEST_ID, new_ulid
 
 __all__ = [
+    "HANGUP_CHECK_S",
     "HEARTBEAT_S",
     "LOG_LINES",
+    "LOG_LINES_DIGITS",
     "LOG_MAX_BYTES",
     "LOG_MAX_LINES",
     "MAX_SUBSCRIBERS",
@@ -40,6 +43,9 @@ __all__ = [
 
 HEARTBEAT_S = 15.0
 """A comment line on a quiet event stream this often."""
+HANGUP_CHECK_S = 0.5
+"""How often a quiet event stream looks whether its client hung up (the listener does not
+cancel its handlers, so a hang-up is otherwise noticed at the next write), freeing its slot."""
 WRITE_TIMEOUT_S = 30.0
 """An event stream whose reader takes nothing for this long is closed."""
 LOG_LINES = 100
@@ -48,6 +54,8 @@ LOG_MAX_LINES = 1000
 """The most log lines one answer holds (a larger ``lines`` is cut to it)."""
 LOG_MAX_BYTES = 64 * 1024
 """The most bytes of a log one answer reads."""
+LOG_LINES_DIGITS = 6
+"""The most digits ``lines`` may have (ASCII ones only); a longer value is a 400."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -107,7 +115,7 @@ def add_live_routes(app: web.Application, gateway: Gateway, bus: EventBus = BUS)
     app.on_shutdown.append(closing)
     app.router.add_get("/management/v1/events", _keyed(gateway, events))
     app.router.add_get(
-        "/management/v1/deployments/{name}/instances/{index:\\d+}/log", _keyed(gateway, log)
+        "/management/v1/deployments/{name}/instances/{index:[0-9]{1,4}}/log", _keyed(gateway, log)
     )
     app.router.add_get("/management/v1/recent", _keyed(gateway, recent))
 
@@ -125,8 +133,10 @@ async def _stream(request: web.Request, rid: str, sub: Subscription) -> web.Stre
     await resp.prepare(request)
     try:
         await _write(resp, b": capyctl events\n\n")
+        loop = running_loop()
+        beat_at = loop.time() + HEARTBEAT_S
         while True:
-            items = await sub.take(HEARTBEAT_S)
+            items = await sub.take(max(0.0, min(HANGUP_CHECK_S, beat_at - loop.time())))
             if items:
                 await _write(resp, b"".join(b"data: " + i + b"\n\n" for i in items))
             elif sub.ended is not None:
@@ -135,8 +145,11 @@ async def _stream(request: web.Request, rid: str, sub: Subscription) -> web.Stre
                 async with asyncio.timeout(WRITE_TIMEOUT_S):
                     await resp.write_eof()
                 break
-            else:
+            elif request.transport is None or request.transport.is_closing():
+                break  # the client hung up: its slot is free at once
+            elif loop.time() >= beat_at:
                 await _write(resp, b": keep-alive\n\n")
+                beat_at = loop.time() + HEARTBEAT_S
     except (TimeoutError, ConnectionError):
         if request.transport is not None:  # a reader that takes nothing: nothing more to say
             request.transport.abort()
@@ -151,7 +164,7 @@ async def _write(resp: web.StreamResponse, data: bytes) -> None:
 async def _log_lines(gateway: Gateway, request: web.Request) -> dict[str, Any]:
     name, index = request.match_info["name"], int(request.match_info["index"])
     raw = request.query.get("lines", str(LOG_LINES))
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= LOG_LINES_DIGITS):
         raise InvalidRequestError("lines takes a whole number")
     count = min(int(raw), LOG_MAX_LINES)
     route = gateway.fleet.routes.get(name)

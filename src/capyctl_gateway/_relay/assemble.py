@@ -1,8 +1,13 @@
 """Folding a verified stream into one ``chat.completion`` for a non-streaming client.
 
 The answer has the members OpenAI's chat completion object requires, whatever the engine
-streamed: each choice's ``logprobs`` (the engine's, joined, or null) and its message's
-``refusal`` (the engine's text, joined, or null when it sent none).
+streamed: each choice's ``logprobs`` (null when the engine sent none; otherwise its ``content``
+and ``refusal`` lists, each joined, or null when the engine sent none of it) and its message's
+``refusal``, always null: the verifier's table of delta keys has no ``refusal``, so a stream
+whose delta carries one ends unverified and is never assembled.
+
+The parts are gathered in lists extended in place and joined once at the end: an answer of
+32k tokens with logprobs costs linear time, not one copy of the list so far per chunk.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ class Assembler:
         "_content",
         "_first",
         "_logprobs",
+        "_lp_refusal",
         "_reasoning",
-        "_refusal",
         "finish",
     )
 
@@ -36,7 +41,9 @@ class Assembler:
         self._reasoning: dict[str, list[str]] = {}
         self._calls: dict[int, dict[str, Any]] = {}
         self._logprobs: list[Any] | None = None
-        self._refusal: list[str] | None = None
+        """The engine's ``logprobs.content`` entries; None while it sent none."""
+        self._lp_refusal: list[Any] | None = None
+        """The engine's ``logprobs.refusal`` entries; None while it sent none."""
         self._chunk_extra: dict[str, Any] = {}
         self.finish: Any = None
         """The finish_reason the engine sent, whatever it is (stop, length, vLLM's abort...)."""
@@ -67,14 +74,12 @@ class Assembler:
                 text = delta.get(key)
                 if text is not None:
                     self._reasoning.setdefault(key, []).append(text)
-            refusal = delta.get("refusal")
-            if isinstance(refusal, str):
-                self._refusal = (self._refusal or []) + [refusal]
             for call in delta.get("tool_calls") or ():
                 self._fold_call(call)
             lp = choice.get("logprobs")
-            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-                self._logprobs = (self._logprobs or []) + lp["content"]
+            if isinstance(lp, dict):
+                self._logprobs = _joined(self._logprobs, lp.get("content"))
+                self._lp_refusal = _joined(self._lp_refusal, lp.get("refusal"))
             finish = choice.get("finish_reason")
             if finish is not None:
                 self.finish = finish  # as sent: the verifier does not judge it
@@ -104,7 +109,7 @@ class Assembler:
         first = self._first or {}
         message: dict[str, Any] = {"role": "assistant"}
         message["content"] = "".join(self._content) if self._content or not self._calls else None
-        message["refusal"] = None if self._refusal is None else "".join(self._refusal)
+        message["refusal"] = None  # never assembled: see the module's docstring
         for key, parts in self._reasoning.items():
             message[key] = "".join(parts)
         if self._calls:
@@ -112,7 +117,9 @@ class Assembler:
                 {"id": c.get("id"), "type": c.get("type", "function"), "function": c["function"]}
                 for _, c in sorted(self._calls.items())
             ]
-        logprobs = None if self._logprobs is None else {"content": self._logprobs}
+        logprobs = None
+        if self._logprobs is not None or self._lp_refusal is not None:
+            logprobs = {"content": self._logprobs, "refusal": self._lp_refusal}
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,
@@ -128,3 +135,13 @@ class Assembler:
         }
         out.update(self._chunk_extra)  # usage, metrics, timings, tensorfold...: the last non-null
         return out
+
+
+def _joined(parts: list[Any] | None, more: Any) -> list[Any] | None:
+    """``parts`` extended in place by ``more`` when it is a list (the first makes the list)."""
+    if not isinstance(more, list):
+        return parts
+    if parts is None:
+        return list(more)
+    parts.extend(more)
+    return parts

@@ -50,8 +50,9 @@ async function takeKeyFromFragment() {
   } else if (given) {
     try {
       sessionStorage.setItem(KEY, decodeURIComponent(given[1]));
-    } catch (e) {
-      ticketProblem = "The key in this link is not readable: enter the API key.";
+    } catch (e) { // a malformed %-escape: ask for the key rather than stop on a blank page
+      sessionStorage.removeItem(KEY);
+      ticketProblem = "The key in the link could not be read. Enter the gateway's API key.";
     }
   }
 }
