@@ -139,3 +139,20 @@ class _Port:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+async def test_nothing_of_the_console_is_on_the_public_port(gateway: Gw) -> None:
+    """The page, its tickets and its streams live on the management listener alone."""
+    async with httpx.AsyncClient(base_url=gateway.url) as anyone, gateway.client() as keyed:
+        for client in (anyone, keyed):
+            for method, path in (
+                ("GET", "/"),
+                ("GET", "/console/console.js"),
+                ("POST", "/management/v1/console/tickets"),
+                ("POST", "/management/v1/console/redeem"),
+                ("GET", "/management/v1/events"),
+                ("GET", "/management/v1/deployments"),
+            ):
+                r = await client.request(method, path, json={"ticket": "x"})
+                assert r.status_code in (404, 405), (method, path, r.status_code)
+                assert gateway.key not in r.text
