@@ -42,7 +42,17 @@ from .run import start_engine, start_gateway
 __all__ = ["main"]
 
 
-def _gateway(procs: ProcessSet, work: Path, engine_url: str, src: str) -> Target:
+def gateway_from_tree(
+    procs: ProcessSet,
+    work: Path,
+    engine_url: str,
+    src: str,
+    *,
+    engine: str = "vllm",
+    engine_version: str = "0.31.0",
+) -> Target:
+    """A gateway whose code comes from the source tree ``src``, serving the engine at
+    ``engine_url`` (of kind ``engine``, ``engine_version``)."""
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
     start = procs.start
 
@@ -52,7 +62,9 @@ def _gateway(procs: ProcessSet, work: Path, engine_url: str, src: str) -> Target
     procs.start = with_env  # type: ignore[method-assign,assignment]
     try:
         work.mkdir()
-        return start_gateway(procs, work, engine_url)[1]
+        return start_gateway(procs, work, engine_url, engine=engine, engine_version=engine_version)[
+            1
+        ]
     finally:
         procs.start = start  # type: ignore[method-assign]
 
@@ -96,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         engine, port = start_engine(procs)
         url = f"http://127.0.0.1:{port}"
         targets = {
-            "base": _gateway(procs, work / "base", url, args.base),
-            "new": _gateway(procs, work / "new", url, args.new),
+            "base": gateway_from_tree(procs, work / "base", url, args.base),
+            "new": gateway_from_tree(procs, work / "new", url, args.new),
         }
         if args.floor:
             targets["floor"] = _floor(procs, url, targets["new"].model)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import shutil
 import signal
 import statistics
@@ -38,7 +37,8 @@ from contract.engines.tiny_gguf import write_tiny_gguf
 
 from ._loads import Target
 from ._procfs import cpu_seconds
-from ._procs import Proc, ProcessSet, StartupError
+from ._procs import ProcessSet, StartupError
+from .ab import gateway_from_tree
 from .run import _check_target, _peer_bin, start_gateway, start_peer
 
 __all__ = ["main"]
@@ -111,23 +111,6 @@ async def interleaved(targets: list[Target], requests: int, tokens: int) -> dict
     return out
 
 
-def _base_gateway(procs: ProcessSet, work: Path, url: str, src: str) -> Target:
-    """A gateway whose code comes from the source tree ``src``, named ``base``."""
-    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
-    start = procs.start
-
-    def with_env(name: str, argv: list[str], **_: object) -> Proc:
-        return start(f"{name}-base", argv, env=env)
-
-    procs.start = with_env  # type: ignore[method-assign,assignment]
-    try:
-        work.mkdir()
-        target = start_gateway(procs, work, url, engine="llamacpp", engine_version="b10798")[1]
-    finally:
-        procs.start = start  # type: ignore[method-assign]
-    return dataclasses.replace(target, name="base")
-
-
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -168,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         targets.append(gw)
         if args.base is not None:
-            targets.append(_base_gateway(procs, work / "base", url, args.base))
+            base = gateway_from_tree(
+                procs, work / "base", url, args.base, engine="llamacpp", engine_version="b10798"
+            )
+            targets.append(dataclasses.replace(base, name="base"))
         peer_bin = None if args.no_peer else _peer_bin(args.peer_bin)
         if peer_bin is not None:
             targets.append(start_peer(procs, peer_bin, url))
