@@ -3,7 +3,7 @@
 Builds llama.cpp's server (once) and generates a tiny model on the spot, then starts
 ``capyctl-gateway`` with a deployment it runs itself: the first request starts llama-server,
 and is answered; the demo prints how to use the endpoint and manage the deployment (``list``,
-``stop``, ``start``), and serves until Ctrl-C, when the gateway stops the engine it started.
+``stop``, ``start``, and the browser console), and serves until Ctrl-C, when the gateway stops the engine it started.
 
 ``scripts/demo provider`` instead starts llama-server directly, checks it with
 ``canopyx-provider check`` and runs ``canopyx-provider simulate`` against it while two
@@ -154,7 +154,8 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
         if logs:  # the gateway writes the engine's output there (the last 4 runs are kept)
             print(f"   llama-server's log: {logs[-1]}")
         print(f"\ncapyctl-gateway serves the OpenAI chat API at {endpoint}")
-        status: list[str | Path] = [BIN / "capyctl-gateway", "status", "deployment", "my-model"]
+        # `capyctl` is `capyctl-gateway` under the name the product guide uses.
+        status: list[str | Path] = [BIN / "capyctl", "status", "deployment", "my-model"]
         if mport != 7443:
             status += ["--management", f"127.0.0.1:{mport}"]
         if STATE != DEFAULT_STATE:
@@ -166,7 +167,10 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
         if STATE != DEFAULT_STATE:
             manage += ["--state-dir", STATE]
         for verb in (["list"], ["stop", "my-model"], ["start", "my-model"]):
-            print(f"           {command_line([BIN / 'capyctl-gateway', *verb, *manage])}")
+            print(f"           {command_line([BIN / 'capyctl', *verb, *manage])}")
+        console = command_line([BIN / "capyctl", "console", *manage])
+        print(f"its page in a browser: {console}")
+        print("           (prints the address to open: it works once, within 60 s)")
         print(f"the API key is in {creds} (line 'api_key: ...')")
         print(f"llama-server stops every answer at {PREDICT} tokens (its -n; the model never")
         print('stops by itself), so requests without max_tokens finish; add "stream": true to')
