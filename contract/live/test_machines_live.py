@@ -112,14 +112,14 @@ class Cluster:
         )  # fmt: skip
 
     def chat(self, *args: str, stream: bool = False) -> list[str]:
-        argv = [*CLIENT, "chat", "--url", self.url, "--key", self.key, *args]
+        argv = [*CLIENT, "chat", "--url", self.url, f"--key={self.key}", *args]
         done = self.net.run(self.net.server, [*argv, *(["--stream"] if stream else [])], 180)
         assert done.returncode == 0, done.stderr
         return done.stdout.splitlines()
 
     def chat_pipe(self, *args: str) -> Any:
         return self.net.pipe(
-            self.net.server, [*CLIENT, "chat", "--url", self.url, "--key", self.key, *args]
+            self.net.server, [*CLIENT, "chat", "--url", self.url, f"--key={self.key}", *args]
         )
 
     def status(self) -> dict[str, Any]:
@@ -244,7 +244,7 @@ def test_a_spent_join_file_and_a_request_without_the_gate_key_are_refused(
     path = cluster.status()["instances"][0]["url"].split(":8444", 1)[1]
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
     for key in (None, cluster.key, "0" * 64):
-        args = ["--key", key] if key is not None else []
+        args = [f"--key={key}"] if key is not None else []  # a key may begin with "-"
         done = cluster.net.run(cluster.net.server, [*CLIENT, "post", "--url", ingress + path
                                + "/v1/chat/completions", "--body", body, *args])  # fmt: skip
         assert done.stdout.splitlines()[0] == "HEAD 401", done.stdout

@@ -139,6 +139,13 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def unused(self) -> None:
+        """Close a connection no request will use, at once: nobody waits for its answer."""
+        self._head.cancel()
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
     def pause(self) -> None:
         if not self._paused and self.transport is not None:
             self._paused = True
@@ -239,10 +246,13 @@ class EngineClient:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 await loop.create_connection(lambda: conn, key[0], key[1])
-        except TimeoutError:
-            raise EngineConnectError(f"connecting to {key[0]}:{key[1]} timed out") from None
-        except OSError as exc:
-            raise EngineConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from None
+        except BaseException as exc:
+            conn.unused()  # made just as its request was given up (a hang-up, the deadline)
+            if isinstance(exc, TimeoutError):
+                raise EngineConnectError(f"connecting to {key[0]}:{key[1]} timed out") from None
+            if isinstance(exc, OSError):
+                raise EngineConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from None
+            raise
         return conn
 
     def put(self, conn: _Connection) -> None:

@@ -754,6 +754,48 @@ async def test_an_idle_connection_is_closed_after_idle_s(
         assert server.connections == 2
 
 
+async def test_a_connection_made_as_its_request_is_given_up_is_closed_at_once(
+    conns: list[Tracked], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request given up (its client hung up, its deadline passed) just as its connection
+    was made: the connection is closed at once, nothing sent on it, and the answer nobody will
+    wait for leaves no error behind (before, it stayed open until the engine closed it, and
+    then its never-awaited head held the engine's error)."""
+    ends: asyncio.Queue[str] = asyncio.Queue()
+
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            ends.put_nowait(await serve_until_closed(server, reader, writer, OK))
+
+        return handler
+
+    real = asyncio.get_running_loop()
+
+    class GivenUp:
+        """The running loop, but the request's task is cancelled as its connection is made."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        async def create_connection(
+            self, factory: Callable[[], asyncio.Protocol], host: str, port: int
+        ) -> object:
+            await real.create_connection(factory, host, port)
+            raise asyncio.CancelledError
+
+    async with serving(make) as server:
+        client = EngineClient(connect_timeout=2)
+        monkeypatch.setattr(_engine_client, "running_loop", GivenUp)
+        with pytest.raises(asyncio.CancelledError):
+            await client.post(server.url, data=BODY, headers=JSON)
+        monkeypatch.undo()
+        assert await asyncio.wait_for(ends.get(), 2) == "eof"
+        (conn,) = conns
+        assert conn.closed and conn._head.cancelled()
+        assert server.requests == [] and idle(client) == []
+        await client.close()
+
+
 # -- 8. the same bytes as aiohttp's client --------------------------------------------------
 def _recordings() -> list[tuple[bytes, bytes]]:
     """(head lines without framing, body) of the engine streams recorded in the repo, and a
