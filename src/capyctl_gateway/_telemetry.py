@@ -17,9 +17,17 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 __all__ = [
-    "BUCKETS", "CUTS", "OUTCOMES", "PHASES", "RECENT_SLOTS", "RECENT_SLOT_S", "Ending",
-    "Histogram", "Recent", "Telemetry",
-]  # fmt: skip
+    "BUCKETS",
+    "CUTS",
+    "OUTCOMES",
+    "PHASES",
+    "RECENT_SLOTS",
+    "RECENT_SLOT_S",
+    "Ending",
+    "Histogram",
+    "Recent",
+    "Telemetry",
+]
 
 BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

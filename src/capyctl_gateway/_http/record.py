@@ -85,8 +85,7 @@ def record(t: Telemetry, r: Tally) -> None:
             last.observe(out.last_at - arrival)
     now = running_loop().time()
     total.observe(now - arrival)
-    recent = t.recent.get(deployment) or t.window(deployment, now)
-    recent.add(now, failed(outcome, r.status), ttft)
+    t.window(deployment, now).add(now, failed(outcome, r.status), ttft)
 
 
 def failed(ending: Ending, status: int | None) -> bool:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from typing import Any
 
-import orjson
 from aiohttp import web
 
-from .._errors import GatewayError, UnauthorizedError, UnknownModelError
+from .._errors import GatewayError, UnknownModelError
 from .._gateway import Gateway
 from .._http.answers import error_response
 from .._lifecycle.operator import (
@@ -18,6 +17,7 @@ from .._lifecycle.operator import (
 )
 from .._ulid import REQUEST_ID, new_ulid
 from .console import add_console_routes, annotate
+from .keyed import Handler, keyed
 from .live import add_live_routes
 from .metrics import exposition
 from .status import deployment_status, instance_hosts
@@ -26,40 +26,23 @@ from .tickets import Tickets, add_ticket_routes
 __all__ = ["create_management_app", "create_metrics_app"]
 
 
-def _error(err: GatewayError, rid: str) -> web.Response:
-    return error_response(err, {REQUEST_ID: rid})
-
-
 async def not_found(request: web.Request) -> web.Response:
     err = GatewayError(f"no route {request.method} {request.path}", status=404, code="not_found")
-    return _error(err, new_ulid())
+    return error_response(err, {REQUEST_ID: new_ulid()})
 
 
 def create_management_app(gateway: Gateway) -> web.Application:
     """The management application over ``gateway``: status, operator commands, ``/metrics``,
     and the console (its page, event stream, engine logs and recent figures)."""
 
-    async def deployment(request: web.Request) -> web.Response:
-        rid = new_ulid()
-        if not gateway.admits(request.headers):
-            return _error(UnauthorizedError(), rid)
+    async def deployment(request: web.Request, rid: str) -> dict[str, Any]:
         name = request.match_info["name"]
         doc = deployment_status(gateway.fleet, name)
         if doc is None:
-            return _error(UnknownModelError(f"no deployment named {name!r}"), rid)
-        return _json(annotate(gateway.fleet, doc), rid)
+            raise UnknownModelError(f"no deployment named {name!r}")
+        return annotate(gateway.fleet, doc)
 
-    def _json(doc: object, rid: str) -> web.Response:
-        return web.Response(
-            body=orjson.dumps(doc),
-            headers={REQUEST_ID: rid},
-            content_type="application/json",
-        )
-
-    async def listing(request: web.Request) -> web.Response:
-        rid = new_ulid()
-        if not gateway.admits(request.headers):
-            return _error(UnauthorizedError(), rid)
+    async def listing(request: web.Request, rid: str) -> dict[str, Any]:
         budget = gateway.config.resources.memory_budget
         fleet = gateway.fleet
         doc = deployments_list(fleet.lifecycle, fleet.routes, budget)
@@ -68,28 +51,23 @@ def create_management_app(gateway: Gateway) -> web.Application:
             if hosts:
                 row["hosts"] = hosts
                 row["run_by"] = "hosts " + ", ".join(sorted({h["host"] for h in hosts}))
-        return _json(doc, rid)
+        return doc
 
-    async def act(request: web.Request) -> web.Response:
-        rid = new_ulid()
-        if not gateway.admits(request.headers):
-            return _error(UnauthorizedError(), rid)
+    async def act(request: web.Request, rid: str) -> dict[str, Any] | None:
         name, action = request.match_info["name"], request.match_info["action"]
         fleet = gateway.fleet
-        known = name in fleet.routes
         command = {"start": operator_start, "stop": operator_stop, "park": operator_park}
-        try:
-            await command[action](fleet.lifecycle, name, known=known)
-        except GatewayError as err:
-            return _error(err, rid)
+        await command[action](fleet.lifecycle, name, known=name in fleet.routes)
         doc = deployment_status(fleet, name)
-        return _json(annotate(fleet, doc) if doc is not None else doc, rid)
+        return annotate(fleet, doc) if doc is not None else doc
 
     app = web.Application()
     app.router.add_get("/metrics", _metrics_handler(gateway))
-    app.router.add_get("/management/v1/deployments", listing)
-    app.router.add_get("/management/v1/deployments/{name}", deployment)
-    app.router.add_post("/management/v1/deployments/{name}/{action:start|stop|park}", act)
+    app.router.add_get("/management/v1/deployments", keyed(gateway, listing))
+    app.router.add_get("/management/v1/deployments/{name}", keyed(gateway, deployment))
+    app.router.add_post(
+        "/management/v1/deployments/{name}/{action:start|stop|park}", keyed(gateway, act)
+    )
     add_live_routes(app, gateway)
     add_console_routes(app)
     add_ticket_routes(app, gateway, Tickets())
@@ -97,11 +75,8 @@ def create_management_app(gateway: Gateway) -> web.Application:
     return app
 
 
-def _metrics_handler(gateway: Gateway) -> Callable[[web.Request], Awaitable[web.Response]]:
-    async def metrics(request: web.Request) -> web.Response:
-        rid = new_ulid()
-        if not gateway.admits(request.headers):
-            return _error(UnauthorizedError(), rid)
+def _metrics_handler(gateway: Gateway) -> Handler:
+    async def metrics(request: web.Request, rid: str) -> web.Response:
         return web.Response(
             body=exposition(gateway),
             headers={REQUEST_ID: rid},
@@ -109,7 +84,7 @@ def _metrics_handler(gateway: Gateway) -> Callable[[web.Request], Awaitable[web.
             charset="utf-8",
         )
 
-    return metrics
+    return keyed(gateway, metrics)
 
 
 def create_metrics_app(gateway: Gateway) -> web.Application:

@@ -33,7 +33,7 @@ FILES = {
     "/": ("index.html", "text/html"),
     "/console/console.css": ("console.css", "text/css"),
     "/console/console.js": ("console.js", "text/javascript"),
-}  # fmt: skip
+}
 
 
 def add_console_routes(app: web.Application) -> None:

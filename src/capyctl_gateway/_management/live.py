@@ -13,20 +13,19 @@ lines and `LOG_MAX_BYTES` bytes of the engine's latest run, masked.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from .._errors import GatewayError, InvalidRequestError, UnauthorizedError, UnknownModelError
+from .._errors import GatewayError, InvalidRequestError, UnknownModelError
 from .._events import BUS, MAX_SUBSCRIBERS, QUEUE_EVENTS, EventBus, Subscription
 from .._gateway import Gateway
-from .._http.answers import error_response
 from .._lifecycle.local import LocalRunner
 from .._loop import running_loop
 from .._telemetry import RECENT_SLOT_S, RECENT_SLOTS
-from .._ulid import REQUEST_ID, new_ulid
+from .._ulid import REQUEST_ID
+from .keyed import keyed
 
 __all__ = [
     "HANGUP_CHECK_S",
@@ -56,30 +55,6 @@ LOG_MAX_BYTES = 64 * 1024
 """The most bytes of a log one answer reads."""
 LOG_LINES_DIGITS = 6
 """The most digits ``lines`` may have (ASCII ones only); a longer value is a 400."""
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _json(doc: object, rid: str) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(doc), headers={REQUEST_ID: rid}, content_type="application/json"
-    )
-
-
-def _keyed(gateway: Gateway, handler: Callable[[web.Request, str], Awaitable[Any]]) -> Handler:
-    """``handler`` behind the key check; a `GatewayError` it raises becomes its answer."""
-
-    async def run(request: web.Request) -> web.StreamResponse:
-        rid = new_ulid()
-        try:
-            if not gateway.admits(request.headers):
-                raise UnauthorizedError()
-            result = await handler(request, rid)
-        except GatewayError as err:
-            return error_response(err, {REQUEST_ID: rid})
-        return result if isinstance(result, web.StreamResponse) else _json(result, rid)
-
-    return run
 
 
 def add_live_routes(app: web.Application, gateway: Gateway, bus: EventBus = BUS) -> None:
@@ -113,11 +88,11 @@ def add_live_routes(app: web.Application, gateway: Gateway, bus: EventBus = BUS)
         return recent_doc(gateway)
 
     app.on_shutdown.append(closing)
-    app.router.add_get("/management/v1/events", _keyed(gateway, events))
+    app.router.add_get("/management/v1/events", keyed(gateway, events))
     app.router.add_get(
-        "/management/v1/deployments/{name}/instances/{index:[0-9]{1,4}}/log", _keyed(gateway, log)
+        "/management/v1/deployments/{name}/instances/{index:[0-9]{1,4}}/log", keyed(gateway, log)
     )
-    app.router.add_get("/management/v1/recent", _keyed(gateway, recent))
+    app.router.add_get("/management/v1/recent", keyed(gateway, recent))
 
 
 async def _stream(request: web.Request, rid: str, sub: Subscription) -> web.StreamResponse:
@@ -202,7 +177,7 @@ def recent_doc(gateway: Gateway) -> dict[str, Any]:
     telemetry, now = gateway.telemetry, running_loop().time()
     out: dict[str, list[dict[str, Any]]] = {}
     for d in gateway.config.deployments:
-        window = telemetry.recent.get(d.name) or telemetry.window(d.name, now)
+        window = telemetry.window(d.name, now)
         rows = out[d.name] = []
         for seconds, requests, errors, ttft in window.slots(now):
             row: dict[str, Any] = {"s": seconds, "requests": requests, "errors": errors}

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
 
-from .._errors import GatewayError, InvalidRequestError, UnauthorizedError
+from .._errors import GatewayError, InvalidRequestError
 from .._gateway import Gateway
 from .._http.answers import error_response
 from .._ulid import REQUEST_ID, new_ulid
+from .keyed import Handler, json_answer, keyed
 
 __all__ = ["MAX_TICKETS", "TICKET_TTL_S", "Tickets", "add_ticket_routes"]
 
@@ -64,23 +65,15 @@ def add_ticket_routes(app: web.Application, gateway: Gateway, tickets: Tickets) 
     app.router.add_post("/management/v1/console/redeem", _redeem(gateway, tickets))
 
 
-Handler = Callable[[web.Request], Awaitable[web.Response]]
 _PRIVATE = {"Cache-Control": "no-store"}
 
 
 def _issue(gateway: Gateway, tickets: Tickets) -> Handler:
-    async def issue(request: web.Request) -> web.Response:
-        rid = new_ulid()
-        if not gateway.admits(request.headers):
-            return error_response(UnauthorizedError(), {REQUEST_ID: rid})
+    async def issue(request: web.Request, rid: str) -> web.Response:
         doc = {"ticket": tickets.issue(), "expires_in_s": TICKET_TTL_S}
-        return web.Response(
-            body=orjson.dumps(doc),
-            headers={REQUEST_ID: rid, **_PRIVATE},
-            content_type="application/json",
-        )
+        return json_answer(doc, rid, _PRIVATE)
 
-    return issue
+    return keyed(gateway, issue)
 
 
 def _redeem(gateway: Gateway, tickets: Tickets) -> Handler:
@@ -103,10 +96,6 @@ def _redeem(gateway: Gateway, tickets: Tickets) -> Handler:
                 )
         except GatewayError as err:
             return error_response(err, headers)
-        return web.Response(
-            body=orjson.dumps({"key": gateway.key_for_console()}),
-            headers=headers,
-            content_type="application/json",
-        )
+        return json_answer({"key": gateway.key_for_console()}, rid, _PRIVATE)
 
     return redeem
