@@ -187,9 +187,18 @@ def enough_files(wanted: int) -> None:
         )
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A socket bound to ``host:port``; ``reuse_port``: with ``SO_REUSEPORT``, for workers
+    that each bind the same port. The port is first bound without it, so that a port another
+    program (another gateway's workers included) holds is refused, never shared."""
+    if reuse_port:
+        probe = bind(host, port)
+        port = probe.getsockname()[1]
+        probe.close()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

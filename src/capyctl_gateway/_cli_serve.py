@@ -18,13 +18,17 @@ from aiohttp import web
 
 from ._cli_common import listen_site, local_runners, settle_heap
 from ._cli_machines import control_site
+from ._cli_workers import Workers
 from ._http.app import GATEWAY_KEY, GatewayRunner
+from ._workers.authority import Authority
 
 __all__ = ["END_GRACE_S", "run"]
 
 END_GRACE_S = 5.0
 """After the requests still open are ended, how long their handlers get to write that."""
 QUIET_EVERY_S = 0.1
+QUIT_MARGIN_S = 5.0
+"""Beyond `END_GRACE_S`, how long the workers get to exit before they are killed."""
 
 
 async def run(
@@ -34,7 +38,11 @@ async def run(
     listening: str,
     xsock: socket.socket | None = None,
     extra: list[tuple[web.AppRunner, socket.socket, ssl.SSLContext]] | None = None,
+    workers: tuple[int, str] | None = None,
 ) -> None:
+    """Serve until SIGINT or SIGTERM. ``workers``: how many worker processes serve the public
+    listener on ``sock`` (bound, not listening: they bind its port with ``SO_REUSEPORT``), and
+    their log format; this process is then their authority."""
     runner = GatewayRunner(application, shutdown_timeout=END_GRACE_S)
     await runner.setup()
     mrunner, xrunner = local_runners(application[GATEWAY_KEY])
@@ -50,8 +58,19 @@ async def run(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    team: Workers | None = None
     try:
-        await listen_site(runner, sock).start()
+        if workers is None:
+            await listen_site(runner, sock).start()
+        else:
+            host, port = sock.getsockname()[:2]
+            authority = Authority(application[GATEWAY_KEY])
+            team = Workers(authority, workers[0], host, port, workers[1])
+            try:
+                await team.start()
+            except (RuntimeError, TimeoutError) as exc:
+                typer.echo(f"capyctl-gateway: a worker did not start: {exc}", err=True)
+                raise typer.Exit(1) from None
         await listen_site(mrunner, msock).start()
         if xsock is not None:
             await listen_site(xrunner, xsock).start()
@@ -61,8 +80,10 @@ async def run(
         settle_heap()
         typer.echo(listening, err=True)  # once it is true, and signals are handled
         await stop.wait()
-        await _stop_serving(application, runner, received[0])
+        await _stop_serving(application, runner, received[0], team)
     finally:
+        if team is not None:
+            await team.quit(END_GRACE_S + QUIT_MARGIN_S)
         await xrunner.cleanup()
         await mrunner.cleanup()
         await runner.cleanup()  # requests through hosts finish first: their sessions stay up
@@ -72,7 +93,10 @@ async def run(
 
 
 async def _stop_serving(
-    application: web.Application, runner: GatewayRunner, sig: signal.Signals
+    application: web.Application,
+    runner: GatewayRunner,
+    sig: signal.Signals,
+    team: Workers | None,
 ) -> None:
     """No new connection; running and waiting requests get the shutdown timeout; then what is
     still open is ended in band."""
@@ -88,6 +112,8 @@ async def _stop_serving(
     )
     for site in list(runner.sites):
         await site.stop()
+    if team is not None:
+        team.stop_listening()
     for _ in range(math.ceil(limit / QUIET_EVERY_S)):  # counts on the loop: a look each turn
         if fleet.quiet():
             break

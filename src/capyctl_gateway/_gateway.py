@@ -66,8 +66,9 @@ class Gateway:
     def now(self) -> float:
         return self.clock()
 
-    def key_for_console(self) -> str:
-        """The key, for the console's one-time ticket trade alone (`_management/tickets.py`)."""
+    def key_to_share(self) -> str:
+        """The key, for the console's one-time ticket trade (`_management/tickets.py`) and a
+        worker's hello from its authority (``_workers/``) alone."""
         return self._key.decode("utf-8", "surrogateescape")
 
     def authorized(self, header: str) -> bool:

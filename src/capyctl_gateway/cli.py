@@ -24,7 +24,7 @@ from ._cli_common import (
     use_uvloop,
 )
 from ._cli_serve import run
-from ._config import ConfigError, load_config
+from ._config import MAX_WORKERS, ConfigError, load_config
 from ._errors import OperatorError
 from ._http.app import GATEWAY_KEY, create_app
 from ._identity import (
@@ -113,6 +113,16 @@ def serve(
     control: Annotated[
         str, typer.Option("--control", help="The server's control listener, for its hosts.")
     ] = DEFAULT_CONTROL,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            min=1,
+            max=MAX_WORKERS,
+            help="Processes that serve the public listener (default: workers: in the "
+            "configuration, else 1).",
+        ),
+    ] = None,
 ) -> None:
     """Serve until interrupted."""
     fmt = log_format if log_format != "auto" else ("text" if sys.stderr.isatty() else "json")
@@ -141,7 +151,8 @@ def serve(
             key = load_or_create_api_key(state)
             application = create_app(cfg, key, state_dir=state)
         enough_files(files_wanted(cfg.limits.max_connections))
-        sock = bind(host, port)
+        count = workers or cfg.workers
+        sock = bind(host, port, reuse_port=count > 1)
         msock = bind(mhost, mport)
         metrics = metrics or os.environ.get("CAPYCTL_METRICS_ADDR")
         xsock = bind(*address(metrics, "--metrics")) if metrics else None
@@ -156,7 +167,10 @@ def serve(
         + (f"; metrics on {metrics}" if metrics else "")
         + ")"
     )
-    asyncio.run(run(application, sock, msock, listening, xsock, extra))
+    team = (count, fmt) if count > 1 else None
+    if team is not None:
+        listening += f" with {count} workers"
+    asyncio.run(run(application, sock, msock, listening, xsock, extra, team))
 
 
 def _where(state_dir: Path | None, management: str | None) -> tuple[str, int, str]:

@@ -13,6 +13,7 @@ from aiohttp import web
 from canopyx_provider import ProviderOptions
 from capyctl_gateway import GATEWAY_KEY, Gateway, GatewayConfig, GatewayRunner, create_app
 from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.serving import serve_workers
 
 KEY = "k" * 43
 NO_GPU = Path("/nonexistent-capyctl-devices")
@@ -76,9 +77,25 @@ def deployments(engine_url: str, **over: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def make_gateway() -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
+def workers() -> int:
+    """How many worker processes' worth of listeners a test's gateways have: 1 (the process
+    serves its public listener itself); a module that runs with several too overrides this
+    fixture (``WORKERS``)."""
+    return 1
+
+
+WORKERS = pytest.fixture(params=[1, 2], ids=["one", "workers2"])(lambda request: request.param)
+"""Put ``workers = WORKERS`` in a module to run each of its tests with one process and with
+two workers behind an authority (in this process, over real Unix socket lines)."""
+ONE = pytest.mark.parametrize("workers", [1], ids=["one"])
+"""For a test, in a module with ``WORKERS``, of what one process holds itself (its engine
+connections' pool): with workers each holds its own."""
+
+
+@pytest.fixture
+async def make_gateway(workers: int) -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
     """Start gateways from config dicts on loopback ports; all are stopped after the test."""
-    runners: list[web.AppRunner] = []
+    stops: list[Callable[[], Awaitable[None]]] = []
 
     async def make(
         config: dict[str, Any],
@@ -95,15 +112,19 @@ async def make_gateway() -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
             collector_options=collector or COLLECTOR,
             engine_logs=engine_logs,
         )
+        if workers > 1:
+            stop, url = await serve_workers(app, workers)
+            stops.append(stop)
+            return Gw(url, KEY, app[GATEWAY_KEY])
         runner, url = await _serve(app, gateway=True)
-        runners.append(runner)
+        stops.append(runner.cleanup)
         return Gw(url, KEY, app[GATEWAY_KEY])
 
     try:
         yield make
     finally:
-        for runner in runners:
-            await runner.cleanup()
+        for stop in stops:
+            await stop()
 
 
 @pytest.fixture

@@ -4,12 +4,22 @@ the caller's ``CAPYCTL_`` variables)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-__all__ = ["listening", "serve_command"]
+from aiohttp import web
+
+from capyctl_gateway import GATEWAY_KEY, GatewayRunner
+from capyctl_gateway._workers.authority import Authority
+from capyctl_gateway._workers.wire import Msg
+from capyctl_gateway._workers.worker import Worker, reuse_port_socket
+
+__all__ = ["listening", "serve_command", "serve_workers"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,3 +47,39 @@ def listening(gateway: subprocess.Popen[bytes], state: Path) -> str:
         if b"listening on" in line:
             break
     return (state / "identity" / "credentials").read_text().split()[1]
+
+
+async def serve_workers(
+    app: web.Application, workers: int
+) -> tuple[Callable[[], Awaitable[None]], str]:
+    """Serve ``app``'s gateway as an authority with ``workers`` workers, all in this process:
+    each worker on its own line (a Unix socketpair) and its own ``SO_REUSEPORT`` listener on
+    one loopback port, as ``serve --workers`` runs them in processes. Returns the stop (as a
+    stopping gateway: ``STOP``, then ``QUIT``) and the public URL."""
+    runner = GatewayRunner(app)
+    await runner.setup()  # opens the fleet; the authority serves no public listener itself
+    authority = Authority(app[GATEWAY_KEY])
+    reserved = reuse_port_socket("127.0.0.1", 0)
+    port = reserved.getsockname()[1]
+    running: list[tuple[Worker, asyncio.Task[None]]] = []
+    for index in range(workers):
+        ours, theirs = socket.socketpair()
+        line = await authority.attach(ours, index, workers)
+        worker = Worker()
+        await worker.connect(theirs)
+        task = asyncio.get_running_loop().create_task(
+            worker.serve(reuse_port_socket("127.0.0.1", port))
+        )
+        running.append((worker, task))
+        await line.ready
+
+    async def stop() -> None:
+        authority.broadcast(Msg.STOP)
+        authority.broadcast(Msg.QUIT)
+        for worker, task in running:
+            await task
+            await worker.close()
+        await runner.cleanup()
+        reserved.close()
+
+    return stop, f"http://127.0.0.1:{port}"

@@ -21,8 +21,11 @@ from canopyx_provider import EngineRestarted, EngineSnapshot, Event, ScrapeSucce
 from capyctl_gateway import create_management_app
 from capyctl_gateway._deployments.settle import InstanceLedger, SettleRule
 from capyctl_gateway.cli import app as cli
-from tests.gateway.conftest import Gw, deployments
+from tests.gateway.conftest import WORKERS, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Hold, Pause, chunk, event, vllm_stream
+
+workers = WORKERS
+
 
 pytestmark = pytest.mark.anyio
 CHAT = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}

@@ -11,8 +11,11 @@ import orjson
 import pytest
 
 from capyctl_gateway._deployments.settle import SettleRule
-from tests.gateway.conftest import Gw, deployments
+from tests.gateway.conftest import WORKERS, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Hold, Reply
+
+workers = WORKERS
+
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]

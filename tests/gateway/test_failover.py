@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 
-from tests.gateway.conftest import Gw, deployments
+from tests.gateway.conftest import WORKERS, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Reply, vllm_stream
+
+workers = WORKERS
+
 
 pytestmark = pytest.mark.anyio
 CHAT = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}

@@ -25,11 +25,12 @@ FORBIDDEN = {
     "_management": {"cli"},
     "_machines": {"_http", "_management", "_lifecycle", "_gateway", "cli"},
     "_host": {"_http", "_management", "cli"},
+    "_workers": {"_management", "_lifecycle", "_machines", "cli"},
 }
 _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
-    "_fleet",
+    "_fleet", "_workers",
 }  # fmt: skip
 for _leaf in ("_loop", "_ulid", "_log", "_events", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM

@@ -23,8 +23,11 @@ import yaml
 
 from capyctl_gateway import ConfigError, GatewayConfig, load_config
 from capyctl_gateway._management.status import deployment_status
-from tests.gateway.conftest import Gw
+from tests.gateway.conftest import WORKERS, Gw
 from tests.gateway.serving import listening, serve_command
+
+workers = WORKERS
+
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]

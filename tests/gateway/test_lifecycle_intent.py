@@ -24,12 +24,15 @@ import yaml
 
 from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._lifecycle.operator import operator_start
-from tests.gateway.conftest import COLLECTOR, KEY, Gw
+from tests.gateway.conftest import COLLECTOR, KEY, WORKERS, Gw
 from tests.gateway.serving import serve_command
 from tests.gateway.test_lifecycle import launched, transitions
 from tests.gateway.test_lifecycle_processes import moved_to, process
 from tests.gateway.test_lifecycle_races import engines_running, said, served
 from tests.gateway.test_operator import free_port
+
+workers = WORKERS
+
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]

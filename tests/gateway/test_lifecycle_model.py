@@ -32,11 +32,12 @@ import pytest
 from capyctl_gateway._lifecycle.operator import deployments_list
 from capyctl_gateway._lifecycle.rest import quiesce
 from capyctl_gateway._management.status import deployment_status
-from tests.gateway.conftest import Gw
+from tests.gateway.conftest import WORKERS, Gw
 from tests.gateway.test_lifecycle import launched, management
 from tests.gateway.test_lifecycle_races import engines_running, said, served
 
 pytestmark = pytest.mark.anyio
+workers = WORKERS  # one process, and two workers behind their authority
 MakeGateway = Callable[..., Awaitable[Gw]]
 SEED = int(os.environ.get("CAPYCTL_MODEL_SEED", "20261202"))
 STEPS = int(os.environ.get("CAPYCTL_MODEL_STEPS", "36"))

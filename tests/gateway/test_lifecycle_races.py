@@ -17,8 +17,11 @@ import anyio
 import httpx
 import pytest
 
-from tests.gateway.conftest import Gw
+from tests.gateway.conftest import WORKERS, Gw
 from tests.gateway.test_lifecycle import chat, launched, management, pid_of, transitions
+
+workers = WORKERS
+
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]

@@ -22,8 +22,11 @@ from canopyx_provider import ChecksCompleted, Event
 from capyctl_gateway._management.render import print_status
 from capyctl_gateway._management.status import deployment_status
 from capyctl_gateway.cli import app as cli
-from tests.gateway.conftest import Gw, deployments
+from tests.gateway.conftest import WORKERS, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, vllm_stream
+
+workers = WORKERS
+
 
 pytestmark = pytest.mark.anyio
 CHAT: dict[str, Any] = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}

@@ -10,7 +10,7 @@ import anyio
 import orjson
 import pytest
 
-from tests.gateway.conftest import Gw, deployments
+from tests.gateway.conftest import ONE, WORKERS, Gw, deployments
 from tests.gateway.fake_engine import (
     DONE,
     FakeEngine,
@@ -21,6 +21,9 @@ from tests.gateway.fake_engine import (
     event,
     vllm_stream,
 )
+
+workers = WORKERS
+
 
 pytestmark = pytest.mark.anyio
 CHAT = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -363,6 +366,7 @@ async def test_a_non_streaming_client_hang_up_before_the_first_token_closes_it_t
         await engine.hung_up.wait()
 
 
+@ONE
 async def test_a_completed_exchange_leaves_its_engine_connection_in_the_pool(
     gateway: Gw, engine: FakeEngine
 ) -> None:
@@ -378,6 +382,7 @@ async def test_a_completed_exchange_leaves_its_engine_connection_in_the_pool(
     assert len(engine.received) == 4 and len(peers) == 1, peers
 
 
+@ONE
 @pytest.mark.parametrize("stream", [True, False])
 async def test_an_engine_that_never_ends_its_body_after_done_is_closed_not_pooled(
     gateway: Gw, engine: FakeEngine, stream: bool

@@ -19,8 +19,10 @@ import orjson
 import pytest
 
 from capyctl_gateway._log import JsonFormatter, TextFormatter
-from tests.gateway.conftest import KEY, Gw, deployments
+from tests.gateway.conftest import KEY, WORKERS, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, vllm_stream
+
+workers = WORKERS
 
 pytestmark = pytest.mark.anyio
 

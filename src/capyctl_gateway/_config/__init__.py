@@ -38,6 +38,7 @@ from .rules import budget_problem, kept_ready_problem, url_only_problem
 __all__ = [
     "Api",
     "HOST_NAME",
+    "MAX_WORKERS",
     "REMOTE_MAX_BODY_BYTES",
     "ConfigError",
     "Deployment",
@@ -181,6 +182,10 @@ class Deployment(BaseModel):
         return self.served_model or self.name
 
 
+MAX_WORKERS = 64
+"""The most worker processes one gateway runs."""
+
+
 class GatewayConfig(BaseModel):
     model_config = STRICT
 
@@ -189,6 +194,9 @@ class GatewayConfig(BaseModel):
     engine_client: Literal["lean"] = "lean"
     """The engine requests' HTTP client: the gateway's own (the aiohttp fallback is gone)."""
     resources: Resources = Resources()
+    workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
+    """Processes that serve the public listener (``serve --workers`` overrides it): with more
+    than one, an authority process decides for all of them (``_workers/``)."""
     deployments: list[Deployment] = Field(min_length=1)
 
     @model_validator(mode="after")

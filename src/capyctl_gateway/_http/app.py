@@ -26,7 +26,7 @@ from .inference import Inference
 from .openapi import openapi_handler
 from .server import HANGUPS_SEEN, LIMITS, GatewayRunner, Limits
 
-__all__ = ["GATEWAY_KEY", "GatewayRunner", "create_app"]
+__all__ = ["GATEWAY_KEY", "GatewayRunner", "create_app", "public_app"]
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 
@@ -69,7 +69,16 @@ def create_app(
             gateway.serve(fleet)
             yield
 
-    handlers = Inference(gateway)
+    app = public_app(gateway, Inference(gateway))
+    app.cleanup_ctx.append(serve_fleet)
+    return app
+
+
+def public_app(gateway: Gateway, handlers: Inference) -> web.Application:
+    """The public listener's application over ``gateway``: its routes, its bounds and the
+    runner check; what it serves from is the caller's (`create_app`: this process's fleet; a
+    worker: its authority)."""
+    config = gateway.config
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
     app[LIMITS] = Limits(
@@ -78,7 +87,6 @@ def create_app(
         keepalive_timeout=config.limits.keepalive_timeout,
     )
     app.on_startup.append(_require_gateway_runner)
-    app.cleanup_ctx.append(serve_fleet)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_route("*", "/v1/models", wrong_method("GET"))
     # The name as the client wrote it, slashes included (openai's client escapes them as %2F).

@@ -5,7 +5,7 @@ paths that serve nothing (404, 405)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -19,7 +19,21 @@ from .answers import error_response
 from .record import Tally
 from .validate import caller_request_id
 
-__all__ = ["Call", "identify", "log_route", "not_found", "wrong_method"]
+__all__ = ["Asked", "Call", "identify", "log_route", "not_found", "wrong_method"]
+
+
+class Asked(Protocol):
+    """What placing a request and its router lines know of it: its ID, its caller's and its
+    deployment (a `Call` here; the authority's record of a worker's request there)."""
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def caller(self) -> str | None: ...
+
+    @property
+    def dep(self) -> Deployment: ...
 
 
 class Call:
@@ -96,7 +110,7 @@ def _ids(request: web.Request) -> dict[str, str]:
 
 def log_route(
     name: str,
-    call: Call,
+    call: Asked,
     route: Route,
     instance: EngineInstance,
     detail: str | None = None,

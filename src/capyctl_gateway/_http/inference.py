@@ -2,11 +2,9 @@
 
 Each API is one `Surface`, bound once: its body limit, its checks, the engine path it is
 posted to and how its answer is run. A chat or decision request goes: request ID, key,
-caller's ID, body (bounded), the surface's checks, the engine's payload, a running slot of the
-deployment's queue, then offers to its instances. An offer that the engine provably never got
-(`NotAcceptedError`) goes to the next instance, up to `MAX_OFFERS`; any other ending is the
-answer. Each offer is charged to its instance (`Charge`) until settled if it may still run
-there.
+caller's ID, body (bounded), the surface's checks, the engine's payload; then its `Desk`
+places it (a running slot of the deployment's queue, offers to its instances: ``offer.py``)
+and runs it, and takes its counts once it is answered.
 """
 
 from __future__ import annotations
@@ -22,36 +20,25 @@ from aiohttp import web
 from yarl import URL
 
 from .._config import REMOTE_MAX_BODY_BYTES, Api, Deployment, GatewayConfig
-from .._deployments.charge import Charge
-from .._deployments.routes import EngineInstance, Route
-from .._errors import (
-    EngineError,
-    GatewayError,
-    NotAcceptedError,
-    TooLargeError,
-    UnavailableError,
-    UnknownModelError,
-)
-from .._fleet import Fleet
+from .._deployments.routes import EngineInstance
+from .._errors import GatewayError, TooLargeError, UnknownModelError
 from .._gateway import Gateway
 from .._loop import running_loop
 from .._machines.protocol import INGRESS_MAX_BODY_BYTES
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange
-from .._routing import candidates, skipped
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import answer, error_response
 from .body import Body
-from .calls import Call, identify, log_route
-from .record import Tally, record
+from .calls import Call, identify
+from .offer import MAX_OFFERS, Desk, LocalDesk
+from .record import Tally
 from .validate import check_chat, check_decision, engine_payload, resolve
 
 __all__ = ["CHAT", "DECISIONS", "MAX_OFFERS", "Inference", "Surface"]
 
 logger = logging.getLogger("capyctl_gateway")
-MAX_OFFERS = 4
-"""Instances a request is offered to, when the ones before provably never got it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +103,10 @@ def _listed(gateway: Gateway, name: str | None) -> bytes:
 class Inference:
     """The handlers of the public listener, over one `Gateway`."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, desk: Desk | None = None) -> None:
         self.gw = gateway
+        self.desk: Desk = LocalDesk(gateway) if desk is None else desk
+        """Where a checked request is placed and run: this process's fleet by default."""
         # The routes' handlers are `_serve` itself (a coroutine frame less on every resume).
         self.chat = functools.partial(self._serve, surface=CHAT)
         self.decide = functools.partial(self._serve, surface=DECISIONS)
@@ -152,16 +141,9 @@ class Inference:
             if dep.remote:
                 _fits_a_host(name, len(raw), len(payload))
             del raw, body
-            fleet = self.gw.fleet
-            route = fleet.routes[name]
             deadline = tally.arrival + config.queue.request_deadline
             call = Call(request, surface.api, dep, payload, stream, headers, rid, caller, tally)
-            if dep.launched:
-                tally.launched, tally.gated = True, not route.queue.open
-                fleet.lifecycle.want(name)  # refused now, or waits in the queue for its start
-            async with route.queue.slot(deadline):
-                tally.slot = loop.time()
-                response = await self._offer(fleet, route, surface, call)
+            response = await self.desk.serve(call, surface, deadline)
             tally.ended()
             return response
         except GatewayError as err:
@@ -169,61 +151,7 @@ class Inference:
             return await answer(request, err, headers, rid)
         finally:
             held.release()
-            record(self.gw.telemetry, tally)
-
-    async def _offer(
-        self, fleet: Fleet, route: Route, surface: Surface, call: Call
-    ) -> web.StreamResponse:
-        name = call.dep.name
-        if all(i.unusable for i in route.instances):
-            raise UnavailableError(
-                f"deployment {name}: its instances failed their startup checks "
-                "(see the gateway's log or `capyctl-gateway status deployment`)",
-                detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
-            )
-        refused: set[int] = set()
-        details: list[str] = []
-        loop = running_loop()
-        queue = self.gw.config.queue
-        deadline = call.tally.arrival + queue.request_deadline
-        cap = self.gw.config.limits.max_answer_bytes
-        while len(refused) < MAX_OFFERS:
-            instance = route.choose(refused)
-            if instance is None:
-                if refused:
-                    break
-                # None may take it now (its host is gone, its engine is parking): wait for one.
-                if not await route.waiters.wait(deadline - loop.time()):
-                    raise UnavailableError(
-                        f"deployment {name}: no instance could take the request within "
-                        "queue.request_deadline",
-                        detail="; ".join(skipped(route)),
-                    )
-                continue
-            _log_choice(call, route, instance, refused)
-            ex = Exchange(
-                fleet.engines,
-                surface.url(instance),
-                instance.headers,
-                where=instance.where,
-                deadline=deadline,
-                idle_timeout=queue.stream_idle_timeout,
-                drains=fleet.drains,
-            )
-            call.tally.ex, call.tally.instance = ex, instance.index
-            try:
-                async with Charge(instance, ex, call.rid, fleet.settlement):
-                    return await surface.run(call, ex, cap)
-            except NotAcceptedError as exc:
-                # The engine never saw it: another instance may serve it, within the deadline.
-                refused.add(instance.index)
-                route.not_accepted(instance)
-                details.append(exc.detail or exc.message)
-                log_route("router_failover", call, route, instance, exc.detail)
-        raise EngineError(
-            f"deployment {name}: its instances could not be reached",
-            detail="; ".join(details) or "no instance to send it to",
-        )
+            self.desk.record(tally)
 
 
 def _fits_a_host(name: str, sent: int, payload: int) -> None:
@@ -241,13 +169,3 @@ def _fits_a_host(name: str, sent: int, payload: int) -> None:
             f"it is {payload} bytes, over the {INGRESS_MAX_BODY_BYTES} its host takes (the "
             "gateway writes numbers such as 1e5 out in full: 100000.0)"
         )
-
-
-def _log_choice(call: Call, route: Route, instance: EngineInstance, refused: set[int]) -> None:
-    """The ``router_selection`` line: with the candidates weighed and the instances skipped
-    when there was a choice (or the instance is on a host)."""
-    if len(route.instances) > 1 or call.dep.remote:
-        shown, skipped_ = candidates(route, refused)
-        log_route("router_selection", call, route, instance, candidates=shown, skipped=skipped_)
-    else:
-        log_route("router_selection", call, route, instance)

@@ -10,7 +10,7 @@ from .._loop import running_loop
 from .._relay.exchange import Exchange
 from .._telemetry import Ending, Telemetry
 
-__all__ = ["Tally", "ending_of", "failed", "record"]
+__all__ = ["Figures", "Tally", "add", "ending_of", "failed", "figures", "record"]
 
 
 class Tally:
@@ -56,36 +56,87 @@ def ending_of(ex: Exchange | None, err: GatewayError | None) -> Ending:
     return Ending.ENGINE_ERROR if isinstance(err, EngineError) else Ending.REFUSED
 
 
-def record(t: Telemetry, r: Tally) -> None:
-    deployment, outcome = r.deployment, r.ending
-    t.requests[(deployment, r.api, outcome)] += 1
-    if outcome is Ending.REFUSED and r.code is not None:
-        t.refusals[(deployment, r.code)] += 1
-    if not deployment:
-        return
+Figures = tuple[
+    str,
+    str,
+    str,
+    str | None,
+    int | None,
+    int | None,
+    float | None,
+    float | None,
+    float | None,
+    float | None,
+    float | None,
+    float,
+]
+"""One request's counts as plain values (what a worker sends its authority): deployment, api,
+ending, refusal code, status, instance, then the seconds from its arrival to its slot, its
+activation, the engine's head, the first content, the last chunk, and its end."""
+
+
+def figures(r: Tally) -> Figures:
+    """``r``'s counts, the times taken now (its end) and made relative to its arrival."""
     arrival = r.arrival
-    instance = r.instance
-    queue, activation, head, content, last, total = t.phases(
-        deployment, "" if instance is None else _INDEX.get(instance) or str(instance)
-    )
+    slot = activation = head = content = last = None
     if r.slot is not None:
-        queue.observe(r.slot - arrival)
+        slot = r.slot - arrival
         if r.launched:
-            activation.observe(r.slot - arrival if r.gated else 0.0)
+            activation = slot if r.gated else 0.0
     ex = r.ex
-    ttft = None
     if ex is not None:
         out = ex.outcome
         if out.head_at is not None:
-            head.observe(out.head_at - arrival)
+            head = out.head_at - arrival
         if out.first_content_at is not None:
-            ttft = out.first_content_at - arrival
-            content.observe(ttft)
+            content = out.first_content_at - arrival
         if out.last_at is not None:
-            last.observe(out.last_at - arrival)
-    now = running_loop().time()
-    total.observe(now - arrival)
-    t.window(deployment, now).add(now, failed(outcome, r.status), ttft)
+            last = out.last_at - arrival
+    total = running_loop().time() - arrival
+    return (
+        r.deployment,
+        r.api,
+        r.ending.value,
+        r.code,
+        r.status,
+        r.instance,
+        slot,
+        activation,
+        head,
+        content,
+        last,
+        total,
+    )
+
+
+def record(t: Telemetry, r: Tally) -> None:
+    add(t, figures(r), running_loop().time())
+
+
+def add(t: Telemetry, f: Figures, now: float) -> None:
+    """Count one request's figures (``now``: the loop time of its end, for its window)."""
+    deployment, api, ending, code, status, instance, slot, activation, head, content, last = f[:11]
+    outcome = Ending(ending)
+    t.requests[(deployment, api, outcome)] += 1
+    if outcome is Ending.REFUSED and code is not None:
+        t.refusals[(deployment, code)] += 1
+    if not deployment:
+        return
+    queue, activation_, head_, content_, last_, total = t.phases(
+        deployment, "" if instance is None else _INDEX.get(instance) or str(instance)
+    )
+    if slot is not None:
+        queue.observe(slot)
+    if activation is not None:
+        activation_.observe(activation)
+    if head is not None:
+        head_.observe(head)
+    if content is not None:
+        content_.observe(content)
+    if last is not None:
+        last_.observe(last)
+    total.observe(f[11])
+    t.window(deployment, now).add(now, failed(outcome, status), content)
 
 
 def failed(ending: Ending, status: int | None) -> bool:

@@ -96,6 +96,6 @@ def _redeem(gateway: Gateway, tickets: Tickets) -> Handler:
                 )
         except GatewayError as err:
             return error_response(err, headers)
-        return json_answer({"key": gateway.key_for_console()}, rid, _PRIVATE)
+        return json_answer({"key": gateway.key_to_share()}, rid, _PRIVATE)
 
     return redeem

@@ -1,0 +1,155 @@
+"""``capyctl-gateway serve --workers N``: the authority's side of the processes (start each
+worker, keep it running, stop them all as one gateway stops), and a worker process's own main
+(``python -m capyctl_gateway._cli_workers FD``, never run by hand).
+
+Each worker gets a Unix socketpair line to the authority (its end passed as an inherited file
+descriptor) and binds the public port itself with ``SO_REUSEPORT``; the authority holds the
+port bound, never listening, so that the kernel gives it no connection and no other program
+takes the port while a worker restarts. A worker that exits unasked is started again (after
+`RESTART_FIRST_S`, doubling up to `RESTART_MAX_S` while it keeps failing); what it held is
+settled by the authority as a lost line's requests are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import time
+
+from ._cli_common import settle_heap, use_uvloop
+from ._log import configure_logging, event
+from ._workers.authority import Authority
+from ._workers.wire import Msg
+from ._workers.worker import Worker, reuse_port_socket
+
+__all__ = ["RESTART_FIRST_S", "RESTART_MAX_S", "Workers", "main"]
+
+RESTART_FIRST_S = 0.5
+RESTART_MAX_S = 10.0
+STEADY_S = 30.0
+"""A worker up this long resets its restart delay."""
+READY_TIMEOUT_S = 60.0
+"""How long a worker gets to listen when the gateway starts."""
+
+
+class Workers:
+    """The worker processes of one gateway, over its `Authority`."""
+
+    def __init__(
+        self, authority: Authority, count: int, host: str, port: int, log_format: str
+    ) -> None:
+        self.authority = authority
+        self.count = count
+        self.host, self.port, self.log_format = host, port, log_format
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.restarts = 0
+        self._keepers: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Start every worker and wait until each listens (raises if one cannot)."""
+        for index in range(self.count):
+            await asyncio.wait_for(self._spawn(index), READY_TIMEOUT_S)
+
+    async def _spawn(self, index: int) -> None:
+        ours, theirs = socket.socketpair()
+        fd = theirs.fileno()
+        argv = [sys.executable, "-m", "capyctl_gateway._cli_workers", str(fd), self.host]
+        argv += [str(self.port), self.log_format]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, pass_fds=(theirs.fileno(),), start_new_session=True
+            )
+        finally:
+            theirs.close()
+        self.procs[index] = proc
+        line = await self.authority.attach(ours, index, self.count)
+        try:
+            await line.ready
+        except ConnectionError:
+            await proc.wait()
+            raise RuntimeError(
+                f"worker {index} exited with {proc.returncode} before it listened"
+            ) from None
+        keeper = asyncio.get_running_loop().create_task(self._keep(index, proc))
+        self._keepers.add(keeper)
+        keeper.add_done_callback(self._keepers.discard)
+
+    async def _keep(self, index: int, proc: asyncio.subprocess.Process) -> None:
+        delay = RESTART_FIRST_S
+        while True:
+            began = time.monotonic()
+            code = await proc.wait()
+            if self._stopping:
+                return
+            self.restarts += 1
+            if time.monotonic() - began > STEADY_S:
+                delay = RESTART_FIRST_S
+            event(
+                "worker_exited",
+                "worker %d exited with %s; starting it again in %.1f s",
+                *(index, code, delay),
+                worker=index,
+                code=code,
+            )
+            await asyncio.sleep(delay)  # a pause before a retry, not a synchronisation
+            delay = min(delay * 2, RESTART_MAX_S)
+            try:
+                await asyncio.wait_for(self._spawn(index), READY_TIMEOUT_S)
+                return  # the new one has its own keeper
+            except (RuntimeError, TimeoutError) as exc:
+                event(
+                    "worker_restart_failed",
+                    "worker %d did not start again: %s",
+                    *(index, exc),
+                    worker=index,
+                )
+                proc = self.procs[index]
+
+    def stop_listening(self) -> None:
+        """The gateway is stopping: every worker stops listening, and none is restarted."""
+        self._stopping = True
+        self.authority.broadcast(Msg.STOP)
+
+    async def quit(self, within_s: float) -> None:
+        """Tell every worker to finish and wait for them; one still running after
+        ``within_s`` is killed."""
+        self._stopping = True
+        self.authority.broadcast(Msg.QUIT)
+        waits = [proc.wait() for proc in self.procs.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), within_s)
+        except TimeoutError:
+            for proc in self.procs.values():
+                if proc.returncode is None:
+                    proc.kill()
+            await asyncio.gather(*(p.wait() for p in self.procs.values()))
+        for keeper in list(self._keepers):
+            keeper.cancel()
+
+
+async def _work(fd: int, host: str, port: int) -> None:
+    worker = Worker()
+    line = socket.socket(fileno=fd)
+    await worker.connect(line)
+    try:
+        await worker.serve(reuse_port_socket(host, port), on_ready=settle_heap)
+    finally:
+        await worker.close()
+
+
+def main() -> None:
+    """A worker process: its line's descriptor, the public host and port, the log format."""
+    fd, host, port, log_format = sys.argv[1:5]
+    configure_logging(log_format)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the authority says when to stop
+    use_uvloop()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_work(int(fd), host, int(port)))
+
+
+if __name__ == "__main__":
+    main()

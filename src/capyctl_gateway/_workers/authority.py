@@ -1,0 +1,207 @@
+"""The authority: the one process that decides for every worker what one gateway decides for
+itself. A worker asks once per request (``ADMIT``); the authority places it exactly as one
+process would (`_http.offer.place`: the deployment's FIFO queue and running bound, one
+activation per wave, the choice among instances) and answers with an offer or a refusal. The
+offer is charged to its instance here (`Charge`) with a `Grant` standing in for the exchange
+the worker runs: the worker's ``END`` says how it ended, and a cut is settled by the same
+rules as in one process. An abort (a host lost, the gateway stopping) goes to the worker as
+``ABORT``. A worker whose line ends takes its requests with it: those waiting leave the queue,
+those running are settled as cut requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any, cast
+
+from .._config import Api, Deployment
+from .._deployments.charge import Charge
+from .._deployments.routes import EngineInstance, Route
+from .._errors import EngineError, GatewayError, NotAcceptedError
+from .._gateway import Gateway
+from .._http.offer import place
+from .._http.record import Figures, Tally, add
+from .._loop import running_loop
+from .wire import Msg, Wire
+
+__all__ = ["Authority", "Grant"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+LOST = "its worker process ended"
+
+
+@dataclass(slots=True)
+class Ended:
+    """How a worker's exchange ended, as its ``END`` said (what `Charge` settles by)."""
+
+    sent: bool = True
+    completed: bool = False
+    answered: bool = False
+    cut: str | None = None
+
+
+class Grant:
+    """A worker's request as the authority holds it: what its router lines name, and the
+    stand-in for its exchange in the instance's in-flight set."""
+
+    __slots__ = ("_abortable", "caller", "dep", "gated", "gid", "line", "outcome", "rid", "verdict")
+
+    def __init__(self, line: Line, gid: int, dep: Deployment, rid: str, caller: str | None):
+        self.line, self.gid, self.dep, self.rid, self.caller = line, gid, dep, rid, caller
+        self.outcome = Ended()
+        self.verdict: asyncio.Future[str | None] | None = None
+        """Set while an offer runs: None when it ended, the reason when it was not taken."""
+        self._abortable = False
+        self.gated = False
+        """Its deployment served nothing when it asked: its wait was for a start or wake."""
+
+    def abortable(self) -> None:
+        self._abortable = True
+
+    def abort(self, why: str) -> None:
+        self.line.wire.send(Msg.ABORT, self.gid, why)
+
+    async def attempt(self, instance: EngineInstance, route: Route, api: Api) -> None:
+        """Offer the request to ``instance`` and wait for the worker's word on it."""
+        line = self.line
+        self.outcome, self._abortable = Ended(), False
+        self.verdict = verdict = running_loop().create_future()
+        async with Charge(instance, self, self.rid, line.fleet.settlement):
+            url = instance.chat_url if api is Api.CHAT else instance.decision_url
+            line.wire.send(
+                Msg.OFFER,
+                self.gid,
+                instance.index,
+                str(url),
+                instance.headers,
+                instance.where,
+                self._abortable,
+                self.gated,
+            )
+            try:
+                why = await verdict
+            except asyncio.CancelledError:  # its line ended while it ran
+                self.outcome = Ended(cut=LOST)
+                raise
+            finally:
+                self.verdict = None
+        if why is not None:
+            raise NotAcceptedError(why, detail=why)
+
+
+class Line:
+    """One worker's line to the authority and the requests it has asked about."""
+
+    def __init__(self, authority: Authority, index: int) -> None:
+        self.authority = authority
+        self.index = index
+        self.wire = Wire(self._message, self._lost)
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.grants: dict[int, Grant] = {}
+        self.ready = running_loop().create_future()
+        self.fleet = authority.gateway.fleet
+
+    def _message(self, m: list[Any]) -> None:
+        kind = m[0]
+        if kind == Msg.ADMIT:
+            _, gid, name, api, rid, caller, left = m
+            dep = self.fleet.routes[name].deployment
+            grant = self.grants[gid] = Grant(self, gid, dep, rid, caller)
+            self.tasks[gid] = running_loop().create_task(self._place(grant, Api(api), left))
+        elif kind == Msg.COUNTS:
+            figures = cast("Figures", tuple(m[1]))
+            add(self.authority.gateway.telemetry, figures, running_loop().time())
+        elif kind == Msg.READY:
+            if not self.ready.done():
+                self.ready.set_result(None)
+        else:
+            self._word(kind, m)
+
+    def _word(self, kind: str, m: list[Any]) -> None:
+        """A worker's word on a request it asked about: how its offer ended (``END``), that
+        the engine never got it (``NEXT``), or that its client went (``GONE``)."""
+        found = self.grants.get(m[1])
+        if found is None:
+            return  # already refused or ended
+        verdict = found.verdict
+        if verdict is None or verdict.done():
+            if kind == Msg.GONE:  # still waiting for its slot or an instance
+                self.tasks[found.gid].cancel()
+            return
+        if kind == Msg.END:
+            found.outcome = Ended(m[2], m[3], m[4], m[5])
+            verdict.set_result(None)
+        elif kind == Msg.NEXT:
+            found.outcome = Ended(sent=False)
+            verdict.set_result(m[2])
+        elif kind == Msg.GONE:  # its client went before the offer reached it: never sent
+            found.outcome = Ended(sent=False)
+            verdict.set_result(None)
+
+    async def _place(self, grant: Grant, api: Api, left: float) -> None:
+        loop = running_loop()
+        tally = Tally(api.value, loop.time())
+        try:
+            grant.gated = grant.dep.launched and not self.fleet.routes[grant.dep.name].queue.open
+            await place(
+                self.fleet,
+                grant,
+                tally,
+                tally.arrival + left,
+                lambda instance, route: grant.attempt(instance, route, api),
+            )
+        except GatewayError as err:
+            kind = "engine" if isinstance(err, EngineError) else ""
+            self.wire.send(
+                Msg.REFUSED,
+                grant.gid,
+                kind,
+                err.status,
+                err.code,
+                err.message,
+                err.retryable,
+                err.detail,
+            )
+        finally:
+            del self.grants[grant.gid], self.tasks[grant.gid]
+
+    def _lost(self) -> None:
+        """The worker is gone: what it waited for leaves the queue, what ran is cut."""
+        for task in list(self.tasks.values()):
+            task.cancel()
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError("the worker ended before it listened"))
+        self.authority.lines.discard(self)
+
+
+class Authority:
+    """Every worker's line, over the gateway (and fleet) of this process."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.lines: set[Line] = set()
+
+    async def attach(self, sock: socket.socket, index: int, workers: int) -> Line:
+        """Open the line to worker ``index`` of ``workers`` over ``sock`` and greet it: the
+        configuration, the key and how many workers share the listener's bounds. Wait for
+        `Line.ready` before counting on it."""
+        line = Line(self, index)
+        await running_loop().create_unix_connection(lambda: line.wire, sock=sock)
+        self.lines.add(line)
+        gateway = self.gateway
+        hello = {
+            "config": gateway.config.model_dump(mode="json"),
+            "key": gateway.key_to_share(),
+            "workers": workers,
+            "index": index,
+        }
+        line.wire.send(Msg.HELLO, hello)
+        return line
+
+    def broadcast(self, *message: Any) -> None:
+        for line in self.lines:
+            line.wire.send(*message)

@@ -1,0 +1,140 @@
+"""A worker's desk: the public handlers place each request through the authority and relay it
+here. One ``ADMIT`` per request; the authority answers with an offer (an instance, its URL and
+headers) or a refusal. The worker runs the exchange with its own engine client and says how it
+ended (``END``); an engine that provably never got it asks for the next instance (``NEXT``); a
+client gone before its offer came says so (``GONE``). An ``ABORT`` ends a running exchange as
+one process's abort does. Each request's counts go to the authority (``COUNTS``), which keeps
+the gateway's one telemetry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from yarl import URL
+
+from .._config import GatewayConfig
+from .._engine_client import EngineClient
+from .._errors import EngineError, GatewayError, NotAcceptedError, UnavailableError
+from .._http.calls import Call
+from .._http.record import Tally, figures
+from .._loop import running_loop
+from .._relay.exchange import Exchange
+from .wire import Msg, Wire
+
+if TYPE_CHECKING:
+    from .._http.inference import Surface
+
+__all__ = ["RemoteDesk"]
+
+
+class RemoteDesk:
+    """The worker's side of the line (`Wire`): its requests' offers and exchanges."""
+
+    def __init__(self, config: GatewayConfig, engines: EngineClient, wire: Wire) -> None:
+        self.config = config
+        self.engines = engines
+        self.drains: set[asyncio.Task[None]] = set()
+        self.wire = wire
+        self._asking: dict[int, asyncio.Future[list[Any]]] = {}
+        self._running: dict[int, Exchange] = {}
+        self._gid = itertools.count()
+
+    def answer(self, m: list[Any]) -> None:
+        """An ``OFFER`` or ``REFUSED`` for one of this worker's requests."""
+        waiting = self._asking.pop(m[1], None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(m)
+
+    def abort(self, gid: int, why: str) -> None:
+        ex = self._running.get(gid)
+        if ex is not None:
+            ex.abort(why)
+
+    def lost(self) -> None:
+        """The line ended: requests waiting for an offer are refused, running ones ended."""
+        gone = UnavailableError("the gateway is stopping", code="shutting_down")
+        for waiting in self._asking.values():
+            if not waiting.done():
+                waiting.set_exception(gone)
+        self._asking.clear()
+        for ex in self._running.values():
+            ex.abort("the gateway's authority ended")
+
+    @property
+    def busy(self) -> int:
+        """Requests this worker has asked about or runs."""
+        return len(self._asking) + len(self._running)
+
+    async def serve(self, call: Call, surface: Surface, deadline: float) -> web.StreamResponse:
+        loop = running_loop()
+        gid = next(self._gid)
+        wire, tally = self.wire, call.tally
+        if wire.closed:
+            raise UnavailableError("the gateway is stopping", code="shutting_down")
+        wire.send(
+            Msg.ADMIT,
+            gid,
+            call.dep.name,
+            call.api.value,
+            call.rid,
+            call.caller,
+            deadline - loop.time(),
+        )
+        ex: Exchange | None = None
+        asking = True
+        try:
+            while True:
+                asked = self._asking[gid] = loop.create_future()
+                m = await asked
+                asking = False
+                if m[0] == Msg.REFUSED:
+                    raise _refusal(m)
+                _, _, index, url, headers, where, abortable, gated = m
+                if tally.slot is None:
+                    tally.slot, tally.launched, tally.gated = loop.time(), call.dep.launched, gated
+                ex = self._exchange(url, headers, where, deadline, abortable)
+                tally.ex, tally.instance = ex, index
+                self._running[gid] = ex
+                try:
+                    return await surface.run(call, ex, self.config.limits.max_answer_bytes)
+                except NotAcceptedError as exc:
+                    wire.send(Msg.NEXT, gid, exc.detail or exc.message)
+                    ex, asking = None, True
+                finally:
+                    self._running.pop(gid, None)
+        finally:
+            self._asking.pop(gid, None)
+            if asking:  # an offer on its way is declined: nothing was sent
+                wire.send(Msg.GONE, gid)
+            elif ex is not None:
+                out = ex.outcome
+                wire.send(Msg.END, gid, out.sent, out.completed, out.answered, out.cut)
+
+    def _exchange(
+        self, url: str, headers: dict[str, str], where: str, deadline: float, abortable: bool
+    ) -> Exchange:
+        ex = Exchange(
+            self.engines,
+            URL(url),
+            headers,
+            where=where,
+            deadline=deadline,
+            idle_timeout=self.config.queue.stream_idle_timeout,
+            drains=self.drains,
+        )
+        if abortable:
+            ex.abortable()
+        return ex
+
+    def record(self, tally: Tally) -> None:
+        self.wire.send(Msg.COUNTS, figures(tally))
+
+
+def _refusal(m: list[Any]) -> GatewayError:
+    _, _, kind, status, code, message, retryable, detail = m
+    cls = EngineError if kind == "engine" else GatewayError
+    return cls(message, status=status, code=code, retryable=retryable, detail=detail)

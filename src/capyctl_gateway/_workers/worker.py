@@ -1,0 +1,141 @@
+"""One worker: the public listener's application over a `RemoteDesk`, with its own engine
+client, serving one share of the public port.
+
+It learns everything from its authority's ``HELLO`` (the configuration, the key, its share
+of the listener's bounds), serves until ``QUIT`` (``STOP`` first stops it listening), and ends
+when its line does. The process around it is ``_cli_workers.py``; a test can run several in
+one process (the line is any connected Unix socket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from .._config import GatewayConfig
+from .._engine_client import EngineClient
+from .._gateway import Gateway
+from .._http.app import public_app
+from .._http.inference import Inference
+from .._http.server import GatewayRunner
+from .._loop import running_loop
+from .desk import RemoteDesk
+from .wire import Msg, Wire
+
+__all__ = ["END_GRACE_S", "Worker", "reuse_port_socket", "share"]
+
+END_GRACE_S = 5.0
+"""After ``QUIT``, how long the requests still open get to write their last words."""
+BACKLOG = 4096
+
+
+def share(total: int, workers: int) -> int:
+    """One worker's part of a bound the whole gateway has (``limits.max_connections``,
+    ``limits.max_body_bytes_in_flight``): rounded up, so that the parts add up to at least it."""
+    return math.ceil(total / workers)
+
+
+class Worker:
+    """A worker: `connect` to the authority, `serve` a listening socket until told to stop."""
+
+    def __init__(self) -> None:
+        self.wire = Wire(self._message, self._lost)
+        self.orders: asyncio.Queue[list[Any]] = asyncio.Queue()
+        """The authority's orders for the worker itself: hello, stop, quit (and a quit of its
+        own when the line ends)."""
+        self.desk: RemoteDesk | None = None
+        self.config: GatewayConfig | None = None
+        self.key = ""
+        self._runner: GatewayRunner | None = None
+
+    def _message(self, m: list[Any]) -> None:
+        kind, desk = m[0], self.desk
+        if desk is not None and (kind == Msg.OFFER or kind == Msg.REFUSED):
+            desk.answer(m)
+        elif desk is not None and kind == Msg.ABORT:
+            desk.abort(m[1], m[2])
+        else:
+            self.orders.put_nowait(m)
+
+    def _lost(self) -> None:
+        if self.desk is not None:
+            self.desk.lost()
+        self.orders.put_nowait([Msg.QUIT])
+
+    async def connect(self, line: socket.socket) -> dict[str, Any]:
+        """Open the line and wait for the authority's hello; returns it."""
+        await running_loop().create_unix_connection(lambda: self.wire, sock=line)
+        first = await self.orders.get()
+        if first[0] != Msg.HELLO:
+            raise ConnectionError("the authority ended before its hello")
+        hello: dict[str, Any] = first[1]
+        workers = hello["workers"]
+        config = GatewayConfig.model_validate(hello["config"])
+        limits = config.limits.model_copy(
+            update={
+                "max_connections": share(config.limits.max_connections, workers),
+                "max_body_bytes_in_flight": share(config.limits.max_body_bytes_in_flight, workers),
+            }
+        )
+        self.config = config.model_copy(update={"limits": limits})
+        self.key = hello["key"]
+        engines = EngineClient(connect_timeout=config.queue.connect_timeout)
+        self.desk = RemoteDesk(self.config, engines, self.wire)
+        return hello
+
+    async def serve(self, sock: socket.socket, on_ready: Callable[[], None] | None = None) -> None:
+        """Serve the public application on ``sock`` (bound, not yet listening) until the
+        authority says ``QUIT`` or its line ends; then the requests still open get
+        `END_GRACE_S` to finish."""
+        desk, config = self.desk, self.config
+        assert desk is not None and config is not None
+        gateway = Gateway(config, self.key)
+        runner = self._runner = GatewayRunner(
+            public_app(gateway, Inference(gateway, desk)), shutdown_timeout=END_GRACE_S
+        )
+        await runner.setup()
+        site = web.SockSite(runner, sock, backlog=BACKLOG)
+        await site.start()
+        self.wire.send(Msg.READY)
+        if on_ready is not None:
+            on_ready()
+        while True:
+            order = await self.orders.get()
+            if order[0] == Msg.STOP:
+                for each in list(runner.sites):
+                    await each.stop()
+            elif order[0] == Msg.QUIT:
+                break
+
+    async def close(self) -> None:
+        """Close the listener (its open requests get `END_GRACE_S`), the engine connections
+        and the line."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        desk = self.desk
+        if desk is not None:
+            for task in list(desk.drains):
+                task.cancel()
+            await asyncio.gather(*desk.drains, return_exceptions=True)
+            await desk.engines.close()
+        self.wire.close()
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT``: each worker binds its own, and
+    the kernel spreads new connections over those listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

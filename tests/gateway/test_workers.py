@@ -1,0 +1,188 @@
+"""``serve --workers 2`` as real processes: a worker killed mid-stream ends only its own
+streams, their charges are settled as cut requests and the worker is replaced; a stopping
+gateway drains every worker. And the line's own bounds. Real processes throughout (the gateway,
+its workers, the launchable fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import yaml
+
+from capyctl_gateway import GatewayConfig
+from capyctl_gateway._workers.wire import MAX_MESSAGE_BYTES, Wire
+from capyctl_gateway._workers.worker import share
+from tests.gateway.serving import listening, serve_command
+from tests.gateway.test_lifecycle import launched
+from tests.gateway.test_lifecycle_races import said, served
+from tests.gateway.test_operator import free_port
+
+pytestmark = pytest.mark.anyio
+STREAMS = 16
+
+
+def children(pid: int) -> list[int]:
+    """The live worker processes of gateway ``pid``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and stat[0] != "Z" and b"capyctl_gateway._cli_workers" in argv:
+            found.append(int(proc.name))
+    return found
+
+
+async def until(check: Any, within_s: float = 30.0) -> None:
+    """Poll a condition of real processes (no event to wait on) until it holds."""
+    with anyio.fail_after(within_s):
+        for _ in range(int(within_s / 0.05) + 1):
+            if check():
+                return
+            await anyio.sleep(0.05)
+
+
+async def stream(port: int, key: str, seconds: float, begun: asyncio.Event) -> str:
+    """One streamed request on a connection of its own; what became of it: ``done``,
+    ``broken`` (the connection ended mid-stream), or ``error`` (an in-band error event)."""
+    body = {**said(f"take:{seconds}", "my-model"), "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    last = ""
+    try:
+        async with (
+            httpx.AsyncClient(timeout=60, headers=headers) as c,
+            c.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            async for text in r.aiter_lines():
+                if text.startswith("data:"):
+                    last = text
+                    begun.set()
+    except httpx.RemoteProtocolError:
+        return "broken"
+    if last == "data: [DONE]":
+        return "done"
+    return "error" if '"error"' in last else "broken"
+
+
+def start(tmp_path: Path, **limits: Any) -> tuple[subprocess.Popen[bytes], int, int, Path]:
+    config = tmp_path / "g.yaml"
+    dep = launched(served=served("w"), memory={"ready": "1GiB", "parked": 0})
+    config.write_text(yaml.safe_dump({"limits": limits, "deployments": [dep]}))
+    state, port, mport = tmp_path / "state", free_port(), free_port()
+    argv, env = serve_command(config, state, port, mport)
+    gateway = subprocess.Popen([*argv, "--workers", "2"], stderr=subprocess.PIPE, env=env)
+    return gateway, port, mport, state
+
+
+async def test_a_killed_worker_ends_only_its_streams_settles_them_and_is_replaced(
+    tmp_path: Path,
+) -> None:
+    gateway, port, mport, state = start(tmp_path)
+    try:
+        key = listening(gateway, state)
+        assert len(children(gateway.pid)) == 2
+        begun = [asyncio.Event() for _ in range(STREAMS)]
+        tasks = [asyncio.ensure_future(stream(port, key, 3, b)) for b in begun]
+        for b in begun:
+            await b.wait()  # every stream runs on the engine
+        victim = children(gateway.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        ends = await asyncio.gather(*tasks)
+        broken, done = ends.count("broken"), ends.count("done")
+        # Each worker held some of 16 connections (SO_REUSEPORT); the other's streams ended well.
+        assert broken + done == STREAMS and broken > 0 and done > 0, ends
+        await until(lambda: len(children(gateway.pid)) == 2 and victim not in children(gateway.pid))
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(timeout=60, headers=headers) as m:
+            status = f"http://127.0.0.1:{mport}/management/v1/deployments/my-model"
+            doc = (await m.get(status)).json()
+            cut = [c for c in doc["instances"][0]["cancelled"] if "worker" in c["reason"]]
+            metrics = (await m.get(f"http://127.0.0.1:{mport}/metrics")).text
+            settled = _sum(metrics, "capyctl_cut_settled_total")
+            # Every stream of the killed worker is charged as a cut request, or already settled.
+            assert len(cut) + settled == broken, (cut, settled)
+            assert doc["deployment"]["running"] == 0  # no slot was stranded
+            # The replacement serves, and the whole gateway's counts are in one exposition.
+            for _ in range(8):
+                r = await m.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", json=said("hi", "my-model")
+                )
+                assert r.status_code == 200, r.text
+            metrics = (await m.get(f"http://127.0.0.1:{mport}/metrics")).text
+            completed = _sum(metrics, 'capyctl_requests_total{api="chat"', 'outcome="completed"')
+            assert completed == done + 8
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        code = gateway.wait(timeout=60)
+        assert gateway.stderr is not None
+        gateway.stderr.close()
+    assert code == 0
+    assert children(gateway.pid) == []
+
+
+async def test_a_stopping_gateway_drains_every_worker(tmp_path: Path) -> None:
+    gateway, port, _, state = start(tmp_path, shutdown_timeout="20s")
+    try:
+        key = listening(gateway, state)
+        workers = children(gateway.pid)
+        begun = [asyncio.Event() for _ in range(8)]
+        tasks = [asyncio.ensure_future(stream(port, key, 1.5, b)) for b in begun]
+        for b in begun:
+            await b.wait()
+        gateway.send_signal(signal.SIGTERM)
+        assert await asyncio.gather(*tasks) == ["done"] * 8  # each finished within the timeout
+        assert await asyncio.to_thread(gateway.wait, 60) == 0
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+    assert gateway.stderr is not None
+    with gateway.stderr:
+        assert b"capyctl-gateway: stopped" in gateway.stderr.read()
+    assert not any(map(alive, workers))
+
+
+def alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def _sum(text: str, *parts: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if all(p in line for p in parts) and not line.startswith("#")
+    )
+
+
+def test_each_worker_holds_its_share_of_the_listeners_bounds() -> None:
+    assert share(2048, 2) == 1024 and share(5, 2) == 3 and share(1, 4) == 1
+    assert GatewayConfig.model_validate({"workers": 64, "deployments": [launched()]}).workers == 64
+    with pytest.raises(ValueError, match="workers"):
+        GatewayConfig.model_validate({"workers": 65, "deployments": [launched()]})
+
+
+async def test_a_message_past_the_lines_bound_closes_the_line() -> None:
+    got: list[Any] = []
+    lost: list[bool] = []
+    wire = Wire(got.append, lambda: lost.append(True))
+    ours, theirs = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    await loop.create_unix_connection(lambda: wire, sock=ours)
+    theirs.sendall(b"\x00\x00\x00\x05[1,2]" + (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big"))
+    await until(lambda: lost == [True], 5)
+    assert got == [[1, 2]]
+    assert theirs.recv(10) == b""  # the line really closed on our side
+    theirs.close()
