@@ -20,6 +20,7 @@ SCENARIOS = {
 }
 DISPLAY = {"direct": "direct to the engine", "gateway": "capyctl-gateway", "peer": "vllm-router"}
 GATEWAY = "gateway"
+SCENARIOS_RPS = ("ns", "s16", "s256")
 PEER = "peer"
 
 
@@ -88,6 +89,13 @@ def summarize(
         out["targets"][t] = per
     out["gateway_vs_peer_s16"] = _paired(rounds, _ratio, "s16", GATEWAY, PEER)
     out["gateway_vs_peer_s256"] = _paired(rounds, _ratio, "s256", GATEWAY, PEER)
+    for t in targets:
+        if t.startswith("gateway-w"):  # a gateway with workers, beside one process and the peer
+            out[t] = {
+                f"vs_{base}_{sc}": _paired(rounds, _ratio, sc, t, base)
+                for base in (GATEWAY, PEER)
+                for sc in ("ns", "s16", "s256")
+            }
     out["budget"] = _budget(out)
     return out
 
@@ -200,6 +208,13 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         rss = meta.get("peak_rss_mib", {}).get(t)
         cells.append(_fmt(rss, ".0f", " MiB"))
         lines.append("| " + " | ".join(cells) + " |")
+    for t in targets:
+        if t.startswith("gateway-w"):
+            w = summary[t]
+            lines += ["", f"{t}, paired ratios of req/s (ns / s16 / s256):", ""]
+            for base in (GATEWAY, PEER):
+                ratios = " / ".join(_fmt(w[f"vs_{base}_{sc}"], ".2f", "x") for sc in SCENARIOS_RPS)
+                lines.append(f"- against {DISPLAY[base]}: {ratios}")
     lines += ["", "| scenario | budget | measured (gateway) | verdict |", "|---|---|---|---|"]
     lines += [
         f"| {b['scenario']} | {b['budget']} | {b['measured']} | {_verdict(b['met'])} |"

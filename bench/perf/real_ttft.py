@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--base", default=None, help="a second gateway from this source tree (an A/B)"
     )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="also a gateway with this many workers (> 1)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="capyctl-real-ttft-"))
@@ -150,6 +153,17 @@ def main(argv: list[str] | None = None) -> int:
             profile=args.profile,
         )
         targets.append(gw)
+        if args.workers > 1:
+            _, team = start_gateway(
+                procs,
+                work / "workers",
+                url,
+                engine="llamacpp",
+                engine_version="b10798",
+                args=[*args.gateway_arg, "--workers", str(args.workers)],
+                name="workers",
+            )
+            targets.append(team)
         if args.base is not None:
             base = gateway_from_tree(
                 procs, work / "base", url, args.base, engine="llamacpp", engine_version="b10798"
@@ -203,6 +217,9 @@ def _table(runs: list[dict[str, list[float]]]) -> str:
         rows.append(f"| {i} | {direct:.3f} ms | {added('gateway')} | {added('peer')} | {cpu} |")
         if "base" in got:
             rows.append(f"| {i}, the base tree | | {added('base')} | | |")
+        if "workers" in got:
+            cpu_w = f"{got['workers_cpu_ms'][0]:.3f} ms"
+            rows.append(f"| {i}, with workers | | {added('workers')} | | {cpu_w} |")
     return "\n".join(rows)
 
 

@@ -127,11 +127,13 @@ def start_gateway(
     extra: str = "",
     args: Sequence[str] = (),
     profile: Path | None = None,
+    name: str = "gateway",
 ) -> tuple[Proc, Target]:
     """capyctl-gateway serving the engine at ``engine_url`` as the deployment ``bench``
     (``extra``: more YAML for its config; ``args``: more options for ``serve``; ``profile``:
     run it under cProfile, written there when it stops), ready."""
     py = sys.executable
+    work.mkdir(parents=True, exist_ok=True)
     config = work / "gateway.yaml"
     text = CONFIG.format(engine=engine, version=engine_version, url=engine_url) + extra
     config.write_text(text, encoding="utf-8")
@@ -139,7 +141,7 @@ def start_gateway(
     gport, mport = free_port(), free_port()
     gw_bin = str(Path(py).with_name("capyctl-gateway"))
     gateway = procs.start(
-        "gateway",
+        name,
         [
             *(
                 [py, "-m", "cProfile", "-o", str(profile), "-m", "capyctl_gateway.cli"]
@@ -168,7 +170,22 @@ def start_gateway(
     gateway.wait_http(
         f"http://127.0.0.1:{gport}/v1/models", headers={"Authorization": f"Bearer {key}"}
     )
-    return gateway, Target("gateway", f"http://127.0.0.1:{gport}", "bench", key, (gateway.pid,))
+    pids = (gateway.pid, *children(gateway.pid))  # its workers, with --workers
+    return gateway, Target(name, f"http://127.0.0.1:{gport}", "bench", key, pids)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a gateway's workers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid:
+                found.append(int(proc.name))
+    return found
 
 
 def _serve(args: argparse.Namespace, procs: ProcessSet, work: Path) -> tuple[list[Target], int]:
@@ -178,6 +195,12 @@ def _serve(args: argparse.Namespace, procs: ProcessSet, work: Path) -> tuple[lis
     targets = [Target("direct", engine_url, "tiny", None, ())]
     _, gateway_target = start_gateway(procs, work, engine_url)
     targets.append(gateway_target)
+    if args.workers > 1:
+        name = f"gateway-w{args.workers}"
+        _, team = start_gateway(
+            procs, work / name, engine_url, args=["--workers", str(args.workers)], name=name
+        )
+        targets.append(team)
 
     peer_bin = None if args.no_peer else _peer_bin(args.peer_bin)
     if peer_bin is not None:
@@ -270,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wrk", action="store_true", help="non-streamed load by SSE client")
     parser.add_argument("--wrk-threads", type=int, default=1)
     parser.add_argument("--no-peer", action="store_true", help="skip vllm-router")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="also a gateway with this many workers (> 1)"
+    )
     parser.add_argument("--peer-bin", default=None, help="the vllm-router executable")
     parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
     parser.add_argument("--keep", action="store_true", help="keep the logs' directory")
@@ -295,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         rss0 = {p.name: (rss_kib(p.pid) or 0) / 1024 for p in procs.procs}
         rounds = _run_rounds(args, targets, engine_pid, _loads(args, use_wrk), log)
         by_target = {"direct": "engine", "gateway": "gateway", "peer": "peer"}
+        by_target[f"gateway-w{args.workers}"] = f"gateway-w{args.workers}"
         peaks = {p.name: (peak_rss_kib(p.pid) or 0) / 1024 for p in procs.procs}
         meta: dict[str, Any] = {
             "rounds": args.rounds,

@@ -67,9 +67,7 @@ class Workers:
             theirs.close()
         self.procs[index] = proc
         line = await self.authority.attach(ours, index, self.count)
-        try:
-            await line.ready
-        except ConnectionError:
+        if not await line.ready:
             await proc.wait()
             raise RuntimeError(
                 f"worker {index} exited with {proc.returncode} before it listened"

@@ -25,8 +25,14 @@ class Gateway:
     """What one gateway's listeners share."""
 
     def __init__(
-        self, config: GatewayConfig, api_key: str, *, clock: Callable[[], float] = time.time
+        self,
+        config: GatewayConfig,
+        api_key: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        started_at: int | None = None,
     ) -> None:
+        """``started_at``: the start a worker's models documents name (its authority's)."""
         self.config = config
         self._key = api_key.encode()
         self.clock = clock
@@ -34,7 +40,7 @@ class Gateway:
         """The gateway's own counts and timings (read by the /metrics exposition)."""
         self.bodies = BodyBudget(config.limits.max_body_bytes_in_flight)
         """Request-body bytes read and held, over all requests."""
-        self.started_at = int(clock())
+        self.started_at = int(clock()) if started_at is None else started_at
         self._fleet: Fleet | None = None
         models = [
             {

@@ -50,7 +50,7 @@ def listening(gateway: subprocess.Popen[bytes], state: Path) -> str:
 
 
 async def serve_workers(
-    app: web.Application, workers: int
+    app: web.Application, workers: int, *, port: int = 0
 ) -> tuple[Callable[[], Awaitable[None]], str]:
     """Serve ``app``'s gateway as an authority with ``workers`` workers, all in this process:
     each worker on its own line (a Unix socketpair) and its own ``SO_REUSEPORT`` listener on
@@ -59,7 +59,7 @@ async def serve_workers(
     runner = GatewayRunner(app)
     await runner.setup()  # opens the fleet; the authority serves no public listener itself
     authority = Authority(app[GATEWAY_KEY])
-    reserved = reuse_port_socket("127.0.0.1", 0)
+    reserved = reuse_port_socket("127.0.0.1", port)
     port = reserved.getsockname()[1]
     running: list[tuple[Worker, asyncio.Task[None]]] = []
     for index in range(workers):

@@ -32,9 +32,12 @@ from capyctl_gateway._machines.protocol import (
     deployment_tag,
     ingress_path,
 )
-from tests.gateway.conftest import COLLECTOR, KEY
+from tests.gateway.conftest import COLLECTOR, KEY, WORKERS
 from tests.gateway.fake_engine import FakeEngine, Hold, vllm_stream
 from tests.gateway.freezer import Freezer
+from tests.gateway.serving import serve_workers
+
+workers = WORKERS  # the server relays through one process, and through two workers
 
 pytestmark = pytest.mark.anyio
 
@@ -55,7 +58,9 @@ class Cluster:
     server_state: Path
     control: str
     tmp: Path
-    runners: list[web.AppRunner] = field(default_factory=list)
+    stops: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """What stops the server: its public listener (or its workers), then its control port."""
+    workers: int = 1
     hosts: dict[str, tuple[Host, asyncio.Task[None], web.AppRunner]] = field(default_factory=dict)
     app: web.Application | None = None
     config: GatewayConfig | None = None
@@ -75,7 +80,12 @@ class Cluster:
         app = create_app(self.config, KEY, env={}, collector_options=COLLECTOR,
                          state_dir=self.server_state, server=identity)  # fmt: skip
         port = int(self.url.rsplit(":", 1)[1]) if self.url else 0
-        runner, addr = await _site(GatewayRunner(app), port=port)
+        if self.workers > 1:
+            stop, url = await serve_workers(app, self.workers, port=port)
+            addr = url.removeprefix("http://")
+        else:
+            runner, addr = await _site(GatewayRunner(app), port=port)
+            stop = runner.cleanup
         gw = app[GATEWAY_KEY]
         assert gw.fleet.machines is not None
         context = pki.server_context(identity.cert, identity.key, identity.ca_cert)
@@ -87,12 +97,12 @@ class Cluster:
         await site.start()
         control = f"127.0.0.1:{site.port}"
         self.url, self.control, self.app = f"http://{addr}", control, app
-        self.runners = [runner, crunner]
+        self.stops = [stop, crunner.cleanup]
 
     async def stop_server(self) -> None:
-        for runner in self.runners:
-            await runner.cleanup()
-        self.runners = []
+        for stop in self.stops:
+            await stop()
+        self.stops = []
 
     def client(self, **kw: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -146,7 +156,7 @@ class Cluster:
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
+async def cluster(tmp_path: Path, workers: int) -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
     made: list[Cluster] = []
 
     async def make(
@@ -155,7 +165,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Clust
         config = GatewayConfig.model_validate(
             {"deployments": deployments, "queue": queue, "resources": resources or {}}
         )
-        c = Cluster("", tmp_path / "server", "", tmp_path, config=config)
+        c = Cluster("", tmp_path / "server", "", tmp_path, config=config, workers=workers)
         await c.start_server()
         made.append(c)
         return c
@@ -166,8 +176,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Clust
         for c in made:
             for name in list(c.hosts):
                 await c.kill_host(name)
-            for runner in reversed(c.runners):
-                await runner.cleanup()
+            await c.stop_server()
             await c._stack.aclose()
 
 

@@ -102,7 +102,8 @@ class Line:
         self.wire = Wire(self._message, self._lost)
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.grants: dict[int, Grant] = {}
-        self.ready = running_loop().create_future()
+        self.ready: asyncio.Future[bool] = running_loop().create_future()
+        """True once the worker listens; False when its line ended before."""
         self.fleet = authority.gateway.fleet
 
     def _message(self, m: list[Any]) -> None:
@@ -117,7 +118,7 @@ class Line:
             add(self.authority.gateway.telemetry, figures, running_loop().time())
         elif kind == Msg.READY:
             if not self.ready.done():
-                self.ready.set_result(None)
+                self.ready.set_result(True)
         else:
             self._word(kind, m)
 
@@ -174,7 +175,7 @@ class Line:
         for task in list(self.tasks.values()):
             task.cancel()
         if not self.ready.done():
-            self.ready.set_exception(ConnectionError("the worker ended before it listened"))
+            self.ready.set_result(False)
         self.authority.lines.discard(self)
 
 
@@ -198,6 +199,7 @@ class Authority:
             "key": gateway.key_to_share(),
             "workers": workers,
             "index": index,
+            "started_at": gateway.started_at,
         }
         line.wire.send(Msg.HELLO, hello)
         return line

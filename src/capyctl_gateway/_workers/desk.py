@@ -40,7 +40,10 @@ class RemoteDesk:
         self.drains: set[asyncio.Task[None]] = set()
         self.wire = wire
         self._asking: dict[int, asyncio.Future[list[Any]]] = {}
-        self._running: dict[int, Exchange] = {}
+        self._live: dict[int, Exchange | None] = {}
+        """Every request asked about and not ended, with its exchange once it has one."""
+        self._aborts: dict[int, str] = {}
+        """Aborts that came for a live request before its exchange was made."""
         self._gid = itertools.count()
 
     def answer(self, m: list[Any]) -> None:
@@ -50,8 +53,12 @@ class RemoteDesk:
             waiting.set_result(m)
 
     def abort(self, gid: int, why: str) -> None:
-        ex = self._running.get(gid)
-        if ex is not None:
+        if gid not in self._live:
+            return  # it ended already
+        ex = self._live[gid]
+        if ex is None:
+            self._aborts[gid] = why  # its offer is on its way to the task: abort it on arrival
+        else:
             ex.abort(why)
 
     def lost(self) -> None:
@@ -61,13 +68,9 @@ class RemoteDesk:
             if not waiting.done():
                 waiting.set_exception(gone)
         self._asking.clear()
-        for ex in self._running.values():
-            ex.abort("the gateway's authority ended")
-
-    @property
-    def busy(self) -> int:
-        """Requests this worker has asked about or runs."""
-        return len(self._asking) + len(self._running)
+        for ex in self._live.values():
+            if ex is not None:
+                ex.abort("the gateway's authority ended")
 
     async def serve(self, call: Call, surface: Surface, deadline: float) -> web.StreamResponse:
         loop = running_loop()
@@ -86,6 +89,7 @@ class RemoteDesk:
         )
         ex: Exchange | None = None
         asking = True
+        self._live[gid] = None
         try:
             while True:
                 asked = self._asking[gid] = loop.create_future()
@@ -96,18 +100,20 @@ class RemoteDesk:
                 _, _, index, url, headers, where, abortable, gated = m
                 if tally.slot is None:
                     tally.slot, tally.launched, tally.gated = loop.time(), call.dep.launched, gated
-                ex = self._exchange(url, headers, where, deadline, abortable)
+                ex = self._live[gid] = self._exchange(url, headers, where, deadline, abortable)
                 tally.ex, tally.instance = ex, index
-                self._running[gid] = ex
+                if gid in self._aborts:
+                    ex.abort(self._aborts.pop(gid))
                 try:
                     return await surface.run(call, ex, self.config.limits.max_answer_bytes)
                 except NotAcceptedError as exc:
                     wire.send(Msg.NEXT, gid, exc.detail or exc.message)
                     ex, asking = None, True
-                finally:
-                    self._running.pop(gid, None)
+                    self._live[gid] = None
         finally:
             self._asking.pop(gid, None)
+            del self._live[gid]
+            self._aborts.pop(gid, None)
             if asking:  # an offer on its way is declined: nothing was sent
                 wire.send(Msg.GONE, gid)
             elif ex is not None:

@@ -51,6 +51,7 @@ class Worker:
         self.desk: RemoteDesk | None = None
         self.config: GatewayConfig | None = None
         self.key = ""
+        self.started_at = 0
         self._runner: GatewayRunner | None = None
 
     def _message(self, m: list[Any]) -> None:
@@ -84,6 +85,7 @@ class Worker:
         )
         self.config = config.model_copy(update={"limits": limits})
         self.key = hello["key"]
+        self.started_at = int(hello["started_at"])
         engines = EngineClient(connect_timeout=config.queue.connect_timeout)
         self.desk = RemoteDesk(self.config, engines, self.wire)
         return hello
@@ -94,7 +96,7 @@ class Worker:
         `END_GRACE_S` to finish."""
         desk, config = self.desk, self.config
         assert desk is not None and config is not None
-        gateway = Gateway(config, self.key)
+        gateway = Gateway(config, self.key, started_at=self.started_at)
         runner = self._runner = GatewayRunner(
             public_app(gateway, Inference(gateway, desk)), shutdown_timeout=END_GRACE_S
         )
