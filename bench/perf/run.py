@@ -170,8 +170,18 @@ def start_gateway(
     gateway.wait_http(
         f"http://127.0.0.1:{gport}/v1/models", headers={"Authorization": f"Bearer {key}"}
     )
-    pids = (gateway.pid, *children(gateway.pid))  # its workers, with --workers
+    pids = (gateway.pid, *_workers(gateway.pid, args))
     return gateway, Target(name, f"http://127.0.0.1:{gport}", "bench", key, pids)
+
+
+def _workers(pid: int, args: Sequence[str]) -> list[int]:
+    """The workers of gateway ``pid`` when ``args`` asks for some: the first answers before
+    the last has started, so wait until every one runs."""
+    wanted = int(args[list(args).index("--workers") + 1]) if "--workers" in args else 0
+    deadline = time.monotonic() + 30
+    while len(found := children(pid)) < wanted and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling processes that say nothing when they start
+    return found
 
 
 def children(pid: int) -> list[int]:
