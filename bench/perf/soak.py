@@ -33,7 +33,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -93,13 +93,24 @@ class Sample:
     requests: int | None = None
 
 
-def _sample(pid: int, t0: float, *, requests: int | None = None) -> Sample:
+def _sum(read: Callable[[int], int | None], pids: Sequence[int]) -> int | None:
+    """``read`` summed over ``pids`` (a gateway with workers is several processes)."""
+    got = [read(p) for p in pids]
+    return None if any(g is None for g in got) else sum(g for g in got if g is not None)
+
+
+def _sample(pid: Sequence[int], t0: float, *, requests: int | None = None) -> Sample:
     return Sample(
-        round(time.monotonic() - t0, 2), _mib(rss_kib(pid)), fd_count(pid), requests=requests
+        round(time.monotonic() - t0, 2),
+        _mib(_sum(rss_kib, pid)),
+        _sum(fd_count, pid),
+        requests=requests,
     )
 
 
-async def _wait_idle(pid: int, t0: float, fds: int | None, settle_s: float) -> Sample | None:
+async def _wait_idle(
+    pid: Sequence[int], t0: float, fds: int | None, settle_s: float
+) -> Sample | None:
     """Sample once a second until the gateway is back to ``fds`` open files, for at most
     ``settle_s``: idle upstream connections stay pooled for up to twice aiohttp's 15 s."""
     if settle_s <= 0:
@@ -141,7 +152,9 @@ class Served:
     engine_url: str
 
 
-def _serve(procs: ProcessSet, work: Path, *, max_running: int, max_waiting: int) -> Served:
+def _serve(
+    procs: ProcessSet, work: Path, *, max_running: int, max_waiting: int, workers: int = 1
+) -> Served:
     """The fake engine and the gateway in front of it, as ``bench.perf.run`` starts them, with
     the queue sized for the load."""
     engine, eport = start_engine(procs)
@@ -151,7 +164,10 @@ def _serve(procs: ProcessSet, work: Path, *, max_running: int, max_waiting: int)
         f"  max_running_per_deployment: {max_running}\n"
         f"  max_waiting_per_deployment: {max_waiting}\n"
     )
-    gateway, target = start_gateway(procs, work, f"http://127.0.0.1:{eport}", extra=queue)
+    more = ["--workers", str(workers)] if workers > 1 else []
+    gateway, target = start_gateway(
+        procs, work, f"http://127.0.0.1:{eport}", extra=queue, args=more
+    )
     _check_target(target, stream=True)
     _check_target(target, stream=False)
     return Served(engine, gateway, target, engine_url)
@@ -223,7 +239,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 async def _slow_streams(args: argparse.Namespace, sv: Served, log: Log) -> dict[str, Any]:
-    pid = sv.gateway.pid
+    pid = sv.target.pids  # the gateway's processes: with workers, all of them
     parts = urlsplit(sv.target.url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     request = build_request(
@@ -236,7 +252,7 @@ async def _slow_streams(args: argparse.Namespace, sv: Served, log: Log) -> dict[
     t0 = time.monotonic()
     await asyncio.sleep(1.0)  # let the collector's first polls settle
     before = _sample(pid, t0)
-    hwm_before = _mib(peak_rss_kib(pid))
+    hwm_before = _mib(_sum(peak_rss_kib, pid))
     samples: list[Sample] = []
     stop = asyncio.Event()
 
@@ -249,7 +265,7 @@ async def _slow_streams(args: argparse.Namespace, sv: Served, log: Log) -> dict[
                 await asyncio.wait_for(stop.wait(), args.sample_s)
 
     timeout_s = args.chunks * args.delay_ms / 1000 + 60
-    cpu0 = cpu_seconds([pid])
+    cpu0 = cpu_seconds(pid)
     sampling = asyncio.create_task(sampler())
     log(f"streams: opening {args.streams} at once ({args.chunks} chunks, {args.delay_ms:g} ms)")
     w0 = time.perf_counter()
@@ -257,10 +273,10 @@ async def _slow_streams(args: argparse.Namespace, sv: Served, log: Log) -> dict[
         *(_one_stream(host, port, request, args.chunks, timeout_s) for _ in range(args.streams))
     )
     wall = time.perf_counter() - w0
-    cpu = cpu_seconds([pid]) - cpu0
+    cpu = cpu_seconds(pid) - cpu0
     stop.set()
     await sampling
-    hwm = _mib(peak_rss_kib(pid))
+    hwm = _mib(_sum(peak_rss_kib, pid))
     await asyncio.sleep(2.0)
     after = _sample(pid, t0)
     idle = await _wait_idle(pid, t0, before.fds, args.settle_s)
@@ -344,7 +360,7 @@ async def _slow_streams(args: argparse.Namespace, sv: Served, log: Log) -> dict[
 
 # -- 2. requests in a row ---------------------------------------------------------------------
 async def _in_a_row(args: argparse.Namespace, sv: Served, log: Log) -> dict[str, Any]:
-    pid = sv.gateway.pid
+    pid = sv.target.pids  # the gateway's processes: with workers, all of them
     url, model, key = sv.target.url, sv.target.model, sv.target.key
     ns_req = build_request(url, model=model, chunks=2, key=key, stream=False)
     st_req = build_request(url, model=model, chunks=2, key=key, stream=True)
@@ -356,7 +372,7 @@ async def _in_a_row(args: argparse.Namespace, sv: Served, log: Log) -> dict[str,
     samples: list[Sample] = []
     done = completed = failed = wrong_chunks = 0
     first_error: str | None = None
-    cpu0, w0 = cpu_seconds([pid]), time.perf_counter()
+    cpu0, w0 = cpu_seconds(pid), time.perf_counter()
     while done < args.requests:
         n = min(args.sample_every, args.requests - done)
         n_st = n // 2
@@ -376,7 +392,7 @@ async def _in_a_row(args: argparse.Namespace, sv: Served, log: Log) -> dict[str,
         samples.append(s)
         log(f"in a row: {done:>7,} requests  RSS {s.rss_mib} MiB  fds {s.fds}  failed {failed}")
     wall = time.perf_counter() - w0
-    cpu = cpu_seconds([pid]) - cpu0
+    cpu = cpu_seconds(pid) - cpu0
     t_end = time.monotonic() - t0
     idle = await _wait_idle(pid, t0, before.fds, args.settle_s)
 
@@ -413,7 +429,7 @@ async def _in_a_row(args: argparse.Namespace, sv: Served, log: Log) -> dict[str,
             "warm_at_requests": warm.requests,
             "end": end_rss,
             "max_after_warm": max(after_warm, default=None),
-            "vmhwm": _mib(peak_rss_kib(pid)),
+            "vmhwm": _mib(_sum(peak_rss_kib, pid)),
             "after_idle": idle.rss_mib if idle else None,
         },
         "rss_change_after_warm": round(change, 4),
@@ -526,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         help="at most this long after each scenario, wait for the gateway's fds to come back "
         "to their idle count (pooled upstream connections expire after 15-30 s)",
     )
+    parser.add_argument("--workers", type=int, default=1, help="serve --workers N (> 1)")
     parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
     parser.add_argument("--keep", action="store_true", help="keep the logs' directory")
     args = parser.parse_args(argv)
@@ -549,7 +566,13 @@ def main(argv: list[str] | None = None) -> int:
             procs = ProcessSet(work / "streams")
             (work / "streams").mkdir()
             try:
-                sv = _serve(procs, work / "streams", max_running=max_running, max_waiting=64)
+                sv = _serve(
+                    procs,
+                    work / "streams",
+                    max_running=max_running,
+                    max_waiting=64,
+                    workers=args.workers,
+                )
                 lim = nofile_limit(sv.gateway.pid)
                 doc["meta"]["gateway_nofile_streams"] = lim
                 doc["meta"]["max_running_per_deployment"] = max_running
@@ -564,7 +587,9 @@ def main(argv: list[str] | None = None) -> int:
             (work / "in_a_row").mkdir()
             try:
                 # The gateway's default queue: 32 running, 64 waiting.
-                sv = _serve(procs, work / "in_a_row", max_running=32, max_waiting=64)
+                sv = _serve(
+                    procs, work / "in_a_row", max_running=32, max_waiting=64, workers=args.workers
+                )
                 processes["in_a_row"] = {p.name: p.pid for p in procs.procs}
                 doc["in_a_row"] = _run_async(_in_a_row(args, sv, log))
             finally:

@@ -94,11 +94,15 @@ class Workers:
                 code=code,
             )
             await asyncio.sleep(delay)  # a pause before a retry, not a synchronisation
+            if self.stopping():
+                return
             delay = min(delay * 2, RESTART_MAX_S)
             try:
                 await asyncio.wait_for(self._spawn(index), READY_TIMEOUT_S)
                 return  # the new one has its own keeper
             except (RuntimeError, TimeoutError) as exc:
+                if (late := self.procs[index]).returncode is None:
+                    late.kill()  # started, never listened: it goes before the next try
                 event(
                     "worker_restart_failed",
                     "worker %d did not start again: %s",
@@ -107,6 +111,9 @@ class Workers:
                 )
                 proc = self.procs[index]
 
+    def stopping(self) -> bool:
+        return self._stopping
+
     def stop_listening(self) -> None:
         """The gateway is stopping: every worker stops listening, and none is restarted."""
         self._stopping = True
@@ -114,19 +121,20 @@ class Workers:
 
     async def quit(self, within_s: float) -> None:
         """Tell every worker to finish and wait for them; one still running after
-        ``within_s`` is killed."""
+        ``within_s`` is killed. No worker is started again from here on."""
         self._stopping = True
-        self.authority.broadcast(Msg.QUIT)
-        waits = [proc.wait() for proc in self.procs.values()]
-        try:
-            await asyncio.wait_for(asyncio.gather(*waits), within_s)
-        except TimeoutError:
-            for proc in self.procs.values():
-                if proc.returncode is None:
-                    proc.kill()
-            await asyncio.gather(*(p.wait() for p in self.procs.values()))
         for keeper in list(self._keepers):
             keeper.cancel()
+        await asyncio.gather(*self._keepers, return_exceptions=True)
+        self.authority.broadcast(Msg.QUIT)
+        procs = list(self.procs.values())
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), within_s)
+        except TimeoutError:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+            await asyncio.gather(*(p.wait() for p in procs))
 
 
 async def _work(fd: int, host: str, port: int) -> None:
@@ -143,7 +151,10 @@ def main() -> None:
     """A worker process: its line's descriptor, the public host and port, the log format."""
     fd, host, port, log_format = sys.argv[1:5]
     configure_logging(log_format)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the authority says when to stop
+    # The authority says when to stop (a terminal's ^C, or systemd's SIGTERM to every process of
+    # the service, would otherwise cut its streams before the authority's orderly stop).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     use_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_work(int(fd), host, int(port)))

@@ -3,11 +3,12 @@ speaks the line's protocol from two workers' sides (real Unix socket lines) to a
 authority over a real fleet, against a plain model of one FIFO queue with a running bound.
 
 Rules: a worker asks (``ADMIT``); a worker ends an offered request completed, cut after it was
-sent, or not taken by the engine (``END``, ``NEXT``); a client goes (``GONE``) while waiting
-or with its offer on the way; a worker's line dies and a new one takes its place. Checked
+sent, or not taken by the engine (``END``, ``NEXT``); a client goes (``GONE``) while waiting,
+with its offer on the way, as it asks (ADMIT and GONE in one write) or as the engine refused
+it (NEXT and GONE in one write); a worker's line dies and a new one takes its place. Checked
 after every step: offers go out in the order the requests asked, over both workers; the
 queue's running and waiting counts, the instance's in-flight requests and its ledger are the
-model's; a request past the waiting bound is refused ``queue_full``; nothing of a dead line
+model's, and so are the requests the authority holds for its lines; a request past the waiting bound is refused ``queue_full``; nothing of a dead line
 stays charged but its cut requests, each until it is settled.
 """
 
@@ -51,6 +52,7 @@ class AuthorityModel(RuleBasedStateMachine):
         self.waiting: list[tuple[int, int]] = []  # (worker, gid) in the order they asked
         self.running: list[tuple[int, int]] = []  # offered, not ended
         self.cuts = 0
+        self.pending: list[tuple[int, tuple[Any, ...]]] = []
         # The fleet is opened and closed in one task of its own (its task groups require it);
         # each rule runs the loop until its own coroutine is done.
         self.opened = self.loop.create_future()
@@ -118,8 +120,15 @@ class AuthorityModel(RuleBasedStateMachine):
         self.loop.close()
 
     def send(self, w: int, *message: Any) -> None:
+        """Queue ``message`` on worker ``w``'s line: what two calls in a row queue leaves in
+        one write, as a worker's words of one loop turn do."""
+        self.pending.append((w, message))
+
+    def _flush(self) -> None:
         async def go() -> None:
-            self.workers[w].wire.send(*message)
+            for w, message in self.pending:
+                self.workers[w].wire.send(*message)
+            self.pending.clear()
 
         self.run(go())
 
@@ -130,14 +139,18 @@ class AuthorityModel(RuleBasedStateMachine):
         return [m[1] for m in self.workers[w].got if m[0] == Msg.OFFER]
 
     def _settle(self) -> None:
-        """Let every word sent reach the authority and its answers come back: running and
+        """Send what is queued; then let every word sent reach the authority and its answers come back: running and
         waiting agree with the model, and every request the model runs holds its offer."""
 
         def agreed() -> bool:
             q = self.route.queue
             offered = all(g in self._offers(w) for w, g in self.running)
-            return q.running == len(self.running) and q.waiting == len(self.waiting) and offered
+            held = sum(len(line.grants) for line in self.authority.lines)
+            asked = len(self.running) + len(self.waiting)
+            counts = q.running == len(self.running) and q.waiting == len(self.waiting)
+            return counts and offered and held == asked
 
+        self._flush()
         self.run(self._until(agreed))
 
     def _promote(self) -> None:
@@ -153,6 +166,7 @@ class AuthorityModel(RuleBasedStateMachine):
         elif len(self.waiting) < WAITING:
             self.waiting.append((w, gid))
         else:
+            self._flush()
             got = self.workers[w].got
             self.run(self._until(lambda: any(m[:2] == [Msg.REFUSED, gid] for m in got)))
             refused = next(m for m in got if m[:2] == [Msg.REFUSED, gid])
@@ -172,12 +186,31 @@ class AuthorityModel(RuleBasedStateMachine):
             self.send(w, Msg.GONE, gid)
         else:  # never sent, and no other instance: refused
             self.send(w, Msg.NEXT, gid, "connection refused")
+            self._flush()
             self.run(self._until(lambda: any(m[:2] == [Msg.REFUSED, gid] for m in self._all())))
         self._promote()
         self._settle()
 
     def _all(self) -> list[list[Any]]:
         return [m for w in self.workers for m in w.got]
+
+    @rule(w=st.integers(0, 1))
+    def admit_and_leave_at_once(self, w: int) -> None:
+        """ADMIT and GONE in one write: the authority reads both before it starts placing."""
+        gid = self.gid = self.gid + 1
+        self.send(w, Msg.ADMIT, gid, "my-model", "chat", f"r{gid}", None, 600.0)
+        self.send(w, Msg.GONE, gid)  # the same loop turn: one write
+        self._settle()
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(0, 99))
+    def not_taken_then_gone_at_once(self, pick: int) -> None:
+        """NEXT and GONE in one write: the engine never got it, and its client left."""
+        w, gid = self.running.pop(pick % len(self.running))
+        self.send(w, Msg.NEXT, gid, "connection refused")
+        self.send(w, Msg.GONE, gid)
+        self._promote()
+        self._settle()
 
     @precondition(lambda self: self.waiting)
     @rule(pick=st.integers(0, 99))

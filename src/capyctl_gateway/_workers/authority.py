@@ -48,7 +48,7 @@ class Grant:
     """A worker's request as the authority holds it: what its router lines name, and the
     stand-in for its exchange in the instance's in-flight set."""
 
-    __slots__ = ("_abortable", "caller", "dep", "gated", "gid", "line", "outcome", "rid", "verdict")
+    __slots__ = ("_abortable", "caller", "dep", "gid", "line", "outcome", "rid", "tally", "verdict")
 
     def __init__(self, line: Line, gid: int, dep: Deployment, rid: str, caller: str | None):
         self.line, self.gid, self.dep, self.rid, self.caller = line, gid, dep, rid, caller
@@ -56,11 +56,20 @@ class Grant:
         self.verdict: asyncio.Future[str | None] | None = None
         """Set while an offer runs: None when it ended, the reason when it was not taken."""
         self._abortable = False
-        self.gated = False
-        """Its deployment served nothing when it asked: its wait was for a start or wake."""
+        self.tally: Tally | None = None
+        """Its times here (its slot's, and whether it waited for a start or wake)."""
 
     def abortable(self) -> None:
         self._abortable = True
+
+    def waited(self) -> tuple[float | None, bool]:
+        """Seconds from its arrival here to its running slot (None without one), and whether
+        that was a wait for a start or wake: what the worker's counts take as its queue and
+        activation timings."""
+        t = self.tally
+        if t is None or t.slot is None:
+            return None, False
+        return t.slot - t.arrival, t.gated
 
     def abort(self, why: str) -> None:
         self.line.wire.send(Msg.ABORT, self.gid, why)
@@ -80,12 +89,13 @@ class Grant:
                 instance.headers,
                 instance.where,
                 self._abortable,
-                self.gated,
+                *self.waited(),
             )
             try:
                 why = await verdict
             except asyncio.CancelledError:  # its line ended while it ran
-                self.outcome = Ended(cut=LOST)
+                if verdict.cancelled():  # no word came from its worker (after one, it stands)
+                    self.outcome = Ended(cut=LOST)
                 raise
             finally:
                 self.verdict = None
@@ -112,7 +122,10 @@ class Line:
             _, gid, name, api, rid, caller, left = m
             dep = self.fleet.routes[name].deployment
             grant = self.grants[gid] = Grant(self, gid, dep, rid, caller)
-            self.tasks[gid] = running_loop().create_task(self._place(grant, Api(api), left))
+            task = self.tasks[gid] = running_loop().create_task(self._place(grant, Api(api), left))
+            # Forgotten when it ends, however: a task cancelled before its first step (a GONE
+            # in the same read as its ADMIT) never runs its body.
+            task.add_done_callback(lambda _: self._forget(gid))
         elif kind == Msg.COUNTS:
             figures = cast("Figures", tuple(m[1]))
             add(self.authority.gateway.telemetry, figures, running_loop().time())
@@ -145,9 +158,8 @@ class Line:
 
     async def _place(self, grant: Grant, api: Api, left: float) -> None:
         loop = running_loop()
-        tally = Tally(api.value, loop.time())
+        tally = grant.tally = Tally(api.value, loop.time())
         try:
-            grant.gated = grant.dep.launched and not self.fleet.routes[grant.dep.name].queue.open
             await place(
                 self.fleet,
                 grant,
@@ -156,19 +168,28 @@ class Line:
                 lambda instance, route: grant.attempt(instance, route, api),
             )
         except GatewayError as err:
-            kind = "engine" if isinstance(err, EngineError) else ""
-            self.wire.send(
-                Msg.REFUSED,
-                grant.gid,
-                kind,
-                err.status,
-                err.code,
-                err.message,
-                err.retryable,
-                err.detail,
-            )
-        finally:
-            del self.grants[grant.gid], self.tasks[grant.gid]
+            self._refuse(grant, err)
+        except Exception as exc:  # a fault here must not leave the worker's client waiting
+            logger.exception("request %s: placing it failed", grant.rid)
+            self._refuse(grant, GatewayError(f"the gateway failed: {type(exc).__name__}"))
+
+    def _refuse(self, grant: Grant, err: GatewayError) -> None:
+        kind = "engine" if isinstance(err, EngineError) else ""
+        self.wire.send(
+            Msg.REFUSED,
+            grant.gid,
+            kind,
+            err.status,
+            err.code,
+            err.message,
+            err.retryable,
+            err.detail,
+            *grant.waited(),
+        )
+
+    def _forget(self, gid: int) -> None:
+        self.grants.pop(gid, None)
+        self.tasks.pop(gid, None)
 
     def _lost(self) -> None:
         """The worker is gone: what it waited for leaves the queue, what ran is cut."""

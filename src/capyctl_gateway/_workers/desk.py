@@ -48,6 +48,8 @@ class RemoteDesk:
 
     def answer(self, m: list[Any]) -> None:
         """An ``OFFER`` or ``REFUSED`` for one of this worker's requests."""
+        # An abort kept for an earlier offer of this request was for that instance, not this.
+        self._aborts.pop(m[1], None)
         waiting = self._asking.pop(m[1], None)
         if waiting is not None and not waiting.done():
             waiting.set_result(m)
@@ -78,6 +80,7 @@ class RemoteDesk:
         wire, tally = self.wire, call.tally
         if wire.closed:
             raise UnavailableError("the gateway is stopping", code="shutting_down")
+        asked_at = loop.time()
         wire.send(
             Msg.ADMIT,
             gid,
@@ -95,16 +98,15 @@ class RemoteDesk:
                 asked = self._asking[gid] = loop.create_future()
                 m = await asked
                 asking = False
+                _slot(tally, call, asked_at, m[-2], m[-1])
                 if m[0] == Msg.REFUSED:
                     raise _refusal(m)
-                _, _, index, url, headers, where, abortable, gated = m
-                if tally.slot is None:
-                    tally.slot, tally.launched, tally.gated = loop.time(), call.dep.launched, gated
+                _, _, index, url, headers, where, abortable, _, _ = m
                 ex = self._live[gid] = self._exchange(url, headers, where, deadline, abortable)
                 tally.ex, tally.instance = ex, index
-                if gid in self._aborts:
-                    ex.abort(self._aborts.pop(gid))
                 try:
+                    if gid in self._aborts:  # ended before it began: nothing is sent
+                        raise EngineError(f"{where}: {self._aborts.pop(gid)}")
                     return await surface.run(call, ex, self.config.limits.max_answer_bytes)
                 except NotAcceptedError as exc:
                     wire.send(Msg.NEXT, gid, exc.detail or exc.message)
@@ -140,7 +142,14 @@ class RemoteDesk:
         self.wire.send(Msg.COUNTS, figures(tally))
 
 
+def _slot(tally: Tally, call: Call, asked_at: float, waited: float | None, gated: bool) -> None:
+    """The request's slot as the authority timed it (``waited``: from its ADMIT's arrival
+    there), placed on this worker's clock from when the ADMIT left."""
+    if tally.slot is None and waited is not None:
+        tally.slot, tally.launched, tally.gated = asked_at + waited, call.dep.launched, gated
+
+
 def _refusal(m: list[Any]) -> GatewayError:
-    _, _, kind, status, code, message, retryable, detail = m
+    _, _, kind, status, code, message, retryable, detail, _, _ = m
     cls = EngineError if kind == "engine" else GatewayError
     return cls(message, status=status, code=code, retryable=retryable, detail=detail)

@@ -30,8 +30,8 @@ class Msg:
 
     # authority -> worker
     HELLO = "H"  # {config, key, index, workers, log_format, host, port}
-    OFFER = "O"  # gid, instance, url, headers, where, gated, abortable
-    REFUSED = "X"  # gid, kind, status, code, message, retryable, detail
+    OFFER = "O"  # gid, instance, url, headers, where, abortable, slot wait, gated
+    REFUSED = "X"  # gid, kind, status, code, message, retryable, detail, slot wait, gated
     ABORT = "K"  # gid, why: end that exchange now (a host lost, the gateway stopping)
     STOP = "S"  # stop listening: the gateway is stopping
     QUIT = "Q"  # the requests still open were ended: finish their last words and exit

@@ -1,0 +1,116 @@
+"""A worker's side of the line, against an authority the test speaks for: an abort that comes
+with its offer ends the request before anything reaches the engine, and an abort meant for an
+instance that never took the request does not follow it to the next. The worker is real (its
+listener, its engine client, the fake engine); only the authority's words are the test's."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from capyctl_gateway import GatewayConfig
+from capyctl_gateway._workers.wire import Msg, Wire
+from capyctl_gateway._workers.worker import Worker, reuse_port_socket
+from tests.gateway.conftest import KEY, deployments
+from tests.gateway.fake_engine import FakeEngine, vllm_stream
+
+pytestmark = pytest.mark.anyio
+CHAT = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
+HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+
+
+class Authority:
+    """The authority's end of one line, spoken by the test."""
+
+    def __init__(self) -> None:
+        self.got: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self.wire = Wire(self.got.put_nowait, lambda: None)
+
+    async def next(self, kind: str) -> list[Any]:
+        while True:
+            m = await asyncio.wait_for(self.got.get(), 10)
+            if m[0] == kind:
+                return m
+
+
+@pytest.fixture
+async def worker(engine: FakeEngine) -> AsyncIterator[tuple[Authority, str]]:
+    ours, theirs = socket.socketpair()
+    authority = Authority()
+    loop = asyncio.get_running_loop()
+    await loop.create_unix_connection(lambda: authority.wire, sock=ours)
+    config = GatewayConfig.model_validate({"deployments": [deployments(engine.url)]})
+    hello = {"config": config.model_dump(mode="json"), "key": KEY, "workers": 1, "index": 0}
+    authority.wire.send(Msg.HELLO, {**hello, "started_at": 1796000000})
+    w = Worker()
+    await w.connect(theirs)
+    sock = reuse_port_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    serving = loop.create_task(w.serve(sock))
+    await authority.next(Msg.READY)
+    try:
+        yield authority, f"http://127.0.0.1:{port}"
+    finally:
+        authority.wire.send(Msg.QUIT)
+        await serving
+        await w.close()
+        authority.wire.close()
+
+
+def offer(gid: int, url: str) -> list[Any]:
+    return [
+        Msg.OFFER,
+        gid,
+        0,
+        f"{url}/v1/chat/completions",
+        HEADERS,
+        "instance 0",
+        False,
+        0.0,
+        False,
+    ]
+
+
+async def test_an_abort_that_comes_with_its_offer_sends_nothing_to_the_engine(
+    worker: tuple[Authority, str], engine: FakeEngine
+) -> None:
+    authority, url = worker
+    engine.script = vllm_stream()
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as c:
+        asking = asyncio.ensure_future(c.post(f"{url}/v1/chat/completions", json=CHAT))
+        gid = (await authority.next(Msg.ADMIT))[1]
+        authority.wire.send(*offer(gid, engine.url))
+        authority.wire.send(Msg.ABORT, gid, "the gateway is stopping")  # the same write
+        r = await asking
+    assert r.status_code == 502 and r.json()["code"] == "engine_error", r.text
+    end = await authority.next(Msg.END)
+    assert end[1:3] == [gid, False]  # not sent: nothing to settle
+    assert engine.received == []
+
+
+async def test_an_abort_for_an_instance_that_never_took_it_does_not_follow_it(
+    worker: tuple[Authority, str], engine: FakeEngine
+) -> None:
+    authority, url = worker
+    engine.script = vllm_stream()
+    with socket.socket() as closed:  # a port nothing listens on: connection refused
+        closed.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as c:
+        asking = asyncio.ensure_future(c.post(f"{url}/v1/chat/completions", json=CHAT))
+        gid = (await authority.next(Msg.ADMIT))[1]
+        authority.wire.send(*offer(gid, nobody))
+        assert (await authority.next(Msg.NEXT))[1] == gid  # never sent there
+        # That instance's host is lost just then; the next offer goes elsewhere.
+        authority.wire.send(Msg.ABORT, gid, "host a lost its session")
+        authority.wire.send(*offer(gid, engine.url))
+        r = await asking
+    assert r.status_code == 200, r.text
+    end = await authority.next(Msg.END)
+    assert end[1:4] == [gid, True, True]  # sent and completed
+    assert len(engine.received) == 1
