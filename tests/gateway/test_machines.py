@@ -307,6 +307,25 @@ async def test_a_host_that_goes_away_ends_its_streams_in_band_and_then_requests_
     assert "gpu-box" not in gw.fleet.machines.sessions
 
 
+async def test_a_request_waits_for_a_host_that_has_not_reported_yet(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    """Before its host's first report an instance has no address: a request for it waits for
+    the host, and is answered 503 (retryable) at its deadline, not 502 from a connect to
+    nowhere."""
+    engine = await engines()
+    engine.script = stream("ok")
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})], request_deadline="1s")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with c.client() as client:
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.json()["code"] == "unavailable", r.text
+        await c.start_host("gpu-box")
+        r = await client.post("/v1/chat/completions", json=body)  # waits for the first report
+        assert r.status_code == 200, r.text
+    assert len(engine.received) == 1
+
+
 async def test_requests_fail_over_to_the_other_host_when_one_refuses_connections(
     cluster: Callable[..., Awaitable[Cluster]],
     engines: Callable[[], Awaitable[FakeEngine]],

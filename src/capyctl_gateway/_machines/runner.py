@@ -107,6 +107,9 @@ class HostRunner(Reported):
         link.runners[(inst.deployment, inst.index)] = self
         if inst.launch is None:  # nothing on its host stops or restarts it: quiet settles
             inst.ledger.unanswered = SettleRule.WHEN_QUIET_ON_HOST
+        # Nothing reaches it before its host's first report opens its gate: requests wait for
+        # the host (as after a lost session) instead of failing on an address it never gave.
+        inst.set_open(reachable=False, why=f"host {link.name} has not reported yet")
 
     @property
     def host(self) -> str:
