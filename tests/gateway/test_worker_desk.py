@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from capyctl_gateway import GatewayConfig
+from capyctl_gateway._engine_client import EngineClient
+from capyctl_gateway._workers.desk import MAX_URLS, RemoteDesk
 from capyctl_gateway._workers.wire import Msg, Wire
 from capyctl_gateway._workers.worker import Worker, reuse_port_socket
 from tests.gateway.conftest import KEY, deployments
@@ -114,3 +116,16 @@ async def test_an_abort_for_an_instance_that_never_took_it_does_not_follow_it(
     end = await authority.next(Msg.END)
     assert end[1:4] == [gid, True, True]  # sent and completed
     assert len(engine.received) == 1
+
+
+async def test_the_parsed_engine_urls_a_worker_keeps_are_bounded() -> None:
+    config = GatewayConfig.model_validate({"deployments": [deployments("http://127.0.0.1:9")]})
+    engines = EngineClient(connect_timeout=1)
+    desk = RemoteDesk(config, engines, Wire(lambda m: None, lambda: None))
+    try:
+        for port in range(MAX_URLS + 10):  # hosts that came back on ever new ingress ports
+            ex = desk._exchange(f"http://10.0.0.1:{port + 1}/v1", {}, "i", 0.0, abortable=False)
+            assert len(desk._urls) <= MAX_URLS
+        assert str(ex._url) == f"http://10.0.0.1:{MAX_URLS + 10}/v1"
+    finally:
+        await engines.close()

@@ -28,7 +28,10 @@ from .wire import Msg, Wire
 if TYPE_CHECKING:
     from .._http.inference import Surface
 
-__all__ = ["RemoteDesk"]
+__all__ = ["MAX_URLS", "RemoteDesk"]
+
+MAX_URLS = 256
+"""Parsed engine URLs a worker keeps: a few per instance; past it the cache starts over."""
 
 
 class RemoteDesk:
@@ -45,6 +48,8 @@ class RemoteDesk:
         self._aborts: dict[int, str] = {}
         """Aborts that came for a live request before its exchange was made."""
         self._gid = itertools.count()
+        self._urls: dict[str, URL] = {}
+        """The engine URLs offers named, parsed once (at most `MAX_URLS`)."""
 
     def answer(self, m: list[Any]) -> None:
         """An ``OFFER`` or ``REFUSED`` for one of this worker's requests."""
@@ -125,9 +130,14 @@ class RemoteDesk:
     def _exchange(
         self, url: str, headers: dict[str, str], where: str, deadline: float, abortable: bool
     ) -> Exchange:
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= MAX_URLS:
+                self._urls.clear()  # instances' addresses changed (hosts came back): start over
+            parsed = self._urls[url] = URL(url)
         ex = Exchange(
             self.engines,
-            URL(url),
+            parsed,
             headers,
             where=where,
             deadline=deadline,
