@@ -68,7 +68,7 @@ class Measure:
     client_cpu_s: float | None
     content_chunks: int | None
     first_error: str | None
-    cpu_by_pid: dict[int, float] | None = None
+    cpu_by_pid: dict[str, float] | None = None
     """Each of the target's processes' CPU during the window (the SSE client's loads)."""
 
     @property
@@ -165,7 +165,7 @@ def run_sse(target: Target, load: Load, engine_pid: int) -> Measure:
         client_cpu_s=doc["client_cpu_s"],
         content_chunks=doc["content_chunks"],
         first_error=doc["first_error"],
-        cpu_by_pid={p: cpu[str(p)] for p in target.pids},
+        cpu_by_pid={str(p): cpu[str(p)] for p in target.pids},
     )
 
 

@@ -39,7 +39,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 def _per_request_us(m: Measure, pids: list[int]) -> float | None:
     if not m.completed or m.cpu_by_pid is None:
         return None
-    return sum(m.cpu_by_pid[p] for p in pids) * 1e6 / m.completed
+    return sum(m.cpu_by_pid[str(p)] for p in pids) * 1e6 / m.completed
 
 
 def main(argv: list[str] | None = None) -> int:
