@@ -1,10 +1,11 @@
 """The line between a worker and its authority: one Unix stream socket (a socketpair made by the
 authority), each message an orjson array behind a four-byte big-endian length.
 
-Messages written in one turn of the event loop leave in one write (the authority's grants and
-a worker's ends batch under load: ``bench/perf/authority_cost.py`` measured 2–3 µs of the
-authority's CPU a request batched, 11 µs not). A message over `MAX_MESSAGE_BYTES` is a broken
-peer: the line is closed. What each side sends is listed in `Msg`.
+The first message of a turn of the event loop leaves at once; the others of that turn leave
+together in one write at its end. A lone request waits for nothing, and the messages of a busy
+turn batch (``bench/perf/authority_cost.py`` measured 2–3 µs of the authority's CPU a request
+batched, 11 µs not). A message over `MAX_MESSAGE_BYTES` is a broken peer: the line is closed.
+What each side sends is listed in `Msg`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Wire(asyncio.Protocol):
         self._transport: asyncio.WriteTransport | None = None
         self._buf = bytearray()
         self._out: list[bytes] = []
+        self._quiet = True
+        """Nothing was written yet in this loop turn."""
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -83,18 +86,23 @@ class Wire(asyncio.Protocol):
             self._on_lost()
 
     def send(self, *message: Any) -> None:
-        """Queue ``message``; what is queued in one loop turn leaves in one write."""
+        """Send ``message``: the first of a loop turn at once (a lone request's word waits for
+        nothing), the rest of that turn together in one write at its end."""
         if self.closed:
             return
         data = orjson.dumps(message)
-        out = self._out
-        if not out:
+        frame = _LEN.pack(len(data)) + data
+        if self._quiet:
+            self._quiet = False
             running_loop().call_soon(self._flush)
-        out.append(_LEN.pack(len(data)))
-        out.append(data)
+            if self._transport is not None:
+                self._transport.write(frame)
+                return
+        self._out.append(frame)
 
     def _flush(self) -> None:
         out, self._out = self._out, []
+        self._quiet = True
         if self._transport is not None and not self.closed and out:
             self._transport.write(b"".join(out))
 
