@@ -45,7 +45,6 @@ class Workers:
         self.count = count
         self.host, self.port, self.log_format = host, port, log_format
         self.procs: dict[int, asyncio.subprocess.Process] = {}
-        self.restarts = 0
         self._keepers: set[asyncio.Task[None]] = set()
         self._stopping = False
 
@@ -83,7 +82,6 @@ class Workers:
             code = await proc.wait()
             if self._stopping:
                 return
-            self.restarts += 1
             if time.monotonic() - began > STEADY_S:
                 delay = RESTART_FIRST_S
             event(

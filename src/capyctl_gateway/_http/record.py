@@ -18,8 +18,19 @@ class Tally:
     loop times of its milestones before an engine, how it ended, the code it was refused
     with and its status, and its last exchange and instance."""
 
-    __slots__ = ("api", "arrival", "code", "deployment", "ending", "ex", "instance", "launched",
-                 "gated", "slot", "status")  # fmt: skip
+    __slots__ = (
+        "api",
+        "arrival",
+        "code",
+        "deployment",
+        "ending",
+        "ex",
+        "gated",
+        "instance",
+        "launched",
+        "slot",
+        "status",
+    )
 
     def __init__(self, api: str, arrival: float) -> None:
         self.api = api
@@ -115,7 +126,7 @@ def record(t: Telemetry, r: Tally) -> None:
 
 def add(t: Telemetry, f: Figures, now: float) -> None:
     """Count one request's figures (``now``: the loop time of its end, for its window)."""
-    deployment, api, ending, code, status, instance, slot, activation, head, content, last = f[:11]
+    deployment, api, ending, code, status, instance, slot, activation, head, content, last, end = f
     outcome = Ending(ending)
     t.requests[(deployment, api, outcome)] += 1
     if outcome is Ending.REFUSED and code is not None:
@@ -135,7 +146,7 @@ def add(t: Telemetry, f: Figures, now: float) -> None:
         content_.observe(content)
     if last is not None:
         last_.observe(last)
-    total.observe(f[11])
+    total.observe(end)
     t.window(deployment, now).add(now, failed(outcome, status), content)
 
 

@@ -106,9 +106,8 @@ class Grant:
 class Line:
     """One worker's line to the authority and the requests it has asked about."""
 
-    def __init__(self, authority: Authority, index: int) -> None:
+    def __init__(self, authority: Authority) -> None:
         self.authority = authority
-        self.index = index
         self.wire = Wire(self._message, self._lost)
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.grants: dict[int, Grant] = {}
@@ -211,7 +210,7 @@ class Authority:
         """Open the line to worker ``index`` of ``workers`` over ``sock`` and greet it: the
         configuration, the key and how many workers share the listener's bounds. Wait for
         `Line.ready` before counting on it."""
-        line = Line(self, index)
+        line = Line(self)
         await running_loop().create_unix_connection(lambda: line.wire, sock=sock)
         self.lines.add(line)
         gateway = self.gateway
