@@ -20,6 +20,7 @@ from ._gateway import Gateway
 from ._http.server import BoundedRunner, Limits
 from ._http.tls import TLSSite
 from ._management.api import create_management_app, create_metrics_app
+from ._workers.worker import bound
 
 __all__ = [
     "CONTROL_MAX_CONNECTIONS",
@@ -191,20 +192,13 @@ def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A socket bound to ``host:port``; ``reuse_port``: with ``SO_REUSEPORT``, for workers
     that each bind the same port. The port is first bound without it, so that a port another
     program (another gateway's workers included) holds is refused, never shared."""
-    if reuse_port:
-        probe = bind(host, port)
-        port = probe.getsockname()[1]
-        probe.close()
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((host, port))
+        if reuse_port:
+            with bound(host, port) as probe:
+                port = probe.getsockname()[1]
+        return bound(host, port, reuse_port=reuse_port)
     except OSError as exc:
-        sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
 
 
 def use_uvloop() -> None:

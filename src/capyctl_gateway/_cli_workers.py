@@ -23,7 +23,7 @@ from ._cli_common import settle_heap, use_uvloop
 from ._log import configure_logging, event
 from ._workers.authority import Authority
 from ._workers.wire import Msg
-from ._workers.worker import Worker, reuse_port_socket
+from ._workers.worker import Worker, bound
 
 __all__ = ["RESTART_FIRST_S", "RESTART_MAX_S", "Workers", "main"]
 
@@ -140,7 +140,7 @@ async def _work(fd: int, host: str, port: int) -> None:
     line = socket.socket(fileno=fd)
     await worker.connect(line)
     try:
-        await worker.serve(reuse_port_socket(host, port), on_ready=settle_heap)
+        await worker.serve(bound(host, port, reuse_port=True), on_ready=settle_heap)
     finally:
         await worker.close()
 

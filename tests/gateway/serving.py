@@ -17,7 +17,7 @@ from aiohttp import web
 from capyctl_gateway import GATEWAY_KEY, GatewayRunner
 from capyctl_gateway._workers.authority import Authority
 from capyctl_gateway._workers.wire import Msg
-from capyctl_gateway._workers.worker import Worker, reuse_port_socket
+from capyctl_gateway._workers.worker import Worker, bound
 
 __all__ = ["listening", "serve_command", "serve_workers"]
 
@@ -59,7 +59,7 @@ async def serve_workers(
     runner = GatewayRunner(app)
     await runner.setup()  # opens the fleet; the authority serves no public listener itself
     authority = Authority(app[GATEWAY_KEY])
-    reserved = reuse_port_socket("127.0.0.1", port)
+    reserved = bound("127.0.0.1", port, reuse_port=True)
     port = reserved.getsockname()[1]
     running: list[tuple[Worker, asyncio.Task[None]]] = []
     for index in range(workers):
@@ -68,7 +68,7 @@ async def serve_workers(
         worker = Worker()
         await worker.connect(theirs)
         task = asyncio.get_running_loop().create_task(
-            worker.serve(reuse_port_socket("127.0.0.1", port))
+            worker.serve(bound("127.0.0.1", port, reuse_port=True))
         )
         running.append((worker, task))
         await line.ready

@@ -17,7 +17,7 @@ from capyctl_gateway import GatewayConfig
 from capyctl_gateway._engine_client import EngineClient
 from capyctl_gateway._workers.desk import MAX_URLS, RemoteDesk
 from capyctl_gateway._workers.wire import Msg, Wire
-from capyctl_gateway._workers.worker import Worker, reuse_port_socket
+from capyctl_gateway._workers.worker import Worker, bound
 from tests.gateway.conftest import KEY, deployments
 from tests.gateway.fake_engine import FakeEngine, vllm_stream
 
@@ -51,7 +51,7 @@ async def worker(engine: FakeEngine) -> AsyncIterator[tuple[Authority, str]]:
     authority.wire.send(Msg.HELLO, {**hello, "started_at": 1796000000})
     w = Worker()
     await w.connect(theirs)
-    sock = reuse_port_socket("127.0.0.1", 0)
+    sock = bound("127.0.0.1", 0, reuse_port=True)
     port = sock.getsockname()[1]
     serving = loop.create_task(w.serve(sock))
     await authority.next(Msg.READY)

@@ -27,7 +27,7 @@ from .._loop import running_loop
 from .desk import RemoteDesk
 from .wire import Msg, Wire
 
-__all__ = ["END_GRACE_S", "Worker", "reuse_port_socket", "share"]
+__all__ = ["END_GRACE_S", "Worker", "bound", "share"]
 
 END_GRACE_S = 5.0
 """After ``QUIT``, how long the requests still open get to write their last words."""
@@ -128,13 +128,15 @@ class Worker:
         self.wire.close()
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` with ``SO_REUSEPORT``: each worker binds its own, and
-    the kernel spreads new connections over those listening."""
+def bound(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A socket bound to ``host:port`` (``SO_REUSEADDR``); ``reuse_port``: with
+    ``SO_REUSEPORT`` too, so that each worker binds the port and the kernel spreads new
+    connections over those listening. Raises `OSError`."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError:
