@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 from ..perf._procs import ROOT, Proc, ProcessSet, StartupError, free_port
+from ..perf.run import api_key
 
 __all__ = [
     "DASHBOARD",
@@ -90,14 +91,6 @@ def gateway_config(
     )
 
 
-def _api_key(credentials: Path) -> str:
-    for line in credentials.read_text(encoding="utf-8").splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "api_key":
-            return value.strip()
-    raise StartupError(f"no api_key line in {credentials}")
-
-
 @dataclass
 class Stack:
     """The gateway and Prometheus, started in ``work`` by ``procs`` (which stops them)."""
@@ -143,7 +136,7 @@ class Stack:
         gateway = procs.start("gateway", argv)
         credentials = work / "state" / "identity" / "credentials"
         gateway.wait_file(credentials)
-        key = _api_key(credentials)
+        key = api_key(credentials)
         url = f"http://127.0.0.1:{gport}"
         gateway.wait_http(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
         log(f"gateway at {url}, its metrics listener at 127.0.0.1:{xport}")

@@ -52,7 +52,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..perf._procs import ROOT, ProcessSet, StartupError
+from ..perf._procs import ROOT, ProcessSet, StartupError, tidy
 from . import realrun
 
 __all__ = ["main"]
@@ -128,12 +128,7 @@ def _run(args: argparse.Namespace, dashboard: dict[str, Any], log: Log) -> dict[
         listed = realrun.label_values(stack.prometheus_url, dashboard)
     finally:
         procs.stop_all()
-        for s, h in old.items():
-            signal.signal(s, h)
-        if args.keep:
-            log(f"logs in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        tidy(old, work, keep=args.keep, log=log)
     return {
         "date": time.strftime("%Y-%m-%d", time.gmtime(start)),
         "start": start,

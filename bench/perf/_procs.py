@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from ._procfs import session_pids
 
-__all__ = ["ROOT", "Proc", "ProcessSet", "StartupError", "free_port", "log_tail"]
+__all__ = ["ROOT", "Proc", "ProcessSet", "StartupError", "free_port", "log_tail", "tidy"]
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root: the children run ``python -m bench.perf.*`` from here."""
@@ -133,3 +135,20 @@ class ProcessSet:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def tidy(
+    old: dict[signal.Signals, Any],
+    work: Path,
+    *,
+    keep: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """A benchmark's last step: the signal handlers it replaced put back, and its work folder
+    removed (or, with ``keep``, where it is told to ``log``)."""
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+    if keep and log is not None:
+        log(f"logs in {work}")
+    elif not keep:
+        shutil.rmtree(work, ignore_errors=True)

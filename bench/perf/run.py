@@ -166,7 +166,7 @@ def start_gateway(
     )
     creds = state / "identity" / "credentials"
     gateway.wait_file(creds)
-    key = _key(creds)
+    key = api_key(creds)
     gateway.wait_http(
         f"http://127.0.0.1:{gport}/v1/models", headers={"Authorization": f"Bearer {key}"}
     )
@@ -246,7 +246,8 @@ def start_peer(procs: ProcessSet, peer_bin: str, engine_url: str) -> Target:
     return Target("peer", f"http://127.0.0.1:{pport}", "tiny", None, tuple(peer.pids()))
 
 
-def _key(creds: Path) -> str:
+def api_key(creds: Path) -> str:
+    """The ``api_key`` line of a gateway's credentials file."""
     for line in creds.read_text(encoding="utf-8").splitlines():
         name, _, value = line.partition(":")
         if name.strip() == "api_key":

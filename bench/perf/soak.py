@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import os
 import resource
-import shutil
 import signal
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import orjson
 
 from ._loads import Target
 from ._procfs import cpu_seconds, peak_rss_kib, rss_kib
-from ._procs import Proc, ProcessSet, StartupError
+from ._procs import Proc, ProcessSet, StartupError, tidy
 from .run import _check_target, _machine, _terminate, start_engine, start_gateway
 from .sse_client import CONTENT, DONE_TAIL, ProtocolError, _Exchange, build_request, run_load
 
@@ -598,12 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"soak: {exc}")
         return 2
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        if args.keep:
-            log(f"logs in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        tidy(old, work, keep=args.keep, log=log)
     doc["meta"] |= {
         "quick": args.quick,
         "processes": processes,

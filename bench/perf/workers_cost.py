@@ -15,7 +15,6 @@ caps the whole gateway at ``1 / authority CPU per request``.
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
 import statistics
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from ._loads import Load, Measure, run_sse
-from ._procs import ProcessSet, StartupError
+from ._procs import ProcessSet, StartupError, tidy
 from .run import start_engine, start_gateway
 
 __all__ = ["main"]
@@ -83,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         procs.stop_all()
-        for s, h in old.items():
-            signal.signal(s, h)
-        shutil.rmtree(work, ignore_errors=True)
+        tidy(old, work)
     print(_table(rows, args.workers))
     return 0
 
