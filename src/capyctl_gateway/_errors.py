@@ -14,6 +14,8 @@ Every error the gateway answers a client with:
     ├── ActivationFailedError     500 activation_failed: a launched engine did not start
     ├── DeploymentStoppedError    409 deployment_stopped / deployment_inactive
     ├── ClientGoneError           the client hung up: there is nobody left to answer
+    ├── InternalError             500 internal_error: a defect in the gateway (logged with
+    │                             its traceback by the code that turned it into this)
     └── EngineError               502 engine_error: the engine failed this request
         ├── NotAcceptedError      the engine provably never got it: another instance may
         ├── EngineRejectedError   the engine refused it: its 4xx status and message are kept
@@ -71,6 +73,7 @@ __all__ = [
     "EngineRejectedError",
     "GatewayError",
     "HostGoneError",
+    "InternalError",
     "InvalidRequestError",
     "NotAcceptedError",
     "OperatorError",
@@ -206,6 +209,14 @@ class ClientGoneError(GatewayError):
 
     def __init__(self) -> None:
         super().__init__("the client hung up")
+
+
+class InternalError(GatewayError):
+    """A defect in the gateway, turned into an answer (``_tasks.Supervisor.fault``): its
+    traceback is in the log, its message names neither an address nor the exception."""
+
+    status = 500
+    code = "internal_error"
 
 
 class EngineError(GatewayError):

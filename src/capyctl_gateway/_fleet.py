@@ -2,7 +2,7 @@
 
 `open_fleet` opens the parts in the order each needs the one before: the store, the engine
 connections, the collector, settlement (given the collector's poll control), the routes with
-a runner for each instance (`LocalRunner` on this machine, `HostRunner` on a host), the
+a runner for each instance (made by the registry of runner kinds, ``_runners.py``), the
 cut requests a previous run left, the lifecycle, and the server's view of its hosts. Nothing in
 a `Fleet` is missing or filled in later; closing it ends them in the reverse order (the engines
 this process started are stopped before the collector and the connections close).
@@ -29,21 +29,19 @@ from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions
 from ._config import GatewayConfig
 from ._deployments.build import build_routes
 from ._deployments.checks import CheckWatch
-from ._deployments.routes import EngineInstance, Route
-from ._deployments.runner import Runner
+from ._deployments.routes import Route
 from ._deployments.settle import CutRequest, Settlement
 from ._engine_client import IDLE_S, EngineClient
 from ._errors import UnavailableError
 from ._lifecycle.controller import Lifecycle
-from ._lifecycle.leftovers import outlast, recorder
-from ._lifecycle.local import LocalRunner
 from ._lifecycle.states import Launched
 from ._lifecycle.watch import boot
 from ._loop import running_loop
 from ._machines.enroll import Invites, ServerIdentity
-from ._machines.runner import HostLink, HostRunner
 from ._machines.server import Machines
+from ._runners import KINDS, Opened, RunnerKind, host_links, prepare, runner_for
 from ._store import Store, restore
+from ._tasks import Supervisor
 from ._telemetry import Telemetry
 from ._ulid import new_short_ids
 
@@ -72,6 +70,8 @@ class Fleet:
     """The server role's hosts; None on a gateway that has none."""
     store: Store | None
     """Operator intent and cut requests kept across restarts; None without a state directory."""
+    tasks: Supervisor
+    """The lifecycle's background tasks (activations, closings, watches), and their faults."""
 
     def now(self) -> float:
         return self.clock()
@@ -105,13 +105,15 @@ async def open_fleet(
     engine_logs: Path | None = None,
     state_dir: Path | None = None,
     server: ServerIdentity | None = None,
+    runners: Mapping[str, RunnerKind] = KINDS,
 ) -> AsyncIterator[Fleet]:
     """Open the fleet for ``config`` (raises ConfigError for an engine key not in ``env``).
 
     ``server``: the control identity of a gateway in the server role (its instances on hosts
     are reached through them). ``engine_logs``: where launched engines write their output
     (default: ``<state_dir>/logs``, or a new temporary directory). ``state_dir``: where operator
-    intent and cut requests outlive the process (``gateway.sqlite3``)."""
+    intent and cut requests outlive the process (``gateway.sqlite3``). ``runners``: the
+    registry of runner kinds (a test's, to run its engines elsewhere)."""
     options = collector_options or ProviderOptions()
     logs = engine_logs or (
         state_dir / "logs"
@@ -134,60 +136,56 @@ async def open_fleet(
             on_cut=store.add_cut if store is not None else None,
             on_settled=_settled(telemetry, store),
         )
-        links = {name: HostLink(name) for name in config.hosts} if server else {}
-        now = running_loop().time
-
-        def runner_for(inst: EngineInstance, host: str | None) -> Runner:
-            if host is not None:
-                link = links.setdefault(host, HostLink(host))
-                return HostRunner(inst, link, settlement, loop_time=now)
-            dep = next(d for d in config.deployments if d.name == inst.deployment)
-            return LocalRunner(
-                inst, dep, collector=collector, session=session, log_dir=logs, clock=clock
-            )
-
+        opened = Opened(
+            config=config,
+            collector=collector,
+            session=session,
+            settlement=settlement,
+            log_dir=logs,
+            clock=clock,
+            loop_time=running_loop().time,
+            store=store,
+        )
         names = [d.name for d in config.deployments]
         ids = store.deployment_ids(names) if store is not None else new_short_ids(names)
-        routes = build_routes(config, env, settlement, runner_for, ids)
+        routes = build_routes(config, env, settlement, runner_for(opened, runners), ids)
         collector.subscribe(CheckWatch(routes))
         collector.subscribe(settlement)
-        for route in routes.values():
-            for inst in route.instances:
-                if isinstance(inst.runner, LocalRunner) and inst.launch is None:
-                    inst.runner.watch()  # a launched one is watched once it answers
+        tasks = Supervisor("the lifecycle")
         lifecycle = Lifecycle(
             config,
             routes,
             settlement,
+            tasks=tasks,
             remember=(lambda n, s, t: store.set_intent(n, stopped=s, started=t)) if store else None,
         )
         lifecycle.engines.observers.append(_transitions(telemetry))
-        if store is not None:  # a previous run's engines go before this one starts any
-            await outlast(store)
-            lifecycle.engines.observers.append(recorder(store))
+        await prepare(opened, runners)  # a previous run's engines go before this one starts any
         if store is not None:  # the collector polls: a restored cut is polled fast at once
             restore(store, routes, settlement, lifecycle)
         machines = None
         if server is not None:
             invites = Invites((state_dir or server.directory.parent) / "machines.sqlite3")
+            links = host_links(opened, config.hosts)
             machines = Machines(
                 config, links, identity=server, invites=invites, found=lifecycle.found, clock=clock
             )
         boot(lifecycle)  # what is kept ready, and what an operator had started
-        watch = running_loop().create_task(lifecycle.run())
-        stack.push_async_callback(_stop_lifecycle, lifecycle, watch)
+        stack.push_async_callback(lifecycle.shutdown)  # its tasks end, then its engines stop
+        lifecycle.watch()
         yield Fleet(
-            config,
-            clock,
-            routes,
-            settlement,
-            session,
-            engines,
-            drains,
-            collector,
-            lifecycle,
-            machines,
-            store,
+            config=config,
+            clock=clock,
+            routes=routes,
+            settlement=settlement,
+            session=session,
+            engines=engines,
+            drains=drains,
+            collector=collector,
+            lifecycle=lifecycle,
+            machines=machines,
+            store=store,
+            tasks=tasks,
         )
 
 
@@ -250,13 +248,6 @@ def _transitions(telemetry: Telemetry) -> Callable[[Launched], None]:
         telemetry.transitions[(lc.inst.deployment, lc.state.value)] += 1
 
     return count
-
-
-async def _stop_lifecycle(lifecycle: Lifecycle, watch: asyncio.Task[None]) -> None:
-    """The idle watch ends, then every engine this process started is stopped."""
-    watch.cancel()
-    await asyncio.gather(watch, return_exceptions=True)
-    await lifecycle.shutdown()
 
 
 async def _cancel(drains: set[asyncio.Task[None]]) -> None:

@@ -150,7 +150,7 @@ def restore(
     instances = {i.key: i for r in routes.values() for i in r.instances}
     for key, cuts in store.cuts().items():
         inst = instances.get(key)
-        if inst is None or (inst.launch is not None and not inst.runner.outlives_gateway):
+        if inst is None or (inst.launch is not None and not inst.runner.site.outlives_gateway):
             store.drop_cuts(key, (c.request_id for c in cuts))
             logger.info(
                 "%s: %d cut request(s) from before the gateway's restart settled (%s)",

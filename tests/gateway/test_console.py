@@ -23,7 +23,7 @@ from capyctl_gateway import _events
 from capyctl_gateway._cli_common import local_runners
 from capyctl_gateway._events import BUS, EventBus
 from capyctl_gateway._http.record import failed
-from capyctl_gateway._lifecycle.local import LocalRunner
+from capyctl_gateway._local.enginelog import ShownLog
 from capyctl_gateway._log import event
 from capyctl_gateway._management import live
 from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Ending, Recent
@@ -281,8 +281,9 @@ async def test_log_lines_are_masked_and_capped_in_lines_and_bytes(
         assert len((await m.get(path, params={"lines": 1})).json()["lines"]) == 1
         # the engine's log grows past both caps: lines cut to LOG_MAX_LINES, bytes to LOG_MAX_BYTES
         runner = launched_console.gw.gateway.fleet.routes["my-model"].instances[0].runner
-        assert isinstance(runner, LocalRunner) and runner.log is not None
-        log = runner.log.log
+        shown = runner.log()
+        assert isinstance(shown, ShownLog)
+        log = shown.log
         with log.path.open("a") as f:
             f.writelines(f"line {i} {'y' * 20}\n" for i in range(5000))
         many = (await m.get(path, params={"lines": 100000})).json()["lines"]

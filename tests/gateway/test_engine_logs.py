@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from capyctl_gateway._config.parts import EngineLogs
-from capyctl_gateway._lifecycle.enginelog import EngineLog, ShownLog
+from capyctl_gateway._local.enginelog import EngineLog, ShownLog
 from capyctl_gateway._log import masked
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched

@@ -14,7 +14,7 @@ import pytest
 from capyctl_gateway._config import Launch
 from capyctl_gateway._engines import EngineKind
 from capyctl_gateway._lifecycle.operator import operator_park
-from capyctl_gateway._lifecycle.process import launch_argv
+from capyctl_gateway._local.process import launch_argv
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.test_lifecycle import chat, launched, pid_of, wait_gone
 

@@ -11,29 +11,48 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "src" / "capyctl_gateway"
+RUNNER_ROOMS = {"_local", "_machines"}
+"""The rooms of the kinds of runners (``_runners.py`` is their registry)."""
 # room -> the rooms of the gateway it must never import
 FORBIDDEN = {
     "_errors": {"_http", "_relay", "_deployments", "_management", "_gateway", "_config", "cli"},
     "_engines": {"_http", "_relay", "_deployments", "_management", "_gateway", "_config", "cli"},
     "_relay": {"_http", "_deployments", "_management", "_gateway", "_lifecycle", "cli"},
     "_deployments": {"_http", "_relay", "_management", "_gateway", "_lifecycle", "cli"},
-    "_lifecycle": {"_http", "_relay", "_management", "_gateway", "cli"},
+    # the policy room: where an engine runs is its runner's business (the seam), never asked
+    "_lifecycle": {"_http", "_relay", "_management", "_gateway", "cli", *RUNNER_ROOMS, "_runners"},
     "_gateway": {"_http", "_relay", "_management", "cli"},
     "_fleet": {"_http", "_relay", "_management", "_gateway", "cli"},
     "_routing": {"_http", "_relay", "_management", "cli"},
     "_http": {"_management", "cli"},
     "_management": {"cli"},
-    "_machines": {"_http", "_management", "_lifecycle", "_gateway", "cli"},
+    "_machines": {"_http", "_management", "_lifecycle", "_gateway", "cli", "_local", "_runners"},
+    # a runner room: drives one kind of engine through the seam, never the policy
+    "_local": {
+        "_http",
+        "_relay",
+        "_management",
+        "_gateway",
+        "cli",
+        "_lifecycle",
+        "_fleet",
+        "_machines",
+        "_runners",
+        "_workers",
+        "_host",
+    },
+    "_runners": {"_http", "_relay", "_management", "_gateway", "cli", "_lifecycle", "_fleet"},
     "_host": {"_http", "_management", "cli"},
     "_workers": {"_management", "_lifecycle", "_machines", "cli"},
 }
 _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
-    "_fleet", "_workers",
+    "_fleet", "_workers", "_local", "_runners", "_tasks",
 }  # fmt: skip
 for _leaf in ("_loop", "_ulid", "_log", "_events", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM
+FORBIDDEN["_tasks"] = _EVERY_ROOM - {"_errors"}  # the supervisor knows only the error tree
 
 
 def _room(path: Path) -> str:
@@ -70,6 +89,64 @@ def test_each_room_imports_only_what_it_may(path: Path) -> None:
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
+# Runner classes are made by the registry alone: no other room imports them.
+RUNNER_MODULES = {"_local.runner", "_local", "_machines.runner"}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The gateway modules ``path`` imports from, dotted from the package (``_local.runner``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = path.relative_to(ROOT).parent.parts
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[: len(package) - (node.level - 1)])
+            found.add(".".join([*base, *(node.module.split(".") if node.module else [])]))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "capyctl_gateway."
+        ):
+            found.add(node.module.removeprefix("capyctl_gateway."))  # type: ignore[union-attr]
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_registry_makes_runners(path: Path) -> None:
+    room = _room(path)
+    if room in RUNNER_ROOMS or room == "_runners":
+        return
+    bad = _imported_modules(path) & RUNNER_MODULES
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: only _runners.py may"
+
+
+def _reads_a_runners_host_or_type(path: Path) -> list[int]:
+    """Lines of ``path`` that read ``runner.host`` or test a runner's type."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "host"
+            and isinstance(node.value, ast.Attribute | ast.Name)
+            and getattr(node.value, "attr", getattr(node.value, "id", "")) == "runner"
+        ):
+            lines.append(node.lineno)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and "Runner" in ast.unparse(node.args[1])
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nobody_asks_a_runner_where_it_runs(path: Path) -> None:
+    """Outside the runner rooms, where an engine runs is read from its `Site` alone."""
+    if _room(path) in RUNNER_ROOMS:
+        return
+    assert not _reads_a_runners_host_or_type(path), path.relative_to(ROOT)
+
+
 MAX_MODULE_LINES = 300
 MAX_CLASS_LINES = 120
 # "module:Class" -> its own cap, for the classes that run once per engine read: their per-read
@@ -82,6 +159,10 @@ HOT_PATH_CLASSES = {
     "_relay/verify.py:ChunkVerifier": 155,
     # moves the deadline on every relayed chunk: a second object is one more hop per chunk
     "_relay/exchange.py:Exchange": 145,
+    # one concept each, whose methods belong together (the seam's every member, each a line or
+    # two over its room's helpers): a split would follow the line count, not a seam
+    "_local/runner.py:LocalRunner": 135,
+    "_machines/runner.py:HostRunner": 130,
 }
 
 

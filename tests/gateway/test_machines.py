@@ -440,10 +440,10 @@ async def test_routing_weighs_the_load_each_host_reports_for_its_engine(
     # box-a's engine is busy with requests that came another way
     c, a, b = await two_hosts(cluster, engines, busy_a=(5, 2))
     await reported(
-        c, lambda i, r: i.runner.host == "box-a" and r.running == 5 and r.age_s is not None
+        c, lambda i, r: i.runner.site.machine == "box-a" and r.running == 5 and r.age_s is not None
     )
     await reported(
-        c, lambda i, r: i.runner.host == "box-b" and r.running == 0 and r.age_s is not None
+        c, lambda i, r: i.runner.site.machine == "box-b" and r.running == 0 and r.age_s is not None
     )
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     caplog.set_level("INFO", "capyctl_gateway")
@@ -521,7 +521,7 @@ async def test_the_memory_budget_is_each_machines_own(
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     # a2 needed box-a's room: a1 was switched out there; b1 on box-b was left alone.
     assert lives["a1"].state == "stopped" and lives["b1"].state == "ready"
-    assert gw.fleet.lifecycle.budget.held_on("box-a") == 10 * 2**30
+    assert gw.fleet.lifecycle.budget.held_in("host box-a") == 10 * 2**30
 
 
 async def test_a_host_whose_key_others_can_read_does_not_start(

@@ -73,6 +73,12 @@ class Instance(BaseModel):
     """The host machine that runs it (``capyctl-gateway serve --role server``); ``url`` and
     ``launch`` are then read on that host."""
 
+    @property
+    def runner_kind(self) -> str:
+        """Which kind of runner runs its engine (a key of ``_runners.KINDS``): ``host`` for
+        one on a host, ``local`` for one on this machine."""
+        return "host" if self.host is not None else "local"
+
     @field_validator("host")
     @classmethod
     def _host_name(cls, v: str | None) -> str | None:

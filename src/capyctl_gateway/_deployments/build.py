@@ -7,7 +7,6 @@ Never imports the HTTP surface or the relay.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 
 from .._config import ConfigError, GatewayConfig, Instance
@@ -43,12 +42,12 @@ def build_routes(
     config: GatewayConfig,
     env: Mapping[str, str],
     settlement: Settlement,
-    runner_for: Callable[[EngineInstance, str | None], Runner],
+    runner_for: Callable[[EngineInstance, Instance], Runner],
     ids: Mapping[str, str],
 ) -> dict[str, Route]:
-    """One route per deployment, each instance with the runner ``runner_for`` chooses for it
-    and the deployment's short ID from ``ids``; raises ConfigError for an engine key that is
-    not set."""
+    """One route per deployment, each instance with the runner ``runner_for`` makes for it
+    (given the built instance and its configuration) and the deployment's short ID from
+    ``ids``; raises ConfigError for an engine key that is not set."""
     admission = Admission(config.queue.max_waiting_total)
     routes: dict[str, Route] = {}
     for d in config.deployments:
@@ -63,12 +62,18 @@ def build_routes(
                 headers["Connection"] = "close"  # so the connection is never reused
             ledger = settlement.ledger(f"{d.name}/{i}")
             url = inst.url if inst.host is None else None  # one on a host: at its ingress
-            place = functools.partial(_placed, runner_for, inst.host)
-            instances.append(
-                EngineInstance(
-                    d.name, i, url, headers, key, ledger, waiters, place, launch=inst.launch
-                )
+            built = EngineInstance(
+                deployment=d.name,
+                index=i,
+                url=url,
+                headers=headers,
+                engine_key=key,
+                ledger=ledger,
+                waiters=waiters,
+                launch=inst.launch,
             )
+            built.attach(runner_for(built, inst))
+            instances.append(built)
         queue = DeploymentQueue(
             admission,
             max_running=config.queue.max_running_per_deployment,
@@ -77,14 +82,6 @@ def build_routes(
         )
         routes[d.name] = Route(d, instances, queue, waiters, ids[d.name])
     return routes
-
-
-def _placed(
-    runner_for: Callable[[EngineInstance, str | None], Runner],
-    host: str | None,
-    inst: EngineInstance,
-) -> Runner:
-    return runner_for(inst, host)
 
 
 def check_engine_keys(config: GatewayConfig, env: Mapping[str, str]) -> None:

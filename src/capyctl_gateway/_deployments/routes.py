@@ -21,7 +21,7 @@ import math
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from yarl import URL
@@ -97,11 +97,11 @@ class EngineInstance:
     engine_key: str | None = field(repr=False)
     ledger: InstanceLedger
     waiters: Waiters = field(repr=False)
-    runner_for: InitVar[Callable[[EngineInstance], Runner]]
     launch: Launch | None = None
     """How the gateway runs it; None for an engine someone else runs."""
     runner: Runner = field(init=False, repr=False)
-    """Where its engine runs (chosen once, with the routes)."""
+    """Where its engine runs (made once, with the routes, for the instance once it is built:
+    `attach`)."""
     host: str = field(init=False, default="")
     machine: str = field(init=False, default=THIS_MACHINE)
     """The machine the engine runs on, as the router line names it: its host's name, this
@@ -118,12 +118,15 @@ class EngineInstance:
     inflight: set[Tracked] = field(init=False, default_factory=set, repr=False)
     """The exchanges charged to it now (`Charge`): what a stopping gateway ends."""
 
-    def __post_init__(self, runner_for: Callable[[EngineInstance], Runner]) -> None:
+    def __post_init__(self) -> None:
         self.where = f"deployment {self.deployment}, instance {self.index}"
         self.admitting = self.launch is None
-        self.runner = runner_for(self)
-        self.host = self.runner.host or ""
-        self.machine = machine_of(self.runner.host, None)
+
+    def attach(self, runner: Runner) -> None:
+        """Give the built instance the runner made for it (once, with the routes)."""
+        self.runner = runner
+        self.host = runner.site.machine or ""
+        self.machine = machine_of(runner.site.machine, None)
         if self.url is not None:
             self.bind(self.url)
 
@@ -162,8 +165,9 @@ class EngineInstance:
         """Address the instance at ``url`` (a launched engine, once it has its port; one on a
         host, at its host's ingress)."""
         self.url = url
-        self.host = self.runner.host or urlsplit(url).hostname or ""
-        self.machine = machine_of(self.runner.host, url)
+        named = self.runner.site.machine
+        self.host = named or urlsplit(url).hostname or ""
+        self.machine = machine_of(named, url)
         # Parsed once: aiohttp would parse a string URL on every request.
         self.chat_url = URL(url + "/v1/chat/completions")
         self.decision_url = URL(url + "/v1/systemone")
@@ -174,10 +178,11 @@ class EngineInstance:
         return self.ledger.key
 
 
-def machine_of(host: str | None, url: str | None) -> str:
-    """The machine an instance's engine runs on (`EngineInstance.machine`)."""
-    if host is not None:
-        return host
+def machine_of(named: str | None, url: str | None) -> str:
+    """The machine an instance's engine runs on (`EngineInstance.machine`): the one its
+    runner names, else the one its address names (this machine's name for loopback)."""
+    if named is not None:
+        return named
     name = urlsplit(url).hostname if url is not None else None
     if name is None or name == "localhost" or _loopback(name):
         return THIS_MACHINE

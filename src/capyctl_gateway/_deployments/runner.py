@@ -1,14 +1,21 @@
 """Where an instance's engine runs: the one seam between the gateway and a machine.
 
-A `Runner` is chosen once per instance when the routes are built, and everything that differs
-between an engine on this machine and one on a host goes through it: starting, parking, waking
-and stopping a launched engine, the engine's load as one `LoadSample`, the process to show, and
-the exchanges in flight (a host that goes away ends them at once). The local runner
-(``_lifecycle/local.py``) runs a process and reads the collector; the host runner
-(``_machines/runner.py``) sends orders to the host and reads its reports. A third kind (a
-container, a pod) is one more class with these methods.
+A `Runner` is made once per instance when the routes are built, by the registry of runner
+kinds (``_runners.py``, the only module that knows the kinds), and everything that differs
+between an engine on this machine and one on a host goes through it. It has two faces:
 
-Never imports the HTTP surface, the relay, the lifecycle or the machines.
+- `Driver`, used by the lifecycle's transitions: start, park, wake, stop, and the exits and
+  silences of a running engine;
+- `View`, used by routing, ``status``, the console and the watches: its `Site` (where it runs
+  as the rest of the gateway may know it: the memory pool it counts against, the machine's
+  name, who proves its stops), its load as one `LoadSample`, its process, its log, and the
+  exchanges in flight (a host that goes away ends them at once).
+
+Nothing outside a runner's room tests a runner's type or asks for its host: what it needs to
+know is on the `Site`. The local runner (``_local/``) runs a process and reads the collector;
+the host runner (``_machines/runner.py``) sends orders to the host and reads its reports.
+
+Never imports the HTTP surface, the relay, the lifecycle or the runner rooms.
 """
 
 from __future__ import annotations
@@ -20,14 +27,47 @@ from typing import Any, Protocol
 from .._errors import EngineControlError
 
 __all__ = [
+    "HERE",
+    "Driver",
     "EngineControlError",
     "LoadSample",
+    "LogLines",
     "ProcessView",
     "Reported",
     "Runner",
+    "Site",
     "Tracked",
+    "View",
     "never",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """Where an engine runs, as everything outside its runner's room may know it."""
+
+    pool: str
+    """The memory pool its ``memory:`` counts against (`HERE`'s, or a host's name):
+    the budget is kept per pool."""
+    machine: str | None
+    """The name of the machine it runs on where its runner knows it (a host's name), for the
+    router line and ``status``; None where its address says (this machine's engines, and
+    engines someone else runs)."""
+    on: str
+    """Where it runs, for log lines (``on host gpu-1``); empty for this machine."""
+    stopper: str
+    """Who proves its stops, as a settled cut request says (``the gateway``, ``its host``)."""
+    outlives_gateway: bool
+    """Whether the engine keeps running when this gateway stops (a host's does: a server
+    that comes back finds it as it was)."""
+
+    def said(self, reason: str) -> str:
+        """``reason``, with where it happened when that is not this machine."""
+        return f"{reason} ({self.on})" if self.on else reason
+
+
+HERE = Site(pool="this machine", machine=None, on="", stopper="the gateway", outlives_gateway=False)
+"""The site of every engine on the gateway's own machine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +99,7 @@ class ProcessView:
     port: int | None
     argv: list[str]
     reaper_pid: int | None = None
-    """The pid of the engine's keeper on this machine (``_lifecycle/reaper.py``)."""
+    """The pid of the engine's keeper on this machine (``_local/reaper.py``)."""
 
 
 class Tracked(Protocol):
@@ -70,19 +110,17 @@ class Tracked(Protocol):
     def abort(self, why: str) -> None: ...
 
 
-class Runner(Protocol):
-    """Where one instance's engine runs, and how the gateway drives and reads it."""
+class LogLines(Protocol):
+    """An engine's own log as the gateway shows it (masked)."""
+
+    def lines(self, count: int, max_bytes: int) -> list[str]: ...
+
+
+class View(Protocol):
+    """What routing, ``status``, the console and the watches read of an engine."""
 
     @property
-    def host(self) -> str | None:
-        """The host machine it runs on; None for this machine."""
-        ...
-
-    @property
-    def outlives_gateway(self) -> bool:
-        """Whether the engine keeps running when this gateway stops (a host's does: a server
-        that comes back finds it as it was)."""
-        ...
+    def site(self) -> Site: ...
 
     def sample(self) -> LoadSample | None:
         """The engine's load from a fresh sample; None without one."""
@@ -101,11 +139,20 @@ class Runner(Protocol):
         """Why requests cannot reach its machine (``host_session_lost``, ``dispatch_closed``)."""
         ...
 
+    def log(self) -> LogLines | None:
+        """The engine's own log here; None when it never ran. Raises GatewayError (409
+        ``log_on_host``) where the log is kept on another machine."""
+        ...
+
     def begin(self, exchange: Tracked) -> None:
         """An exchange with the engine starts (a host runner ends it if its host goes)."""
         ...
 
     def end(self, exchange: Tracked) -> None: ...
+
+
+class Driver(Protocol):
+    """What the lifecycle's transitions and watches do to an engine."""
 
     async def start(self, reason: str) -> str:
         """Start the engine; once it answers, say how (for the log). Raises
@@ -138,6 +185,10 @@ class Runner(Protocol):
         (at once, not at the next look); a runner told of exits another way (a host's reports)
         never returns."""
         ...
+
+
+class Runner(Driver, View, Protocol):
+    """Where one instance's engine runs, and how the gateway drives and reads it."""
 
 
 class Reported:

@@ -89,6 +89,10 @@ class InstanceLedger:
     unanswered: SettleRule = SettleRule.AT_RESTART
     """The rule of a request cut before the engine answered (an engine someone else runs on
     a host: `SettleRule.WHEN_QUIET_ON_HOST`, set by its runner)."""
+    stopped: str | None = None
+    """Set while its engine is provably stopped (the settling reason, ``engine stopped by the
+    gateway``), until its next start: a request whose end is heard only now (a worker's word
+    that crossed the stop) was cut on an engine that runs nothing, and settles at once."""
 
     @property
     def charged(self) -> int:
@@ -148,6 +152,8 @@ class Settlement:
             ledger.key,
             rule.value,
         )
+        if ledger.stopped is not None:  # its engine is gone already: nothing runs it
+            self.settle_all(ledger, ledger.stopped)
         return item
 
     def restore(self, ledger: InstanceLedger, cuts: list[CutRequest]) -> None:

@@ -21,6 +21,7 @@ from .._deployments.build import check_engine_keys
 from .._fleet import open_fleet
 from .._gateway import Gateway
 from .._machines.enroll import ServerIdentity
+from .._runners import KINDS, RunnerKind
 from .calls import not_found, wrong_method
 from .inference import Inference
 from .openapi import openapi_handler
@@ -48,9 +49,10 @@ def create_app(
     engine_logs: Path | None = None,
     state_dir: Path | None = None,
     server: ServerIdentity | None = None,
+    runners: Mapping[str, RunnerKind] = KINDS,
 ) -> web.Application:
     """The inference application for ``config``; serve it with `GatewayRunner`. Its cleanup
-    closes everything it opened."""
+    closes everything it opened. ``runners``: the registry of runner kinds (a test's own)."""
     env = os.environ if env is None else env
     check_engine_keys(config, env)  # a key that is not set is refused before anything opens
     gateway = Gateway(config, api_key)
@@ -65,6 +67,7 @@ def create_app(
             engine_logs=engine_logs,
             state_dir=state_dir,
             server=server,
+            runners=runners,
         ) as fleet:
             gateway.serve(fleet)
             yield

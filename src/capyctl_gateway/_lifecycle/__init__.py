@@ -1,10 +1,13 @@
-"""Lifecycle: the engines the gateway runs itself (``launch:`` instances).
+"""Lifecycle: the policy of the engines the gateway runs itself (``launch:`` instances), wherever
+they run.
 
-``process`` starts one engine process with the flags the gateway forces and stops it with its
-process group; ``controller`` holds each launched deployment's state, starts it for the requests
-that wait for it (one activation per wave), stops it when idle, switches deployments within the
-memory budget, and stops everything it started when the gateway stops.
+``controller`` holds each launched deployment's state, starts it for the requests that wait for
+it (one activation per wave), closes it when idle, switches deployments within the memory
+budget (kept per pool: `Site.pool`), and stops everything it started when the gateway stops;
+``transitions`` drives each instance through its runner's `Driver` face. Where and how an
+engine runs is its runner's room (``_local/``, ``_machines/``), reached only through the seam
+(``_deployments/runner.py``).
 
 It reads the deployments' routes and settles cut requests when it stops an engine; it never
-imports the HTTP surface, the relay or management.
+imports the HTTP surface, the relay, management, or any runner room.
 """

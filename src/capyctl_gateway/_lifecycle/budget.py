@@ -15,8 +15,9 @@ go now but another activation or closing is under way, it waits for that and loo
 when nothing can change, or a switch fails (its running requests did not finish within its
 ``drain_timeout``), the waiters get a retryable 503.
 
-The budget is per machine: with hosts (the server role), each host's instances are counted
-against it separately (a host is None on a single machine)."""
+The budget is per pool: each instance's memory counts against its runner's pool
+(`Site.pool`: this machine, or each host in the server role), and every pool has the whole
+budget."""
 
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ class MemoryBudget:
         """Memory the launched instances hold or were promised now, on every machine."""
         return sum(self._holds.values())
 
-    def held_on(self, host: str | None) -> int:
-        """What they hold or were promised on ``host`` (None: this machine)."""
-        return sum(n for lc, n in self._holds.items() if lc.inst.runner.host == host)
+    def held_in(self, pool: str) -> int:
+        """What they hold or were promised in ``pool`` (`Site.pool`)."""
+        return sum(n for lc, n in self._holds.items() if _pool(lc) == pool)
 
     def held_by(self, life: DeploymentLife) -> int:
         return sum(self._holds.get(lc, 0) for lc in life.launched)
@@ -71,17 +72,15 @@ class MemoryBudget:
         self, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
     ) -> bool:
         """Check and reserve, in one step, the memory ``starting`` and ``waking`` need on each
-        machine; whether there was room (nothing is reserved when there was not)."""
+        pool; whether there was room (nothing is reserved when there was not)."""
         budget = self._config.resources.memory_budget
         memory = life.deployment.memory
         if budget is None or memory is None:
             return True
         todo = [*starting, *waking]
-        for host in {lc.inst.runner.host for lc in todo}:
-            need = sum(
-                memory.ready - self._holds.get(lc, 0) for lc in todo if lc.inst.runner.host == host
-            )
-            if self.held_on(host) + need > budget:
+        for pool in {_pool(lc) for lc in todo}:
+            need = sum(memory.ready - self._holds.get(lc, 0) for lc in todo if _pool(lc) == pool)
+            if self.held_in(pool) + need > budget:
                 return False
         for lc in todo:
             self._holds[lc] = memory.ready
@@ -96,8 +95,8 @@ class MemoryBudget:
             UnavailableError: no room can be made now (retryable).
         """
         while not self.reserve(life, starting, waking):
-            hosts = {lc.inst.runner.host for lc in [*starting, *waking]}
-            victim = self._victim(life, hosts)
+            pools = {_pool(lc) for lc in [*starting, *waking]}
+            victim = self._victim(life, pools)
             if victim is not None:
                 life.blocked = True
                 try:
@@ -125,7 +124,7 @@ class MemoryBudget:
             finally:
                 life.blocked = False
 
-    def _victim(self, target: DeploymentLife, hosts: set[str | None]) -> DeploymentLife | None:
+    def _victim(self, target: DeploymentLife, pools: set[str]) -> DeploymentLife | None:
         candidates = [
             life
             for life in self.lives.values()
@@ -134,11 +133,13 @@ class MemoryBudget:
             and not life.activating
             and life.route.queue.waiting == 0
             and life.deployment.lifecycle.activation != "always"
-            and any(
-                lc.inst.runner.host in hosts and self._holds.get(lc, 0) > 0 for lc in life.launched
-            )
+            and any(_pool(lc) in pools and self._holds.get(lc, 0) > 0 for lc in life.launched)
         ]
         return min(candidates, key=_unused_first, default=None)
+
+
+def _pool(lc: Launched) -> str:
+    return lc.inst.runner.site.pool
 
 
 def _under_way(

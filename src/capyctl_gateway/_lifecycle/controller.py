@@ -22,8 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from .._config import GatewayConfig
 from .._deployments.routes import EngineInstance, Route
@@ -33,8 +32,10 @@ from .._errors import (
     DeploymentStoppedError,
     EngineControlError,
     GatewayError,
+    InternalError,
     UnavailableError,
 )
+from .._tasks import Supervisor
 from .budget import MemoryBudget
 from .crash import backoff_left, exit_watch
 from .rest import closing
@@ -58,11 +59,14 @@ class Lifecycle:
         routes: dict[str, Route],
         settlement: Settlement,
         *,
+        tasks: Supervisor,
         remember: Callable[[str, bool, bool], None] | None = None,
     ) -> None:
-        """``remember(name, stopped, started)`` keeps an operator's intent for a deployment
-        across restarts (the store)."""
+        """``tasks``: the supervisor its activations, closings and watches run in (its owner,
+        the fleet, opens and closes it). ``remember(name, stopped, started)`` keeps an
+        operator's intent for a deployment across restarts (the store)."""
         self._config = config
+        self.tasks = tasks
         self._remember = remember
         self.lives: dict[str, DeploymentLife] = {
             name: DeploymentLife(r, [Launched(i) for i in r.instances if i.launch is not None])
@@ -72,7 +76,6 @@ class Lifecycle:
         self._launched = {
             lc.inst.key: (life, lc) for life in self.lives.values() for lc in life.launched
         }
-        self._tasks: set[asyncio.Task[Any]] = set()
         self.budget = MemoryBudget(config, self.lives, self._switch_out)
         self.engines = Transitions(self.lives, settlement, self.budget)
         self.engines.observers.append(exit_watch(self))
@@ -98,7 +101,10 @@ class Lifecycle:
         """The deployment's activation (the one running, or a new one started for ``why``:
         who asked, as its transitions' reason)."""
         if life.activation is None or life.activation.done():
-            life.activation = self.spawn(_activate(self, life, why))
+            what = f"activating deployment {life.deployment.name}"
+            life.activation = self.tasks.spawn(
+                _activate(self, life, why), kind="activation", what=what
+            )
         return life.activation
 
     # -- closing ------------------------------------------------------------------------------
@@ -110,7 +116,9 @@ class Lifecycle:
         requests outlast the drain (an operator's stop); else the closing fails and it serves
         on. A closing already under way is the one returned."""
         if life.closing is None:
-            life.closing = self.spawn(closing(self, life, reason, may_park, must))
+            what = f"closing deployment {life.deployment.name} ({reason})"
+            task = closing(self, life, reason, may_park, must)
+            life.closing = self.tasks.spawn(task, kind="closing", what=what)
             life.regate(reason)
         return life.closing
 
@@ -119,11 +127,14 @@ class Lifecycle:
         return self.close(life, why)
 
     # -- time -------------------------------------------------------------------------------
-    async def run(self) -> None:
-        """Look for idle deployments and engines that exited, every `TICK_S`."""
-        while True:
-            await asyncio.sleep(TICK_S)
+    def watch(self) -> asyncio.Task[None]:
+        """Look for idle deployments and engines that exited, every `TICK_S`, for as long as
+        its supervisor is open (a look that faults is logged, and the watch goes on)."""
+
+        async def step() -> None:
             await look(self, time.monotonic())
+
+        return self.tasks.keep(step, every=TICK_S, kind="idle_watch", what="the idle watch")
 
     def remember(self, life: DeploymentLife) -> None:
         """Keep an operator's intent for ``life`` across the gateway's restarts."""
@@ -131,16 +142,15 @@ class Lifecycle:
             self._remember(life.deployment.name, life.operator_stopped, life.operator_started)
 
     async def shutdown(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """End every task it runs, then stop every engine this process started."""
+        await self.tasks.aclose()
         # Engines on hosts keep running: a server that comes back finds them as they were.
         await asyncio.gather(
             *(
                 self.engines.stop_one(lc, "the gateway is stopping")
                 for life in self.lives.values()
                 for lc in life.launched
-                if not lc.inst.runner.outlives_gateway
+                if not lc.inst.runner.site.outlives_gateway
             )
         )
 
@@ -151,13 +161,6 @@ class Lifecycle:
         entry = self._launched.get(inst.key)
         if entry is not None:
             reported(self, *entry, state, failure)
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_retrieve)  # its waiters may all have left
-        return task
 
 
 async def _activate(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> None:
@@ -171,15 +174,23 @@ async def _activate(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> Non
             return  # a closing that failed: it serves on
         await _bring_up(lifecycle, life, why)
     except GatewayError as exc:
-        failure = exc
-        refused = life.route.queue.fail_waiters(lambda: fresh(failure))
-        logger.info(
-            "deployment %s: %d waiting requests refused: %s",
-            life.deployment.name,
-            refused,
-            exc.message,
-        )
+        _refuse_waiters(life, exc)
         raise
+    except Exception as exc:  # a defect: logged once, and every waiter answered now
+        what = f"activating deployment {life.deployment.name}"
+        failure = lifecycle.tasks.fault("activation", what, exc)
+        _refuse_waiters(life, failure)
+        raise failure from exc
+
+
+def _refuse_waiters(life: DeploymentLife, failure: GatewayError) -> None:
+    refused = life.route.queue.fail_waiters(lambda: fresh(failure))
+    logger.info(
+        "deployment %s: %d waiting requests refused: %s",
+        life.deployment.name,
+        refused,
+        failure.message,
+    )
 
 
 async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> None:
@@ -194,6 +205,9 @@ async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> Non
     engines = lifecycle.engines
     jobs = [*(engines.start(lc, why) for lc in todo), *(engines.wake(lc, why) for lc in parked)]
     results = await asyncio.gather(*jobs, return_exceptions=True)
+    for r in results:  # a defect in one start is raised, never read as a failed start
+        if isinstance(r, Exception) and not isinstance(r, EngineControlError | GatewayError):
+            raise r
     if not life.ready:
         failed = next((r for r in results if isinstance(r, EngineControlError)), None)
         detail = failed.message if failed is not None else "no instance became ready"
@@ -204,15 +218,12 @@ async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> Non
         )
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
 def fresh(exc: GatewayError) -> GatewayError:
     """A copy of ``exc`` for one waiter (errors are never shared between requests)."""
     if isinstance(exc, ActivationFailedError):
         return ActivationFailedError(exc.message, detail=exc.detail)
     if isinstance(exc, DeploymentStoppedError):
         return DeploymentStoppedError(exc.message, code=exc.code)
+    if isinstance(exc, InternalError):
+        return InternalError(exc.message)
     return UnavailableError(exc.message, detail=exc.detail)

@@ -45,7 +45,8 @@ def exit_watch(lifecycle: Lifecycle) -> Callable[[Launched], None]:
     def observe(lc: Launched) -> None:
         up = lc.state in (InstanceState.READY, InstanceState.PARKED)
         if up and lc.watch is None:
-            lc.watch = lifecycle.spawn(_watch(lifecycle, lc))
+            what = f"watching {lc.inst.where} for its exit"
+            lc.watch = lifecycle.tasks.spawn(_watch(lifecycle, lc), kind="exit_watch", what=what)
         elif lc.state in (InstanceState.STOPPED, InstanceState.FAILED) and lc.watch is not None:
             if lc.watch is not asyncio.current_task():
                 lc.watch.cancel()

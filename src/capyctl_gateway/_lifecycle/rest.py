@@ -73,6 +73,9 @@ async def closing(
         await put_to_rest(lifecycle.engines, life, reason, may_park=may_park and not at_rest)
         rested = True
         return True
+    except Exception as exc:  # a defect: logged once; who awaits it answers internal_error
+        what = f"closing deployment {life.deployment.name} ({reason})"
+        raise lifecycle.tasks.fault("closing", what, exc) from exc
     finally:
         life.closing = None
         life.regate(f"{reason}: done" if rested else "serves on")

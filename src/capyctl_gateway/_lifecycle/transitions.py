@@ -40,6 +40,7 @@ class Transitions:
 
     async def start(self, lc: Launched, reason: str) -> None:
         """Start one stopped or failed instance; raises EngineControlError if it did not."""
+        lc.inst.ledger.stopped = None  # what is cut from now on may run on the new engine
         self.move(lc, InstanceState.STARTING, reason)
         try:
             answered = await lc.inst.runner.start(reason)
@@ -105,13 +106,15 @@ class Transitions:
             inst.unusable = None  # its next process is checked afresh
         lc.unconfirmed = not proven
         if proven:  # a stopped engine runs nothing: every cut request it counted is settled
-            where = "its host" if inst.runner.host is not None else "the gateway"
-            self._settlement.settle_all(inst.ledger, f"engine stopped by {where}")
+            why = f"engine stopped by {inst.runner.site.stopper}"
+            self._settlement.settle_all(inst.ledger, why)
+            inst.ledger.stopped = why  # and so is one whose end is heard only later
         self.move(lc, InstanceState.STOPPED, reason)
 
     def found(self, lc: Launched, state: InstanceState, reason: str) -> None:
         """Take up an engine found running (or parked) without this gateway starting it."""
         lc.failure = None
+        lc.inst.ledger.stopped = None
         if state is InstanceState.READY:
             self._ready(lc, reason)
         else:
@@ -146,5 +149,4 @@ class Transitions:
 
 
 def _on(lc: Launched, reason: str) -> str:
-    host = lc.inst.runner.host
-    return reason if host is None else f"{reason} (on host {host})"
+    return lc.inst.runner.site.said(reason)

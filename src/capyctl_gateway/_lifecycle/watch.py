@@ -83,7 +83,7 @@ def reported(
     parked there (a server that restarted, an answer lost with a session) is taken up as such,
     and stopped if an operator stopped its deployment."""
     inst, engines = lc.inst, lifecycle.engines
-    where = f"on host {inst.runner.host}"
+    where = inst.runner.site.on
     if lc.state in (InstanceState.READY, InstanceState.PARKED):
         if state in ("stopped", "failed"):
             lc.failure = failure or f"the engine exited {where}"

@@ -2,8 +2,9 @@
 which give each up to 10 s to stop. A gateway started again at once must not launch a second
 engine for an instance while the first still holds its memory (a GPU's, most of all).
 
-While it runs, the gateway records each engine process it runs on this machine in its store
-(pid and start time: a pid the kernel gave to another process since is not mistaken for it);
+While it runs, each local runner records its engine process in the gateway's store once it
+answers and forgets it once it is stopped (pid and start time: a pid the kernel gave to
+another process since is not mistaken for it);
 when it starts, before anything can launch, it waits for each recorded engine that still runs
 to be gone, up to `OUTLAST_S`, then kills its process group.
 """
@@ -15,13 +16,11 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 
 from .._store import Store
 from .process import gone_within
-from .states import InstanceState, Launched
 
-__all__ = ["OUTLAST_S", "outlast", "recorder"]
+__all__ = ["OUTLAST_S", "outlast", "remember", "started_ticks"]
 
 logger = logging.getLogger("capyctl_gateway")
 OUTLAST_S = 15.0
@@ -39,23 +38,15 @@ def started_ticks(pid: int) -> int | None:
     return int(fields[19]) if fields[0] != "Z" else None
 
 
-def recorder(store: Store) -> Callable[[Launched], None]:
-    """A transition observer: a ready engine on this machine is recorded, a stopped or failed
-    one (provably gone) forgotten."""
-
-    def record(lc: Launched) -> None:
-        if lc.inst.runner.host is not None:
-            return  # a host keeps its own
-        key = lc.inst.key
-        if lc.state is InstanceState.READY:
-            proc = lc.inst.runner.process()
-            ticks = started_ticks(proc.pid) if proc is not None and proc.pid else None
-            if proc is not None and proc.pid and ticks is not None:
-                store.engine_up(key, proc.pid, ticks)
-        elif lc.state in (InstanceState.STOPPED, InstanceState.FAILED) and not lc.unconfirmed:
-            store.engine_down(key)
-
-    return record
+def remember(store: Store | None, key: str, pid: int | None) -> None:
+    """Record instance ``key``'s engine process ``pid`` (None: it is provably gone)."""
+    if store is None:
+        return
+    ticks = started_ticks(pid) if pid else None
+    if pid and ticks is not None:
+        store.engine_up(key, pid, ticks)
+    elif pid is None:
+        store.engine_down(key)
 
 
 async def outlast(store: Store, within: float = OUTLAST_S) -> None:

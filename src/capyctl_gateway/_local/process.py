@@ -37,7 +37,7 @@ __all__ = [
 
 STOP_GRACE_S = 15.0
 """A stopping engine's reaper gets SIGTERM (it gives the engine 10 s), and SIGKILL after this."""
-REAPER = [sys.executable, "-m", "capyctl_gateway._lifecycle.reaper", "--"]
+REAPER = [sys.executable, "-m", "capyctl_gateway._local.reaper", "--"]
 PROBE_EVERY_S = 0.1
 
 

@@ -1,4 +1,4 @@
-"""``python -m capyctl_gateway._lifecycle.reaper -- ENGINE ARGV...``: the keeper of one engine.
+"""``python -m capyctl_gateway._local.reaper -- ENGINE ARGV...``: the keeper of one engine.
 
 The gateway starts this small process (with ``PR_SET_PDEATHSIG``: the kernel sends it SIGTERM
 when the gateway dies, even by SIGKILL); it starts the engine in a process group of its own and
@@ -87,7 +87,7 @@ def _stop_group(pgid: int, engine: subprocess.Popen[bytes]) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] != "--" or len(argv) < 2:
-        sys.stderr.write("usage: python -m capyctl_gateway._lifecycle.reaper -- ENGINE ARGV...\n")
+        sys.stderr.write("usage: python -m capyctl_gateway._local.reaper -- ENGINE ARGV...\n")
         return 2
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() == 1:  # the gateway died before we could ask to be told

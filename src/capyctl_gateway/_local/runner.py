@@ -2,8 +2,10 @@
 someone else runs (``url:``), its load read from the collector.
 
 Starting runs the process (``process.py``) and waits for its ``/health``; once it answers, the
-collector watches it. Parking and waking go to the engine's own routes (``parking.py``);
-stopping stops its process group. The collector stops watching an engine that stops.
+collector watches it and the process is recorded in the store (``pids.py``: a gateway started
+again outlasts it). Parking and waking go to the engine's own routes (``parking.py``);
+stopping stops its process group. The collector stops watching an engine that stops. An engine
+someone else runs is watched from the start.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from canopyx_provider import Collector, adapter_for
 
 from .._config import Deployment
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import LoadSample, ProcessView, Tracked, never
+from .._deployments.runner import HERE, LoadSample, ProcessView, Site, Tracked, never
 from .._errors import StartFailedError
 from .._log import masked, secrets_in
+from .._store import Store
 from .enginelog import EngineLog, ShownLog
 from .parking import drive
+from .pids import remember
 from .process import EngineProcess, free_port, launch_argv, launch_env
 from .seen import Seen
 from .wakecheck import auth_of, check, record
@@ -36,8 +40,7 @@ logger = logging.getLogger("capyctl_gateway")
 class LocalRunner:
     """One instance's engine on this machine."""
 
-    host = None
-    outlives_gateway = False
+    site: Site = HERE
 
     def __init__(
         self,
@@ -48,13 +51,17 @@ class LocalRunner:
         session: aiohttp.ClientSession,
         log_dir: Path,
         clock: Callable[[], float],
+        store: Store | None,
     ) -> None:
         self._inst, self._dep, self._session, self._log_dir = inst, deployment, session, log_dir
+        self._store = store
         self._proc: EngineProcess | None = None
         self.seen = Seen(collector, inst.key, clock)
         self._recorded: str | None = None
         """Its answer to the wake check's prompt when it first became ready."""
-        self.log: ShownLog | None = None  # the latest run's, masked
+        self._log: ShownLog | None = None  # the latest run's, masked
+        if inst.launch is None:  # someone else runs it: watched from the start
+            self.watch()
 
     # -- what it reads ------------------------------------------------------------------------
     def watch(self) -> None:
@@ -75,6 +82,9 @@ class LocalRunner:
 
     def describe(self) -> dict[str, Any]:
         return self.seen.row()
+
+    def log(self) -> ShownLog | None:
+        return self._log
 
     def silent_s(self) -> float | None:
         return self.seen.silent_s()
@@ -102,12 +112,12 @@ class LocalRunner:
         self._proc = proc
         # The engine's output may carry its keys (vLLM prints its arguments): masked as
         # ``status`` masks a command line, and the engine's own key wherever it appears.
-        self.log = ShownLog(log, [s for s in (inst.engine_key, *secrets_in(argv, env)) if s])
+        self._log = ShownLog(log, [s for s in (inst.engine_key, *secrets_in(argv, env)) if s])
         try:
             await proc.start(self._session, launch.startup_timeout)
         except StartFailedError as exc:
             self._proc = None
-            tail = masked(exc.log_tail.rstrip(), self.log.secrets)
+            tail = masked(exc.log_tail.rstrip(), self._log.secrets)
             logger.error(
                 "%s did not start: %s; its log %s ends:\n%s",
                 inst.where,
@@ -122,6 +132,7 @@ class LocalRunner:
             raise
         inst.bind(proc.url)
         self.watch()
+        remember(self._store, inst.key, proc.pid)
         if d.parks and not d.router:  # what its wake checks will be compared with
             self._recorded = await record(self._session, inst, d)
         return f"answered on port {port}"
@@ -140,6 +151,7 @@ class LocalRunner:
         if self._proc is not None:
             await self._proc.stop()
             self._proc = None
+            remember(self._store, self._inst.key, None)
         return True  # its process group is gone: nothing it counted can still run
 
     async def gone(self) -> str:
@@ -164,32 +176,3 @@ async def _drive(
         raise StartFailedError(f"{inst.where} has no engine to drive")
     model = d.engine_model if d.router else None
     await drive(session, d.engine, inst.url, auth_of(inst), model, park=park)
-
-
-# --- what the collector says of a watched engine ----------------------------------------------
-
-
-def _sample(collector: Collector, key: str, clock: Callable[[], float]) -> LoadSample | None:
-    """The engine's load from its latest snapshot (KV-cache usage, else slot usage)."""
-    snap = collector.snapshot(key)
-    if snap is None:
-        return None
-    m = snap.metrics
-    usage = m.kv_cache_usage_ratio if m.kv_cache_usage_ratio is not None else m.slot_usage_ratio
-    age = max(clock() - snap.requested_at, 0.0)
-    return LoadSample(m.running_requests, m.waiting_requests, usage, age, "collector")
-
-
-def _row(collector: Collector, key: str, clock: Callable[[], float]) -> dict[str, Any]:
-    """What ``status`` shows of the engine: the collector's state, its latest load and the
-    snapshot's age, and its last error."""
-    status = collector.status(key)
-    row: dict[str, Any] = {"state": status.state.value}
-    snap = status.latest
-    if snap is not None:
-        row["running"] = snap.metrics.running_requests
-        row["waiting"] = snap.metrics.waiting_requests
-        row["snapshot_age_s"] = round(snap.age_s(clock()), 3)
-    if status.error:
-        row["error"] = status.error
-    return row

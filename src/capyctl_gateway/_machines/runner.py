@@ -17,9 +17,9 @@ from typing import Any
 import orjson
 
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import LoadSample, ProcessView, Reported, Tracked
+from .._deployments.runner import LoadSample, ProcessView, Reported, Site, Tracked
 from .._deployments.settle import QUIET_GRACE_S, Settlement, SettleRule, settle_remote
-from .._errors import HostGoneError, OrderRefusedError
+from .._errors import GatewayError, HostGoneError, OrderRefusedError
 from .._log import shown
 from .control import HostSession
 from .protocol import STALE_AFTER_S, InstanceReport, ingress_path
@@ -103,6 +103,14 @@ class HostRunner(Reported):
         self, inst: EngineInstance, link: HostLink, settlement: Settlement, *, loop_time: Any
     ) -> None:
         self._inst, self._link, self._settlement, self._time = inst, link, settlement, loop_time
+        self.host = link.name
+        self.site = Site(
+            pool=f"host {link.name}",
+            machine=link.name,
+            on=f"on host {link.name}",
+            stopper="its host",
+            outlives_gateway=True,
+        )
         self.latest: RemoteSample | None = None
         link.runners[(inst.deployment, inst.index)] = self
         if inst.launch is None:  # nothing on its host stops or restarts it: quiet settles
@@ -112,14 +120,8 @@ class HostRunner(Reported):
         inst.set_open(reachable=False, why=f"host {link.name} has not reported yet")
 
     @property
-    def host(self) -> str:
-        return self._link.name
-
-    @property
     def instance(self) -> EngineInstance:
         return self._inst
-
-    outlives_gateway = True
 
     # -- what it reads ------------------------------------------------------------------------
     def fresh(self) -> tuple[InstanceReport, float] | None:
@@ -145,6 +147,15 @@ class HostRunner(Reported):
 
     def describe(self) -> dict[str, Any]:
         return _row(self, self._link.live, self._time)
+
+    def log(self) -> None:
+        inst = self._inst
+        raise GatewayError(
+            f"instance {inst.index} of {inst.deployment} runs on host {self.host}: its log is "
+            "there",
+            status=409,
+            code="log_on_host",
+        )
 
     def why_unreachable(self) -> str:
         return "dispatch_closed" if self._link.live else "host_session_lost"

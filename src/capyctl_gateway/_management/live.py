@@ -21,7 +21,6 @@ from aiohttp import web
 from .._errors import GatewayError, InvalidRequestError, UnknownModelError
 from .._events import BUS, MAX_SUBSCRIBERS, QUEUE_EVENTS, EventBus, Subscription
 from .._gateway import Gateway
-from .._lifecycle.local import LocalRunner
 from .._loop import running_loop
 from .._telemetry import RECENT_SLOT_S, RECENT_SLOTS
 from .._ulid import REQUEST_ID
@@ -157,13 +156,7 @@ async def _log_lines(gateway: Gateway, request: web.Request) -> dict[str, Any]:
             status=409,
             code="deployment_not_launched",
         )
-    if not isinstance(runner, LocalRunner):
-        raise GatewayError(
-            f"instance {index} of {name} runs on host {runner.host}: its log is there",
-            status=409,
-            code="log_on_host",
-        )
-    log = runner.log
+    log = runner.log()  # raises where the log is kept elsewhere (log_on_host)
     if log is None:
         return {"deployment": name, "instance": index, "lines": [], "never_ran": True}
     lines = await asyncio.to_thread(log.lines, count, LOG_MAX_BYTES)

@@ -19,6 +19,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from .._gateway import Gateway
 from .._lifecycle.states import InstanceState
+from .._tasks import FAULT_KINDS
 from .._telemetry import BUCKETS, PHASES, Telemetry
 
 __all__ = ["exposition"]
@@ -151,6 +152,14 @@ def _lifecycle(gw: Gateway) -> Iterator[Metric]:
     for (dep, to), n in sorted(gw.telemetry.transitions.items()):
         moves.add_metric([dep, to], n)
     yield moves
+    faults = CounterMetricFamily(
+        "capyctl_task_faults",
+        "Defects in the gateway's background tasks (logged with their tracebacks), by task.",
+        labels=["task"],
+    )
+    for kind in FAULT_KINDS:  # a count, not a sample: none seen is a measured 0
+        faults.add_metric([kind], gw.fleet.tasks.faults[kind])
+    yield faults
     held = GaugeMetricFamily(
         "capyctl_memory_held_bytes", "Memory held by launched deployments (their memory:)."
     )

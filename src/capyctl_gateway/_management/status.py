@@ -95,7 +95,7 @@ def instance_hosts(fleet: Fleet, name: str) -> list[dict[str, Any]]:
     """Each instance of deployment ``name`` on a host: the host, the session, the sample's age."""
     out = []
     for inst in fleet.routes[name].instances:
-        host = inst.runner.host
+        host = inst.runner.site.machine
         if host is None:
             continue
         sample = inst.runner.sample()
