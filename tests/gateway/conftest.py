@@ -12,7 +12,9 @@ from aiohttp import web
 
 from canopyx_provider import ProviderOptions
 from capyctl_gateway import GATEWAY_KEY, Gateway, GatewayConfig, GatewayRunner, create_app
+from capyctl_gateway._runners import KINDS
 from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.fake_runner import FakeEngines, fake_kinds
 from tests.gateway.serving import serve_workers
 
 KEY = "k" * 43
@@ -57,6 +59,8 @@ class Gw:
     url: str
     key: str
     gateway: Gateway
+    fakes: FakeEngines | None = None
+    """The fake runner's engines, when the test runs its engines on it."""
 
     def client(self, **kw: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.key}"}
@@ -93,7 +97,21 @@ connections' pool): with workers each holds its own."""
 
 
 @pytest.fixture
-async def make_gateway(workers: int) -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
+def fakes() -> FakeEngines | None:
+    """The fake runner's engines for a test's gateways: None, so engines run as real processes
+    on this machine; a module of the lifecycle's policy tests puts ``fakes = FAKES`` in it to
+    run them on the fake runner (``fake_runner.py``) instead."""
+    return None
+
+
+FAKES = pytest.fixture(lambda: FakeEngines())
+"""Put ``fakes = FAKES`` in a module to run its launched engines on the fake runner."""
+
+
+@pytest.fixture
+async def make_gateway(
+    workers: int, fakes: FakeEngines | None
+) -> AsyncIterator[Callable[..., Awaitable[Gw]]]:
     """Start gateways from config dicts on loopback ports; all are stopped after the test."""
     stops: list[Callable[[], Awaitable[None]]] = []
 
@@ -111,14 +129,15 @@ async def make_gateway(workers: int) -> AsyncIterator[Callable[..., Awaitable[Gw
             env=env or {},
             collector_options=collector or COLLECTOR,
             engine_logs=engine_logs,
+            runners=KINDS if fakes is None else fake_kinds(fakes),
         )
         if workers > 1:
             stop, url = await serve_workers(app, workers)
             stops.append(stop)
-            return Gw(url, KEY, app[GATEWAY_KEY])
+            return Gw(url, KEY, app[GATEWAY_KEY], fakes)
         runner, url = await _serve(app, gateway=True)
         stops.append(runner.cleanup)
-        return Gw(url, KEY, app[GATEWAY_KEY])
+        return Gw(url, KEY, app[GATEWAY_KEY], fakes)
 
     try:
         yield make

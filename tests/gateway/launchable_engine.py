@@ -33,11 +33,11 @@ from aiohttp import web
 from tests.gateway.fake_engine import DONE, FakeEngine, chunk, event
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--served", default="tiny")
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
     p.add_argument("--exit-at-once", type=int, default=None)
     p.add_argument("--slow-start", type=float, default=0.0)
     p.add_argument("--child-pid-file", default=None, help="fork a child, as vLLM does")
@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lock-file", default=None, help="exit 9 if another engine holds it")
     p.add_argument("--echo-env", default=None)
     p.add_argument("--chatty", type=int, default=0)
-    args, _unknown = p.parse_known_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, unknown = parser().parse_known_args(argv)
     sys.stdout.write(f"fake engine args: {sys.argv[1:]}\n")
     if args.echo_env:
         sys.stdout.write(f"fake engine: loaded {os.environ.get(args.echo_env)}\n")
@@ -86,7 +90,50 @@ def main(argv: list[str] | None = None) -> None:
             f.write(str(stray.pid))
     if args.slow_start:
         time.sleep(args.slow_start)  # an engine loading its weights
-    served = args.served
+
+    def crash() -> None:
+        sys.stdout.write("fake engine: crashing as asked\n")
+        sys.stdout.flush()
+        os._exit(3)
+
+    sleeps = "--enable-sleep-mode" in unknown and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    app, _ = build_app(
+        args.served,
+        crash=crash,
+        garbled_after_wake=args.garbled_after_wake,
+        sleep_routes=sleeps,
+        memory_saver="--enable-memory-saver" in unknown,
+    )
+    sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
+    sys.stdout.flush()
+    web.run_app(
+        app,
+        host=args.host,
+        port=args.port,
+        print=None,
+        handler_cancellation=True,
+        handle_signals=not args.ignore_sigterm,  # aiohttp's own SIGTERM handler would stop it
+    )
+
+
+class Sleep:
+    """Whether the engine is asleep (or released), and whether it came back wrong."""
+
+    asleep = False
+    garbled = False
+
+
+def build_app(
+    served: str,
+    *,
+    crash: Any,
+    garbled_after_wake: bool = False,
+    sleep_routes: bool = False,
+    memory_saver: bool = False,
+) -> tuple[web.Application, Sleep]:
+    """The engine's application: what ``main`` serves in its own process, and what the fake
+    runner (``fake_runner.py``) serves in the test's. ``crash()`` is called after the first
+    chunk of a request that says ``crash``."""
     script = [
         event(chunk(delta={"role": "assistant", "content": ""}, model=served)),
         event(chunk(delta={"content": f"from {served}"}, model=served)),
@@ -95,29 +142,25 @@ def main(argv: list[str] | None = None) -> None:
     ]
     engine = FakeEngine(served=served, script=script)
     app = web.Application()
-    asleep = False
-    garbled = False  # weights brought back wrong (--garbled-after-wake)
-    sleeps = "--enable-sleep-mode" in _unknown and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    state = Sleep()
 
     async def sleep(request: web.Request) -> web.Response:
-        nonlocal asleep
         if request.query.get("level") != "1":
             return web.Response(status=400)
-        asleep = True
+        state.asleep = True
         return web.Response()
 
     async def wake_up(request: web.Request) -> web.Response:
-        nonlocal asleep, garbled
-        asleep = False
-        garbled = args.garbled_after_wake
+        state.asleep = False
+        state.garbled = garbled_after_wake
         return web.Response()
 
     async def is_sleeping(request: web.Request) -> web.Response:
-        return web.json_response({"is_sleeping": asleep})
+        return web.json_response({"is_sleeping": state.asleep})
 
     @web.middleware
     async def refuse_asleep(request: web.Request, handler: Any) -> web.StreamResponse:
-        if asleep and request.path == "/v1/chat/completions":
+        if state.asleep and request.path == "/v1/chat/completions":
             return web.Response(status=503, text="asleep")
         response: web.StreamResponse = await handler(request)
         return response
@@ -125,22 +168,20 @@ def main(argv: list[str] | None = None) -> None:
     app.middlewares.append(refuse_asleep)
 
     async def release(request: web.Request) -> web.Response:
-        nonlocal asleep
         body = await request.json()
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "not an object"}}, status=400)
-        asleep = True
+        state.asleep = True
         return web.json_response(None)
 
     async def resume(request: web.Request) -> web.Response:
-        nonlocal asleep
-        asleep = False
+        state.asleep = False
         return web.json_response(None)
 
-    if "--enable-memory-saver" in _unknown:
+    if memory_saver:
         app.router.add_post("/release_memory_occupation", release)
         app.router.add_post("/resume_memory_occupation", resume)
-    if sleeps:
+    if sleep_routes:
         app.router.add_post("/sleep", sleep)
         app.router.add_post("/wake_up", wake_up)
         app.router.add_get("/is_sleeping", is_sleeping)
@@ -154,14 +195,13 @@ def main(argv: list[str] | None = None) -> None:
         try:
             await out.write(script[0])
             if said == "crash":
-                sys.stdout.write("fake engine: crashing as asked\n")
-                sys.stdout.flush()
-                os._exit(3)
+                crash()
+                return out
             if said.startswith("take:"):
                 await asyncio.sleep(float(said.removeprefix("take:")))
-            if garbled:
+            if state.garbled:
                 await out.write(event(chunk(delta={"content": "from n0where"}, model=served)))
-            for item in script[1 + garbled :]:
+            for item in script[1 + state.garbled :]:
                 await out.write(item)
             await out.write_eof()
         finally:
@@ -170,16 +210,7 @@ def main(argv: list[str] | None = None) -> None:
 
     app.router.add_post("/v1/chat/completions", chat)
     engine.routes(app)
-    sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
-    sys.stdout.flush()
-    web.run_app(
-        app,
-        host=args.host,
-        port=args.port,
-        print=None,
-        handler_cancellation=True,
-        handle_signals=not args.ignore_sigterm,  # aiohttp's own SIGTERM handler would stop it
-    )
+    return app, state
 
 
 def chatter(total: int) -> None:

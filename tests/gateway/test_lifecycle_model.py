@@ -1,6 +1,8 @@
 """A model test of the lifecycle: a seeded random schedule of concurrent traffic and operator
 commands against three launched deployments under a memory budget that holds two, over real
-sockets and real engine processes (the launchable fake engine).
+sockets. It runs twice: on the fake runner (the launchable engine's application in this
+process), for hundreds of steps at five times the pace, and on real engine processes (the
+launchable fake engine under its reaper) for a few dozen.
 
 The schedule mixes streamed and whole answers, short and long generations, clients that hang
 up before the head or mid-stream, requests that crash their engine, and operator starts, stops
@@ -11,8 +13,10 @@ cut only where an operator's stop or a crash overlapped it (never by a switch or
 ``status`` and ``list`` match the processes that really run; every cut request settles once
 its engine stops.
 
-CI runs a fixed seed and a bounded number of steps; ``CAPYCTL_MODEL_SEED`` and
-``CAPYCTL_MODEL_STEPS`` run others (the seed is printed, so a failure can be replayed).
+CI runs a fixed seed and a bounded number of steps (`STEPS`); ``CAPYCTL_MODEL_SEED`` and
+``CAPYCTL_MODEL_STEPS`` run others (the seed is printed, so a failure can be replayed). The long
+run: ``CAPYCTL_MODEL_STEPS=4000 .venv/bin/pytest tests/gateway/test_lifecycle_model.py -k fake``
+(docs/reliability.md has its figures).
 """
 
 from __future__ import annotations
@@ -33,14 +37,19 @@ from capyctl_gateway._lifecycle.operator import deployments_list
 from capyctl_gateway._lifecycle.rest import quiesce
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.conftest import WORKERS, Gw
+from tests.gateway.fake_runner import FakeEngines
 from tests.gateway.test_lifecycle import launched, management
-from tests.gateway.test_lifecycle_races import engines_running, said, served
+from tests.gateway.test_lifecycle_races import running, said, served
 
 pytestmark = pytest.mark.anyio
 workers = WORKERS  # one process, and two workers behind their authority
 MakeGateway = Callable[..., Awaitable[Gw]]
 SEED = int(os.environ.get("CAPYCTL_MODEL_SEED", "20261202"))
-STEPS = int(os.environ.get("CAPYCTL_MODEL_STEPS", "36"))
+STEPS = {"fake": 400, "process": 36}
+"""Steps per run in CI, by runner (``CAPYCTL_MODEL_STEPS`` sets both)."""
+PACE = {"fake": 0.2, "process": 1.0}
+"""The schedule's gaps and generation times, scaled: the fake runner starts an engine at once,
+so its run packs more overlap into each second."""
 NAMES = ("a", "b", "c")
 GiB = 2**30
 BUDGET = 2 * GiB
@@ -91,15 +100,20 @@ class Run:
     """When the gateway saw each crashed engine gone (its instance turned failed)."""
 
 
-def schedule(rng: random.Random) -> list[tuple[float, Ask | Command]]:
+@pytest.fixture(params=["fake", "process"])
+def fakes(request: pytest.FixtureRequest) -> FakeEngines | None:
+    return FakeEngines() if request.param == "fake" else None
+
+
+def schedule(rng: random.Random, steps_n: int, pace: float) -> list[tuple[float, Ask | Command]]:
     steps: list[tuple[float, Ask | Command]] = []
-    for _ in range(STEPS):
-        gap = rng.uniform(0.0, 0.35)
+    for _ in range(steps_n):
+        gap = rng.uniform(0.0, 0.35) * pace
         dep = rng.choice(NAMES)
         roll = rng.random()
         if roll < 0.72:
             hang = rng.choices([None, "head", "mid"], weights=[6, 1, 1])[0]
-            take = rng.choice([0.0, 0.0, 0.3, 1.0, 2.5])
+            take = rng.choice([0.0, 0.0, 0.3, 1.0, 2.5]) * pace
             steps.append((gap, Ask(dep, take, rng.random() < 0.6, hang)))
         elif roll < 0.77:
             steps.append((gap, Ask(dep, 0.0, True, None, crash=True)))
@@ -169,15 +183,13 @@ def watch(gw: Gw, run: Run) -> None:
             run.broken.append(f"{held} bytes held against {BUDGET} at {lc.inst.where}: {states}")
         awake = 0
         for name in NAMES:
-            pids = engines_running(served(name))
+            pids = running(gw, served(name))
             if len(pids) > 1:
                 run.broken.append(f"two engines for {name}: {pids}")
             if pids and name not in asleep:
                 awake += 1
         if awake > BUDGET // GiB:
-            seen = {
-                n: (life.state, engines_running(served(n))) for n, life in lifecycle.lives.items()
-            }
+            seen = {n: (life.state, running(gw, served(n))) for n, life in lifecycle.lives.items()}
             run.broken.append(
                 f"{awake} engines awake under a budget for {BUDGET // GiB} at "
                 f"{lc.inst.where} -> {lc.state.value}: {seen}"
@@ -199,9 +211,11 @@ def overlapped(a: Ask, run: Run) -> bool:
 
 
 async def test_the_lifecycle_under_a_random_schedule_loses_no_request(
-    make_gateway: MakeGateway,
+    make_gateway: MakeGateway, fakes: FakeEngines | None
 ) -> None:
-    print(f"lifecycle model: seed {SEED}, {STEPS} steps")  # noqa: T201 (replayable)
+    kind = "process" if fakes is None else "fake"
+    steps = int(os.environ.get("CAPYCTL_MODEL_STEPS", STEPS[kind]))
+    print(f"lifecycle model: seed {SEED}, {steps} steps on the {kind} runner")  # noqa: T201
     memory = {"ready": "1GiB", "parked": 0}
     deps = [
         launched("a", served=served("a"), memory=memory, lifecycle={"drain_timeout": "2s"}),
@@ -227,7 +241,7 @@ async def test_the_lifecycle_under_a_random_schedule_loses_no_request(
             httpx.AsyncClient(headers=auth, timeout=60) as m,
             anyio.create_task_group() as tg,
         ):
-            for gap, step in schedule(rng):
+            for gap, step in schedule(rng, steps, PACE[kind]):
                 await anyio.sleep(gap)  # the schedule's own pace, not synchronisation
                 if isinstance(step, Ask):
                     run.asks.append(step)
@@ -248,7 +262,7 @@ async def test_the_lifecycle_under_a_random_schedule_loses_no_request(
             for name in NAMES:
                 assert (await m.post(f"{base}/deployments/{name}/stop")).status_code == 200
         for name in NAMES:
-            assert engines_running(served(name)) == []
+            assert running(gw, served(name)) == []
             assert gw.gateway.fleet.settlement.ledgers[f"{name}/0"].cut == []
         assert lifecycle.budget.held() == 0
     finally:
@@ -298,7 +312,7 @@ def agree(gw: Gw) -> None:
         for row in deployments_list(fleet.lifecycle, fleet.routes, BUDGET)["deployments"]
     }
     for name in NAMES:
-        pids = engines_running(served(name))
+        pids = running(gw, served(name))
         doc = deployment_status(fleet, name)
         assert doc is not None
         state = fleet.lifecycle.lives[name].state

@@ -1,7 +1,8 @@
-"""The lifecycle under concurrent traffic: many clients at once against launched engines (the
-launchable fake engine, real processes over real sockets), with switches under a memory budget,
-operator commands and the idle clock beside them. Each test is a regression test of a race that
-lost requests before the queue's gate and the memory ledger (issue 23)."""
+"""The lifecycle under concurrent traffic: many clients at once against launched engines, with
+switches under a memory budget, operator commands and the idle clock beside them. Each test is a
+regression test of a race that lost requests before the queue's gate and the memory ledger
+(issue 23). The engines run on the fake runner (the launchable engine's application in this
+process, over real sockets): these are the lifecycle's policy, not its processes."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import anyio
 import httpx
 import pytest
 
-from tests.gateway.conftest import WORKERS, Gw
+from tests.gateway.conftest import FAKES, WORKERS, Gw
 from tests.gateway.test_lifecycle import chat, launched, management, pid_of, transitions
 
 workers = WORKERS
+fakes = FAKES  # the lifecycle's policy: on the fake runner (engines in this process)
 
 
 pytestmark = pytest.mark.anyio
@@ -48,11 +50,17 @@ def engines_running(served: str) -> list[int]:
             continue
         if state == "Z" or b"tests.gateway.launchable_engine" not in argv:
             continue
-        if b"capyctl_gateway._lifecycle.reaper" in argv:
+        if b"capyctl_gateway._local.reaper" in argv:
             continue  # the engine's keeper, not the engine
         if served.encode() in argv:
             found.append(int(proc.name))
     return found
+
+
+def running(gw: Gw, served: str) -> list[int]:
+    """The engines serving ``served`` now: the fake runner's (their fake pids) when the test
+    runs on it, else the real processes."""
+    return gw.fakes.running(served) if gw.fakes is not None else engines_running(served)
 
 
 def said(what: str, model: str) -> dict[str, Any]:
@@ -127,7 +135,7 @@ async def test_first_requests_in_one_tick_never_run_more_engines_than_the_budget
     peaks: list[tuple[int, int]] = []
 
     def watch(lc: Any) -> None:
-        really = sum(len(engines_running(served(n))) for n in names)
+        really = sum(len(running(gw, served(n))) for n in names)
         peaks.append((lifecycle.budget.held(), really))
 
     lifecycle.engines.observers.append(watch)
@@ -185,7 +193,7 @@ async def test_a_switch_whose_drain_fails_fails_and_the_old_model_serves_on(
         finished = await long
         assert finished.startswith("200") and "[DONE]" in finished, finished
         assert f"from {served('a')}" in finished
-        assert pid_of(gw, "a") == pid and engines_running(served("b")) == []
+        assert pid_of(gw, "a") == pid and running(gw, served("b")) == []
         again = await c.post("/v1/chat/completions", json=chat("a"))
         assert again.status_code == 200
     assert gw.gateway.fleet.lifecycle.lives["a"].state == "ready"
@@ -264,3 +272,29 @@ async def test_the_idle_clock_runs_from_the_last_requests_end(
     with anyio.fail_after(10):
         await stopped.wait()
     assert stopping[0] - ended >= 0.9  # a second after the end, less the clock's tick
+
+
+async def test_a_cut_heard_after_its_engines_stop_settles_at_once(
+    make_gateway: MakeGateway,
+) -> None:
+    """A worker's word that its request was cut can cross the engine's proven stop (a crash,
+    seen by the exit watch first): the cut was then counted on a stopped engine until its next
+    stop, for ever if none came (found by the model test on two workers at 400 steps)."""
+    gw = await make_gateway({"deployments": [launched()]})
+    fleet = gw.gateway.fleet
+    inst = fleet.routes["my-model"].instances[0]
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        stopped = asyncio.Event()
+        fleet.lifecycle.engines.observers.append(
+            lambda lc: stopped.set() if lc.state.value == "failed" else None
+        )
+        assert gw.fakes is not None
+        gw.fakes.exit(inst.key)  # the engine dies; the exit watch stops and fails it
+        with anyio.fail_after(10):
+            await stopped.wait()
+        late = fleet.settlement.cut(inst.ledger, "late", answered=True, reason="hang_up")
+        assert inst.ledger.cut == [] and fleet.settlement.recent[-1].cut == late
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        fleet.settlement.cut(inst.ledger, "on-the-new-engine", answered=False, reason="hang_up")
+        assert [x.request_id for x in inst.ledger.cut] == ["on-the-new-engine"]

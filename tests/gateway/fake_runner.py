@@ -1,0 +1,255 @@
+"""A fake runner kind for the lifecycle's policy tests, in the style of httpx's MockTransport:
+the seam's every member, with no process behind it.
+
+A `FakeRunner` serves each start with an in-process engine: the launchable engine's own
+application (``launchable_engine.build_app``) on a loopback port of the test's loop, watched by
+the gateway's collector as a local engine is. It reads the launch command the way the
+launchable engine does (``--served``, ``--slow-start S``, ``--exit-at-once N``), so a test's
+configuration means the same on either runner; a request that says ``crash`` makes the engine
+"exit" (its listener and every connection cut at once, as a killed process's are). On top of
+that, a `Script` per deployment makes a start, park, wake or stop take time or fail, and
+`FakeEngines.exit` ends an engine on demand.
+
+`FakeEngines` is the ground truth the invariants read: which engines serve now, which sleep,
+and how many starts each instance had. Its `process` is a fake pid (an identity that a restart changes,
+never a real process's) and its port; it has no log and no keeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from canopyx_provider import Collector, adapter_for
+from capyctl_gateway._config import Deployment, Instance
+from capyctl_gateway._deployments.routes import EngineInstance
+from capyctl_gateway._deployments.runner import HERE, LoadSample, ProcessView, Site, Tracked
+from capyctl_gateway._errors import ParkFailedError, StartFailedError
+from capyctl_gateway._local.seen import Seen
+from capyctl_gateway._runners import KINDS, Opened, RunnerKind
+from tests.gateway.launchable_engine import Sleep, build_app, parser
+
+__all__ = ["FakeEngines", "FakeRunner", "Script", "fake_kinds"]
+
+
+@dataclass(frozen=True)
+class Script:
+    """How one deployment's fake engines behave beyond what their launch command says."""
+
+    start_s: float = 0.0
+    park_s: float = 0.0
+    wake_s: float = 0.0
+    stop_s: float = 0.0
+    start_fails: str | None = None
+    park_fails: str | None = None
+    wake_fails: str | None = None
+
+
+class FakeEngines:
+    """Every fake engine of one test: its scripts, and what really serves now."""
+
+    def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
+        self.scripts = dict(scripts or {})
+        self.serving: Counter[str] = Counter()
+        """instance key -> engines listening for it now (never more than 1, if the lifecycle
+        is right)."""
+        self.asleep: set[str] = set()
+        """Instance keys whose engine is parked (it holds no ready memory)."""
+        self.starts: Counter[str] = Counter()
+        self.runners: dict[str, FakeRunner] = {}
+        self.live: dict[int, str] = {}
+        """Each engine serving now, by its fake pid (unique for the test), with the model it
+        serves: what ``engines_running`` reads of real processes."""
+        self._ids = itertools.count(1_000_001)
+
+    def running(self, served: str) -> list[int]:
+        """The fake pids of the engines serving ``served`` now."""
+        return sorted(pid for pid, model in self.live.items() if model == served)
+
+    def new_pid(self, served: str) -> int:
+        pid = next(self._ids)
+        self.live[pid] = served
+        return pid
+
+    def script(self, deployment: str) -> Script:
+        return self.scripts.get(deployment, Script())
+
+    def exit(self, key: str, status: int = 3) -> None:
+        """End instance ``key``'s engine now, as a kill would."""
+        self.runners[key].crash(status)
+
+    def make(self, inst: EngineInstance, configured: Instance, opened: Opened) -> FakeRunner:
+        dep = next(d for d in opened.config.deployments if d.name == inst.deployment)
+        runner = FakeRunner(inst, dep, self, collector=opened.collector, clock=opened.clock)
+        self.runners[inst.key] = runner
+        return runner
+
+
+def fake_kinds(engines: FakeEngines) -> Mapping[str, RunnerKind]:
+    """The registry with this machine's kind replaced by the fake (hosts' stay real)."""
+    return {**KINDS, "local": RunnerKind(engines.make)}
+
+
+class FakeRunner:
+    """One instance's fake engine (see the module's docstring)."""
+
+    site: Site = HERE
+
+    def __init__(
+        self,
+        inst: EngineInstance,
+        dep: Deployment,
+        engines: FakeEngines,
+        *,
+        collector: Collector,
+        clock: Callable[[], float],
+    ) -> None:
+        self._inst, self._dep, self._engines = inst, dep, engines
+        self.seen = Seen(collector, inst.key, clock)
+        self._server: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._dead: list[web.AppRunner] = []
+        """Crashed engines' servers, cleaned up by the stop that follows (`lost`)."""
+        self._pid: int | None = None
+        self._port: int | None = None
+        self._sleep: Sleep | None = None
+        self._exited: str | None = None
+        self._gone = asyncio.Event()
+        if inst.launch is None and inst.url is not None:
+            self._watch()
+
+    # -- the view ---------------------------------------------------------------------------
+    def sample(self) -> LoadSample | None:
+        return self.seen.sample()
+
+    def process(self) -> ProcessView | None:
+        """The fake engine as ``status`` shows a process: its fake pid (an identity a restart
+        changes, as a real pid) and its port."""
+        launch = self._inst.launch
+        if self._pid is None or launch is None:
+            return None
+        return ProcessView(self._pid, self._port, list(launch.command))
+
+    def describe(self) -> dict[str, Any]:
+        return self.seen.row()
+
+    def log(self) -> None:
+        return None
+
+    def why_unreachable(self) -> str:
+        return "dispatch_closed"
+
+    def begin(self, exchange: Tracked) -> None:
+        pass
+
+    def end(self, exchange: Tracked) -> None:
+        pass
+
+    # -- the driver -------------------------------------------------------------------------
+    async def start(self, reason: str) -> str:
+        inst, key = self._inst, self._inst.key
+        if inst.launch is None:
+            raise StartFailedError(f"{inst.where} is an engine someone else runs")
+        args, _ = parser().parse_known_args(list(inst.launch.command[1:]))
+        script = self._engines.script(inst.deployment)
+        await asyncio.sleep(script.start_s + args.slow_start)
+        if script.start_fails is not None:
+            raise StartFailedError(script.start_fails)
+        if args.exit_at_once is not None:
+            raise StartFailedError(f"the engine exited with status {args.exit_at_once}")
+        app, self._sleep = build_app(
+            args.served,
+            crash=lambda: self.crash(3),
+            garbled_after_wake=args.garbled_after_wake,
+        )
+        server = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await server.setup()
+        site = web.TCPSite(server, "127.0.0.1", 0)
+        await site.start()
+        self._server, self._site = server, site
+        self._exited, self._gone = None, asyncio.Event()
+        self._engines.serving[key] += 1
+        self._engines.starts[key] += 1
+        host, port = server.addresses[0][:2]
+        self._pid, self._port = self._engines.new_pid(args.served), port
+        inst.bind(f"http://{host}:{port}")
+        self._watch()
+        return f"answered on port {port}"
+
+    async def park(self, reason: str) -> None:
+        script = self._engines.script(self._inst.deployment)
+        await asyncio.sleep(script.park_s)
+        if script.park_fails is not None or self._sleep is None:
+            raise ParkFailedError(script.park_fails or "no engine to park")
+        self._sleep.asleep = True
+        self._engines.asleep.add(self._inst.key)
+
+    async def wake(self, reason: str) -> None:
+        script = self._engines.script(self._inst.deployment)
+        await asyncio.sleep(script.wake_s)
+        if script.wake_fails is not None or self._sleep is None:
+            raise ParkFailedError(script.wake_fails or "no engine to wake")
+        self._sleep.asleep = False
+        self._engines.asleep.discard(self._inst.key)
+
+    async def stop(self, reason: str) -> bool:
+        await asyncio.sleep(self._engines.script(self._inst.deployment).stop_s)
+        self.seen.unwatch()
+        await self._close()
+        return True
+
+    def exited(self) -> str | None:
+        return self._exited
+
+    def silent_s(self) -> float | None:
+        return self.seen.silent_s()
+
+    async def gone(self) -> str:
+        await self._gone.wait()
+        return self._exited or "the engine exited"
+
+    # -- the fake's own ---------------------------------------------------------------------
+    def crash(self, status: int) -> None:
+        """The engine exits now: its listener closes and every connection to it is cut."""
+        server, site = self._server, self._site
+        if server is None or site is None:
+            return
+        self._exited = f"the engine exited with status {status}"
+        self._server = self._site = None
+        self._forget()
+        if site._server is not None:
+            site._server.close()  # a new connection is refused, as by a process gone
+        if server.server is not None:
+            for handler in server.server.connections:
+                if handler.transport is not None:
+                    handler.transport.abort()
+        self._dead.append(server)
+        self._gone.set()
+
+    async def _close(self) -> None:
+        server, self._server, self._site = self._server, None, None
+        if server is not None:
+            self._forget()
+            await server.cleanup()
+        while self._dead:
+            await self._dead.pop().cleanup()
+
+    def _forget(self) -> None:
+        key = self._inst.key
+        self._engines.serving[key] -= 1
+        self._engines.asleep.discard(key)
+        if self._pid is not None:
+            self._engines.live.pop(self._pid, None)
+        self._sleep, self._pid, self._port = None, None, None
+
+    def _watch(self) -> None:
+        inst, d = self._inst, self._dep
+        if not self.seen.watched and inst.url is not None:
+            adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key, router=d.router)
+            self.seen.watch(adapter, d.engine_model)
