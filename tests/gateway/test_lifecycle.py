@@ -1,7 +1,9 @@
-"""Engines the gateway launches itself: the configuration's contract, starting on the first
-request (one start per wave), stopping when idle, failed starts, the memory budget's switch,
-and no engine outliving the gateway. The engine is a real process (the fake engine, launched
-with the gateway's flags); the live tier does the same with llama-server."""
+"""Engines the gateway launches itself, the lifecycle's policy: the configuration's contract,
+starting on the first request (one start per wave), stopping and parking when idle, the memory
+budget's switch, operator commands, and intent and cut requests across restarts. The engines
+run on the fake runner (``fake_runner.py``: the launchable engine's application in this
+process); ``test_local_runner.py`` runs the same engine as real processes, and the live tier
+real engines."""
 
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ import asyncio
 import logging
 import os
 import select
-import signal
-import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,10 +23,10 @@ import yaml
 
 from capyctl_gateway import ConfigError, GatewayConfig, load_config
 from capyctl_gateway._management.status import deployment_status
-from tests.gateway.conftest import WORKERS, Gw
-from tests.gateway.serving import listening, serve_command
+from tests.gateway.conftest import FAKES, WORKERS, Gw
 
 workers = WORKERS
+fakes = FAKES
 
 
 pytestmark = pytest.mark.anyio
@@ -65,6 +65,15 @@ def pid_of(gw: Gw, name: str = "my-model") -> int:
     doc = deployment_status(gw.gateway.fleet, name)
     assert doc is not None
     return int(doc["instances"][0]["process"]["pid"])
+
+
+async def engine_gone(gw: Gw, pid: int) -> None:
+    """Return once engine ``pid`` is gone: the fake runner's record (its stop is over by the
+    transition that says so), or a real process's exit."""
+    if gw.fakes is not None:
+        assert pid not in gw.fakes.live
+        return
+    await engine_gone(gw, pid)
 
 
 def wait_gone(pid: int, within: float = 15) -> None:
@@ -137,29 +146,6 @@ def test_a_budget_needs_each_launched_deployments_memory(tmp_path: Path) -> None
 
 
 # -- starting, idling, stopping --------------------------------------------------------------
-async def test_the_first_request_starts_the_engine_with_the_forced_flags(
-    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    gw = await make_gateway({"deployments": [launched()]})
-    async with gw.client() as c:
-        models = await c.get("/v1/models")  # never starts anything
-        model = await c.get("/v1/models/my-model")  # nor does one model
-        assert models.status_code == model.status_code == 200 and transitions(caplog) == []
-        assert models.json()["data"] == [model.json()]
-        r = await c.post("/v1/chat/completions", json=chat())
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"] == "from tiny"
-    assert [(t["from"], t["to"]) for t in transitions(caplog)] == [
-        ("stopped", "starting"),
-        ("starting", "ready"),
-    ]
-    pid = pid_of(gw)
-    cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
-    assert b"--enable-per-request-metrics" in cmdline
-    assert cmdline[cmdline.index(b"--host") + 1] == b"127.0.0.1"
-    doc = deployment_status(gw.gateway.fleet, "my-model")
-    assert doc is not None and doc["deployment"]["lifecycle"] == "ready"
 
 
 async def test_a_wave_of_requests_causes_one_start(
@@ -190,29 +176,12 @@ async def test_an_idle_engine_is_stopped_and_the_next_request_starts_it_again(
         first = pid_of(gw)
         with anyio.fail_after(10):
             await stopped.wait()  # the idle watch looks once a second
-        await anyio.to_thread.run_sync(wait_gone, first)
+        await engine_gone(gw, first)
         assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
         assert pid_of(gw) != first
     stops = transitions(caplog, "stopped")
     assert stops and "ready_idle_timeout" in stops[0]["reason"]
     assert len(transitions(caplog, "starting")) == 2
-
-
-async def test_a_failed_start_answers_activation_failed_and_the_next_request_retries(
-    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    gw = await make_gateway({"deployments": [launched(extra=["--exit-at-once", "3"])]})
-    async with gw.client() as c:
-        first = await c.post("/v1/chat/completions", json=chat())
-        second = await c.post("/v1/chat/completions", json=chat())
-    for r in (first, second):
-        assert (r.status_code, r.json()["code"]) == (500, "activation_failed")
-        assert "my-model" in r.json()["message"] and "127.0.0.1" not in r.text
-        assert r.headers["x-capyctl-request-id"]
-    assert len(transitions(caplog, "starting")) == 2
-    logged = "\n".join(r.getMessage() for r in caplog.records)
-    assert "exited with status 3" in logged and "fake engine: exiting with 3 as asked" in logged
 
 
 async def test_explicit_activation_is_not_started_by_requests(make_gateway: MakeGateway) -> None:
@@ -248,47 +217,6 @@ async def test_a_budget_that_fits_one_switches_between_two_deployments(
             assert lives[name].state == "ready" and lives[other].state == "stopped"
     switched = [t for t in transitions(caplog, "stopping") if "switched out" in t["reason"]]
     assert [t["deployment"] for t in switched] == ["a", "b"]
-
-
-async def test_stopping_the_gateway_stops_every_engine_it_launched(
-    make_gateway: MakeGateway,
-) -> None:
-    gw = await make_gateway({"deployments": [launched()]})
-    async with gw.client() as c:
-        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
-    pid = pid_of(gw)
-    await gw.gateway.fleet.lifecycle.shutdown()
-    await anyio.to_thread.run_sync(wait_gone, pid)
-    assert gw.gateway.fleet.lifecycle.lives["my-model"].state == "stopped"
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_an_engine_dies_with_a_gateway_killed_outright(tmp_path: Path) -> None:
-    # The engine forks a child of its own (as vLLM does): it must not outlive the gateway either.
-    config = tmp_path / "g.yaml"
-    child_file = tmp_path / "child.pid"
-    dep = launched(extra=["--child-pid-file", str(child_file)])
-    config.write_text(yaml.safe_dump({"deployments": [dep]}))
-    state = tmp_path / "state"
-    ports = [_free_port(), _free_port()]
-    argv, env = serve_command(config, state, ports[0], ports[1])
-    with subprocess.Popen(argv, stderr=subprocess.PIPE, env=env) as gateway:
-        try:
-            key = listening(gateway, state)
-            auth = {"Authorization": f"Bearer {key}"}
-            with httpx.Client(timeout=60, headers=auth) as c:
-                r = c.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions", json=chat())
-                assert "from tiny" in r.text
-                doc = c.get(f"http://127.0.0.1:{ports[1]}/management/v1/deployments/my-model")
-            pid = doc.json()["instances"][0]["process"]["pid"]
-            child = int(child_file.read_text())
-            gateway.send_signal(signal.SIGKILL)
-            gateway.wait(timeout=30)
-            wait_gone(pid)
-            wait_gone(child)
-        finally:
-            if gateway.poll() is None:
-                gateway.kill()
 
 
 def _free_port() -> int:
@@ -375,7 +303,7 @@ async def test_operator_stop_start_and_park(
             stopped = await m.post(f"{base}/deployments/my-model/stop")
             assert stopped.status_code == 200
             assert stopped.json()["deployment"]["lifecycle"] == "stopped"
-            await anyio.to_thread.run_sync(wait_gone, pid)
+            await engine_gone(gw, pid)
             refused = await c.post("/v1/chat/completions", json=chat())
             assert (refused.status_code, refused.json()["code"]) == (409, "deployment_stopped")
             listing = (await m.get(f"{base}/deployments")).json()
@@ -438,31 +366,6 @@ def observe(gw: Gw, state: str) -> anyio.Event:
     return seen
 
 
-async def test_an_idle_vllm_with_park_sleep_parks_and_the_next_request_wakes_it(
-    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    dep = launched(lifecycle={"park": "sleep", "ready_idle_timeout": "200ms"})
-    gw = await make_gateway({"deployments": [dep]})
-    parked = observe(gw, "parked")
-    async with gw.client() as c:
-        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
-        pid = pid_of(gw)
-        cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
-        assert b"--enable-sleep-mode" in cmdline
-        with anyio.fail_after(10):
-            await parked.wait()
-        doc = deployment_status(gw.gateway.fleet, "my-model")
-        assert doc is not None and doc["deployment"]["lifecycle"] == "parked"
-        assert doc["deployment"]["park"] == "sleep"
-        r = await c.post("/v1/chat/completions", json=chat())  # asleep, the fake answers 503
-        assert r.status_code == 200, r.text
-        assert pid_of(gw) == pid  # woken, not restarted
-    moves = [(t["from"], t["to"]) for t in transitions(caplog)]
-    assert moves[2:] == [("ready", "parking"), ("parking", "parked"), ("parked", "waking"),
-                         ("waking", "ready")]  # fmt: skip
-
-
 async def test_parked_for_parked_idle_timeout_stops(make_gateway: MakeGateway) -> None:
     cycle = {"park": "sleep", "ready_idle_timeout": "200ms", "parked_idle_timeout": "200ms"}
     gw = await make_gateway({"deployments": [launched(lifecycle=cycle)]})
@@ -473,7 +376,7 @@ async def test_parked_for_parked_idle_timeout_stops(make_gateway: MakeGateway) -
     with anyio.fail_after(15):
         await parked.wait()
         await stopped.wait()
-    await anyio.to_thread.run_sync(wait_gone, pid)
+    await engine_gone(gw, pid)
 
 
 async def test_a_model_with_cut_requests_waiting_for_a_restart_stops_instead_of_parking(
@@ -611,54 +514,6 @@ async def test_a_callers_request_id_is_never_stored(tmp_path: Path, engine: Any)
     data = b"".join(p.read_bytes() for p in state.glob("gateway.sqlite3*"))
     assert b"caller-secret-7" not in data
     assert b"my-model/0" in data
-
-
-async def test_sglang_with_park_sleep_releases_and_resumes_its_memory(
-    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    dep = launched(engine="sglang", engine_version="0.5.21", lifecycle={"park": "sleep"})
-    gw = await make_gateway({"deployments": [dep]})
-    async with gw.client() as c:
-        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
-        pid = pid_of(gw)
-        cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
-        assert b"--enable-memory-saver" in cmdline and b"--enable-cache-report" in cmdline
-        from capyctl_gateway._lifecycle.operator import operator_park
-
-        await operator_park(gw.gateway.fleet.lifecycle, "my-model", known=True)
-        assert gw.gateway.fleet.lifecycle.lives["my-model"].state == "parked"
-        r = await c.post("/v1/chat/completions", json=chat())  # released, the fake answers 503
-        assert r.status_code == 200, r.text
-        assert pid_of(gw) == pid
-    assert [t["to"] for t in transitions(caplog)][-2:] == ["waking", "ready"]
-
-
-async def test_sglang_under_park_auto_is_never_asked_to_release(make_gateway: MakeGateway) -> None:
-    gw = await make_gateway({"deployments": [launched(engine="sglang", engine_version="0.5.21")]})
-    async with gw.client() as c:
-        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
-    pid = pid_of(gw)
-    cmdline = (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
-    assert b"--enable-memory-saver" not in cmdline
-    doc = deployment_status(gw.gateway.fleet, "my-model")
-    assert doc is not None and doc["deployment"]["park"] == "stop"
-
-
-def test_a_launched_command_is_shown_without_its_secrets() -> None:
-    from capyctl_gateway._management.status import shown
-
-    argv = ["vllm", "serve", "m", "--api-key", "s3cret", "--hf-token=t0k", "--port", "1"]
-    assert shown(argv) == [
-        "vllm",
-        "serve",
-        "m",
-        "--api-key",
-        "***",
-        "--hf-token=***",
-        "--port",
-        "1",
-    ]
 
 
 async def test_a_cut_restored_at_startup_is_polled_fast_from_the_first_poll(
