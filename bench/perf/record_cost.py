@@ -1,5 +1,5 @@
 """What recording one request in the gateway's own metrics costs on the hot path: the outcome,
-the counters and six timings (``_http/record.py``), measured in-process with timeit.
+the counters and six timings (``_tally.py``), measured in-process with timeit.
 
 Run from the repository root: ``.venv/bin/python -m bench.perf.record_cost``.
 """
@@ -11,8 +11,8 @@ import timeit
 
 from yarl import URL
 
-from capyctl_gateway._http.record import Tally, record
 from capyctl_gateway._relay.exchange import Exchange
+from capyctl_gateway._tally import Tally, record
 from capyctl_gateway._telemetry import Ending, Telemetry
 
 __all__ = ["main"]

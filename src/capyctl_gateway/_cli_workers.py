@@ -22,7 +22,7 @@ import time
 from ._cli_common import settle_heap, use_uvloop
 from ._log import configure_logging, event
 from ._workers.authority import Authority
-from ._workers.wire import Msg
+from ._workers.messages import Quit, Stop
 from ._workers.worker import Worker, bound
 
 __all__ = ["RESTART_FIRST_S", "RESTART_MAX_S", "Workers", "main"]
@@ -115,7 +115,7 @@ class Workers:
     def stop_listening(self) -> None:
         """The gateway is stopping: every worker stops listening, and none is restarted."""
         self._stopping = True
-        self.authority.broadcast(Msg.STOP)
+        self.authority.broadcast(Stop())
 
     async def quit(self, within_s: float) -> None:
         """Tell every worker to finish and wait for them; one still running after
@@ -124,7 +124,7 @@ class Workers:
         for keeper in list(self._keepers):
             keeper.cancel()
         await asyncio.gather(*self._keepers, return_exceptions=True)
-        self.authority.broadcast(Msg.QUIT)
+        self.authority.broadcast(Quit())
         procs = list(self.procs.values())
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), within_s)

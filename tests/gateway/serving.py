@@ -16,7 +16,7 @@ from aiohttp import web
 
 from capyctl_gateway import GATEWAY_KEY, GatewayRunner
 from capyctl_gateway._workers.authority import Authority
-from capyctl_gateway._workers.wire import Msg
+from capyctl_gateway._workers.messages import Quit, Stop
 from capyctl_gateway._workers.worker import Worker, bound
 
 __all__ = ["listening", "serve_command", "serve_workers"]
@@ -74,8 +74,8 @@ async def serve_workers(
         await line.ready
 
     async def stop() -> None:
-        authority.broadcast(Msg.STOP)
-        authority.broadcast(Msg.QUIT)
+        authority.broadcast(Stop())
+        authority.broadcast(Quit())
         for worker, task in running:
             await task
             await worker.close()

@@ -27,7 +27,17 @@ from canopyx_provider import ProviderOptions
 from capyctl_gateway import GATEWAY_KEY, GatewayConfig, GatewayRunner, create_app
 from capyctl_gateway._deployments.routes import Route
 from capyctl_gateway._workers.authority import Authority
-from capyctl_gateway._workers.wire import Msg, Wire
+from capyctl_gateway._workers.messages import (
+    Admit,
+    End,
+    Gone,
+    Hello,
+    Message,
+    Next,
+    Offer,
+    Refused,
+)
+from capyctl_gateway._workers.wire import Wire
 from tests.gateway.conftest import KEY, deployments
 from tests.gateway.fake_engine import FakeEngine
 
@@ -40,8 +50,12 @@ class Worker:
     """A worker's end of one line, as the test speaks it."""
 
     def __init__(self) -> None:
-        self.got: list[list[Any]] = []
+        self.got: list[Message] = []
         self.wire = Wire(self.got.append, lambda: None)
+
+
+def _refused(m: Message, gid: int) -> bool:
+    return isinstance(m, Refused) and m.gid == gid
 
 
 class AuthorityModel(RuleBasedStateMachine):
@@ -52,7 +66,7 @@ class AuthorityModel(RuleBasedStateMachine):
         self.waiting: list[tuple[int, int]] = []  # (worker, gid) in the order they asked
         self.running: list[tuple[int, int]] = []  # offered, not ended
         self.cuts = 0
-        self.pending: list[tuple[int, tuple[Any, ...]]] = []
+        self.pending: list[tuple[int, Message]] = []
         # The fleet is opened and closed in one task of its own (its task groups require it);
         # each rule runs the loop until its own coroutine is done.
         self.opened = self.loop.create_future()
@@ -100,7 +114,7 @@ class AuthorityModel(RuleBasedStateMachine):
         worker = Worker()
         await self.loop.create_unix_connection(lambda: worker.wire, sock=theirs)
         await self._until(lambda: bool(worker.got))
-        assert worker.got.pop(0)[0] == Msg.HELLO
+        assert isinstance(worker.got.pop(0), Hello)
         return worker
 
     def run(self, coro: Any) -> Any:
@@ -119,7 +133,7 @@ class AuthorityModel(RuleBasedStateMachine):
         self.run(self.life)
         self.loop.close()
 
-    def send(self, w: int, *message: Any) -> None:
+    def send(self, w: int, message: Message) -> None:
         """Queue ``message`` on worker ``w``'s line: what two calls in a row queue leaves in
         one write, as a worker's words of one loop turn do."""
         self.pending.append((w, message))
@@ -127,7 +141,7 @@ class AuthorityModel(RuleBasedStateMachine):
     def _flush(self) -> None:
         async def go() -> None:
             for w, message in self.pending:
-                self.workers[w].wire.send(*message)
+                self.workers[w].wire.send(message)
             self.pending.clear()
 
         self.run(go())
@@ -136,7 +150,7 @@ class AuthorityModel(RuleBasedStateMachine):
         self.workers[w].wire.close()
 
     def _offers(self, w: int) -> list[int]:
-        return [m[1] for m in self.workers[w].got if m[0] == Msg.OFFER]
+        return [m.gid for m in self.workers[w].got if isinstance(m, Offer)]
 
     def _settle(self) -> None:
         """Send what is queued; then let every word sent reach the authority and its answers come back: running and
@@ -160,7 +174,7 @@ class AuthorityModel(RuleBasedStateMachine):
     @rule(w=st.integers(0, 1))
     def admit(self, w: int) -> None:
         gid = self.gid = self.gid + 1
-        self.send(w, Msg.ADMIT, gid, "my-model", "chat", f"r{gid}", None, 600.0)
+        self.send(w, Admit(gid, "my-model", "chat", f"r{gid}", None, 600.0, None))
         if len(self.running) < RUNNING:
             self.running.append((w, gid))
         elif len(self.waiting) < WAITING:
@@ -168,9 +182,9 @@ class AuthorityModel(RuleBasedStateMachine):
         else:
             self._flush()
             got = self.workers[w].got
-            self.run(self._until(lambda: any(m[:2] == [Msg.REFUSED, gid] for m in got)))
-            refused = next(m for m in got if m[:2] == [Msg.REFUSED, gid])
-            assert (refused[3], refused[4]) == (429, "queue_full")
+            self.run(self._until(lambda: any(_refused(m, gid) for m in got)))
+            refused = next(m for m in got if isinstance(m, Refused) and m.gid == gid)
+            assert (refused.status, refused.code) == (429, "queue_full")
         self._settle()
 
     @precondition(lambda self: self.running)
@@ -178,28 +192,28 @@ class AuthorityModel(RuleBasedStateMachine):
     def end(self, pick: int, how: str) -> None:
         w, gid = self.running.pop(pick % len(self.running))
         if how == "completed":
-            self.send(w, Msg.END, gid, True, True, True, None)
+            self.send(w, End(gid, True, True, True, None))
         elif how == "cut":
-            self.send(w, Msg.END, gid, True, False, True, "hang_up")
+            self.send(w, End(gid, True, False, True, "hang_up"))
             self.cuts += 1
         elif how == "gone":  # its client left as the offer came: nothing was sent
-            self.send(w, Msg.GONE, gid)
+            self.send(w, Gone(gid))
         else:  # never sent, and no other instance: refused
-            self.send(w, Msg.NEXT, gid, "connection refused")
+            self.send(w, Next(gid, "connection refused"))
             self._flush()
-            self.run(self._until(lambda: any(m[:2] == [Msg.REFUSED, gid] for m in self._all())))
+            self.run(self._until(lambda: any(_refused(m, gid) for m in self._all())))
         self._promote()
         self._settle()
 
-    def _all(self) -> list[list[Any]]:
+    def _all(self) -> list[Message]:
         return [m for w in self.workers for m in w.got]
 
     @rule(w=st.integers(0, 1))
     def admit_and_leave_at_once(self, w: int) -> None:
         """ADMIT and GONE in one write: the authority reads both before it starts placing."""
         gid = self.gid = self.gid + 1
-        self.send(w, Msg.ADMIT, gid, "my-model", "chat", f"r{gid}", None, 600.0)
-        self.send(w, Msg.GONE, gid)  # the same loop turn: one write
+        self.send(w, Admit(gid, "my-model", "chat", f"r{gid}", None, 600.0, None))
+        self.send(w, Gone(gid))  # the same loop turn: one write
         self._settle()
 
     @precondition(lambda self: self.running)
@@ -207,8 +221,8 @@ class AuthorityModel(RuleBasedStateMachine):
     def not_taken_then_gone_at_once(self, pick: int) -> None:
         """NEXT and GONE in one write: the engine never got it, and its client left."""
         w, gid = self.running.pop(pick % len(self.running))
-        self.send(w, Msg.NEXT, gid, "connection refused")
-        self.send(w, Msg.GONE, gid)
+        self.send(w, Next(gid, "connection refused"))
+        self.send(w, Gone(gid))
         self._promote()
         self._settle()
 
@@ -216,7 +230,7 @@ class AuthorityModel(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 99))
     def leave_the_queue(self, pick: int) -> None:
         w, gid = self.waiting.pop(pick % len(self.waiting))
-        self.send(w, Msg.GONE, gid)
+        self.send(w, Gone(gid))
         self._settle()
 
     @rule(w=st.integers(0, 1))

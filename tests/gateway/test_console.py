@@ -22,10 +22,10 @@ from aiohttp import web
 from capyctl_gateway import _events
 from capyctl_gateway._cli_common import local_runners
 from capyctl_gateway._events import BUS, EventBus
-from capyctl_gateway._http.record import failed
 from capyctl_gateway._local.enginelog import ShownLog
 from capyctl_gateway._log import event
 from capyctl_gateway._management import live
+from capyctl_gateway._tally import failed
 from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Ending, Recent
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched

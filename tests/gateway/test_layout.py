@@ -23,7 +23,8 @@ FORBIDDEN = {
     "_lifecycle": {"_http", "_relay", "_management", "_gateway", "cli", *RUNNER_ROOMS, "_runners"},
     "_gateway": {"_http", "_relay", "_management", "cli"},
     "_fleet": {"_http", "_relay", "_management", "_gateway", "cli"},
-    "_routing": {"_http", "_relay", "_management", "cli"},
+    "_routing": {"_http", "_relay", "_management", "cli", "_workers", *RUNNER_ROOMS, "_runners"},
+    "_tally": {"_http", "_management", "cli", "_workers", "_lifecycle", "_fleet", "_gateway"},
     "_http": {"_management", "cli"},
     "_management": {"cli"},
     "_machines": {"_http", "_management", "_lifecycle", "_gateway", "cli", "_local", "_runners"},
@@ -48,7 +49,7 @@ FORBIDDEN = {
 _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
-    "_fleet", "_workers", "_local", "_runners", "_tasks",
+    "_fleet", "_workers", "_local", "_runners", "_tasks", "_tally",
 }  # fmt: skip
 for _leaf in ("_loop", "_ulid", "_log", "_events", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM
@@ -87,6 +88,13 @@ def test_each_room_imports_only_what_it_may(path: Path) -> None:
     room = _room(path)
     bad = _imported_rooms(path) & FORBIDDEN.get(room, set())
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_the_workers_authority_imports_nothing_of_the_http_room() -> None:
+    """The authority places and counts a worker's requests as one process does, through the
+    placing and counting rooms, never through the public listener's."""
+    path = ROOT / "_workers" / "authority.py"
+    assert "_http" not in _imported_rooms(path)
 
 
 # Runner classes are made by the registry alone: no other room imports them.

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from capyctl_gateway import GatewayConfig
+from capyctl_gateway._workers.messages import Gone, Ready
 from capyctl_gateway._workers.wire import MAX_MESSAGE_BYTES, Wire
 from capyctl_gateway._workers.worker import share
 from tests.gateway.serving import listening, serve_command
@@ -181,8 +182,27 @@ async def test_a_message_past_the_lines_bound_closes_the_line() -> None:
     ours, theirs = socket.socketpair()
     loop = asyncio.get_running_loop()
     await loop.create_unix_connection(lambda: wire, sock=ours)
-    theirs.sendall(b"\x00\x00\x00\x05[1,2]" + (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big"))
+    theirs.sendall(b'\x00\x00\x00\x05["R"]' + (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big"))
     await until(lambda: lost == [True], 5)
-    assert got == [[1, 2]]
+    assert got == [Ready()]
     assert theirs.recv(10) == b""  # the line really closed on our side
+    theirs.close()
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"[1,2]", b'["Z",1]', b'["E",1,true]', b"{}", b"not json"],
+    ids=["no tag", "unknown tag", "short", "not an array", "not json"],
+)
+async def test_a_message_that_is_not_one_closes_the_line(sent: bytes) -> None:
+    got: list[Any] = []
+    lost: list[bool] = []
+    wire = Wire(got.append, lambda: lost.append(True))
+    ours, theirs = socket.socketpair()
+    await asyncio.get_running_loop().create_unix_connection(lambda: wire, sock=ours)
+    good = b'["C",7]'
+    theirs.sendall(len(good).to_bytes(4, "big") + good + len(sent).to_bytes(4, "big") + sent)
+    await until(lambda: lost == [True], 5)
+    assert got == [Gone(7)]  # the one before it was taken; nothing after it
+    assert theirs.recv(10) == b""
     theirs.close()

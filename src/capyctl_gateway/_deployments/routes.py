@@ -35,6 +35,7 @@ from .settle import InstanceLedger
 __all__ = [
     "NOT_ACCEPTED_REST_S",
     "EngineInstance",
+    "Facts",
     "Route",
     "Waiters",
     "load",
@@ -51,6 +52,16 @@ NOT_ACCEPTED_REST_S = 5.0
 """How long an instance that failed to accept a request (`NotAcceptedError`) is passed over
 while another can take requests: long enough that a dead engine behind a live host is not
 offered every request first, short enough that one back up is soon used again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What the chooser may weigh of a request, besides the instances' load: the model it asks
+    for (the deployment's name) and its ``cache_salt`` (a prefix cached under one salt never
+    serves another's). Prefix-aware routing adds the request's prefix fingerprints here."""
+
+    model: str
+    salt: str | None = None
 
 
 class Waiters:
@@ -236,9 +247,12 @@ class Route:
             self.resting.pop(inst.index, None)
         return max(left, 0.0)
 
-    def choose(self, exclude: set[int] | frozenset[int] = frozenset()) -> EngineInstance | None:
-        """The least loaded usable instance among those not excluded, resting ones only when
-        no other can take it; ties rotate, once per request (a failover keeps its turn)."""
+    def choose(
+        self, facts: Facts, exclude: set[int] | frozenset[int] = frozenset()
+    ) -> EngineInstance | None:
+        """The instance to offer a request with ``facts`` to: the least loaded usable one
+        among those not excluded, resting ones only when no other can take it; ties rotate,
+        once per request (a failover keeps its turn). Nothing in ``facts`` weighs yet."""
         if len(self.instances) == 1:
             only = self.instances[0]
             return only if offerable(only, exclude) else None

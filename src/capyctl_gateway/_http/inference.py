@@ -20,7 +20,7 @@ from aiohttp import web
 from yarl import URL
 
 from .._config import REMOTE_MAX_BODY_BYTES, Api, Deployment, GatewayConfig
-from .._deployments.routes import EngineInstance
+from .._deployments.routes import EngineInstance, Facts
 from .._errors import GatewayError, TooLargeError, UnknownModelError
 from .._gateway import Gateway
 from .._loop import running_loop
@@ -28,12 +28,13 @@ from .._machines.protocol import INGRESS_MAX_BODY_BYTES
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange
+from .._routing.place import MAX_OFFERS
+from .._tally import Tally
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import answer, error_response
 from .body import Body
 from .calls import Call, identify
-from .offer import MAX_OFFERS, Desk, LocalDesk
-from .record import Tally
+from .offer import Desk, LocalDesk
 from .validate import check_chat, check_decision, engine_payload, resolve
 
 __all__ = ["CHAT", "DECISIONS", "MAX_OFFERS", "Inference", "Surface"]
@@ -140,9 +141,21 @@ class Inference:
             payload = engine_payload(body, dep, chat=surface.api is Api.CHAT, stream=stream)
             if dep.remote:
                 _fits_a_host(name, len(raw), len(payload))
+            facts = Facts(name, _salt(body))
             del raw, body
             deadline = tally.arrival + config.queue.request_deadline
-            call = Call(request, surface.api, dep, payload, stream, headers, rid, caller, tally)
+            call = Call(
+                request=request,
+                api=surface.api,
+                dep=dep,
+                payload=payload,
+                stream=stream,
+                headers=headers,
+                rid=rid,
+                caller=caller,
+                tally=tally,
+                facts=facts,
+            )
             response = await self.desk.serve(call, surface, deadline)
             tally.ended()
             return response
@@ -152,6 +165,12 @@ class Inference:
         finally:
             held.release()
             self.desk.record(tally)
+
+
+def _salt(body: dict[str, Any]) -> str | None:
+    """The request's ``cache_salt`` (checked already: a string, or absent)."""
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) else None
 
 
 def _fits_a_host(name: str, sent: int, payload: int) -> None:

@@ -1,42 +1,28 @@
-"""Placing a request: the one way a request gets a running slot of its deployment's queue and
-an instance to run on, whichever process relays it.
-
-`place` waits for the slot (a launched deployment that serves nothing is asked to start, and
-its requests wait for it), then offers the request to the deployment's instances: an offer the
-engine provably never got (`NotAcceptedError`) goes to the next instance, up to `MAX_OFFERS`;
-any other ending is the answer. What an offer does is the caller's `attempt`: one process runs
-the exchange itself (`LocalDesk`); with several workers the authority hands the offer to the
-worker that holds the client (``_workers/``). Either way each offer is charged to its instance
-(`Charge`) while it runs, and left as a cut request when it may still run there.
+"""Where the public handlers take a checked request: a `Desk` places it (``_routing/place.py``)
+and runs it, and takes its counts once it is answered. `LocalDesk` is one process: the request
+is placed on this process's fleet and its exchange runs here, charged to its instance while it
+runs (`Charge`) and left as a cut request when it may still run there. With several workers a
+worker's desk asks the authority instead (``_workers/desk.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
 from .._deployments.charge import Charge
 from .._deployments.routes import EngineInstance, Route
-from .._errors import EngineError, NotAcceptedError, UnavailableError
-from .._fleet import Fleet
 from .._gateway import Gateway
-from .._loop import running_loop
 from .._relay.exchange import Exchange
-from .._routing import candidates, skipped
-from .calls import Asked, Call, log_route
-from .record import Tally, record
+from .._routing.place import place
+from .._tally import Tally, record
+from .calls import Call
 
 if TYPE_CHECKING:
     from .inference import Surface
 
-__all__ = ["MAX_OFFERS", "Desk", "LocalDesk", "place"]
-
-MAX_OFFERS = 4
-"""Instances a request is offered to, when the ones before provably never got it."""
-
-T = TypeVar("T")
+__all__ = ["Desk", "LocalDesk"]
 
 
 class Desk(Protocol):
@@ -50,80 +36,6 @@ class Desk(Protocol):
     def record(self, tally: Tally) -> None:
         """Add a request's counts, once it is answered or its client has gone."""
         ...
-
-
-async def place(
-    fleet: Fleet,
-    asked: Asked,
-    tally: Tally,
-    deadline: float,
-    attempt: Callable[[EngineInstance, Route], Awaitable[T]],
-) -> T:
-    """Take a running slot of ``asked``'s deployment by ``deadline`` and offer the request to
-    its instances with ``attempt`` (which raises `NotAcceptedError` for the next instance).
-    Sets ``tally``'s launched, gated and slot."""
-    name = asked.dep.name
-    route = fleet.routes[name]
-    if asked.dep.launched:
-        tally.launched, tally.gated = True, not route.queue.open
-        fleet.lifecycle.want(name)  # refused now, or waits in the queue for its start
-    async with route.queue.slot(deadline):
-        tally.slot = running_loop().time()
-        return await _offer(route, asked, deadline, attempt)
-
-
-async def _offer(
-    route: Route,
-    asked: Asked,
-    deadline: float,
-    attempt: Callable[[EngineInstance, Route], Awaitable[T]],
-) -> T:
-    name = asked.dep.name
-    if all(i.unusable for i in route.instances):
-        raise UnavailableError(
-            f"deployment {name}: its instances failed their startup checks "
-            "(see the gateway's log or `capyctl-gateway status deployment`)",
-            detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
-        )
-    refused: set[int] = set()
-    details: list[str] = []
-    loop = running_loop()
-    while len(refused) < MAX_OFFERS:
-        instance = route.choose(refused)
-        if instance is None:
-            if refused:
-                break
-            # None may take it now (its host is gone, its engine is parking): wait for one.
-            if not await route.waiters.wait(deadline - loop.time()):
-                raise UnavailableError(
-                    f"deployment {name}: no instance could take the request within "
-                    "queue.request_deadline",
-                    detail="; ".join(skipped(route)),
-                )
-            continue
-        _log_choice(asked, route, instance, refused)
-        try:
-            return await attempt(instance, route)
-        except NotAcceptedError as exc:
-            # The engine never saw it: another instance may serve it, within the deadline.
-            refused.add(instance.index)
-            route.not_accepted(instance)
-            details.append(exc.detail or exc.message)
-            log_route("router_failover", asked, route, instance, exc.detail)
-    raise EngineError(
-        f"deployment {name}: its instances could not be reached",
-        detail="; ".join(details) or "no instance to send it to",
-    )
-
-
-def _log_choice(asked: Asked, route: Route, instance: EngineInstance, refused: set[int]) -> None:
-    """The ``router_selection`` line: with the candidates weighed and the instances skipped
-    when there was a choice (or the instance is on a host)."""
-    if len(route.instances) > 1 or asked.dep.remote:
-        shown, skipped_ = candidates(route, refused)
-        log_route("router_selection", asked, route, instance, candidates=shown, skipped=skipped_)
-    else:
-        log_route("router_selection", asked, route, instance)
 
 
 class LocalDesk:

@@ -1,6 +1,6 @@
 """The authority: the one process that decides for every worker what one gateway decides for
 itself. A worker asks once per request (``ADMIT``); the authority places it exactly as one
-process would (`_http.offer.place`: the deployment's FIFO queue and running bound, one
+process would (`_routing.place.place`: the deployment's FIFO queue and running bound, one
 activation per wave, the choice among instances) and answers with an offer or a refusal. The
 offer is charged to its instance here (`Charge`) with a `Grant` standing in for the exchange
 the worker runs: the worker's ``END`` says how it ended, and a cut is settled by the same
@@ -15,17 +15,29 @@ import asyncio
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Any, cast
 
 from .._config import Api, Deployment
 from .._deployments.charge import Charge
-from .._deployments.routes import EngineInstance, Route
+from .._deployments.routes import EngineInstance, Facts, Route
 from .._errors import EngineError, GatewayError, NotAcceptedError
 from .._gateway import Gateway
-from .._http.offer import place
-from .._http.record import Figures, Tally, add
 from .._loop import running_loop
-from .wire import Msg, Wire
+from .._routing.place import place
+from .._tally import Tally, add
+from .messages import (
+    Abort,
+    Admit,
+    Counts,
+    End,
+    Gone,
+    Hello,
+    Message,
+    Next,
+    Offer,
+    Ready,
+    Refused,
+)
+from .wire import Wire
 
 __all__ = ["Authority", "Grant"]
 
@@ -48,10 +60,15 @@ class Grant:
     """A worker's request as the authority holds it: what its router lines name, and the
     stand-in for its exchange in the instance's in-flight set."""
 
-    __slots__ = ("_abortable", "caller", "dep", "gid", "line", "outcome", "rid", "tally", "verdict")
+    __slots__ = (
+        "_abortable", "caller", "dep", "facts", "gid", "line", "outcome", "rid", "tally", "verdict",
+    )  # fmt: skip
 
-    def __init__(self, line: Line, gid: int, dep: Deployment, rid: str, caller: str | None):
+    def __init__(
+        self, line: Line, gid: int, dep: Deployment, rid: str, caller: str | None, facts: Facts
+    ) -> None:
         self.line, self.gid, self.dep, self.rid, self.caller = line, gid, dep, rid, caller
+        self.facts = facts
         self.outcome = Ended()
         self.verdict: asyncio.Future[str | None] | None = None
         """Set while an offer runs: None when it ended, the reason when it was not taken."""
@@ -72,7 +89,7 @@ class Grant:
         return t.slot - t.arrival, t.gated
 
     def abort(self, why: str) -> None:
-        self.line.wire.send(Msg.ABORT, self.gid, why)
+        self.line.wire.send(Abort(self.gid, why))
 
     async def attempt(self, instance: EngineInstance, route: Route, api: Api) -> None:
         """Offer the request to ``instance`` and wait for the worker's word on it."""
@@ -81,15 +98,18 @@ class Grant:
         self.verdict = verdict = running_loop().create_future()
         async with Charge(instance, self, self.rid, line.fleet.settlement):
             url = instance.chat_url if api is Api.CHAT else instance.decision_url
+            waited, gated = self.waited()
             line.wire.send(
-                Msg.OFFER,
-                self.gid,
-                instance.index,
-                str(url),
-                instance.headers,
-                instance.where,
-                self._abortable,
-                *self.waited(),
+                Offer(
+                    self.gid,
+                    instance.index,
+                    str(url),
+                    instance.headers,
+                    instance.where,
+                    self._abortable,
+                    waited,
+                    gated,
+                )
             )
             try:
                 why = await verdict
@@ -115,43 +135,44 @@ class Line:
         """True once the worker listens; False when its line ended before."""
         self.fleet = authority.gateway.fleet
 
-    def _message(self, m: list[Any]) -> None:
-        kind = m[0]
-        if kind == Msg.ADMIT:
-            _, gid, name, api, rid, caller, left = m
-            dep = self.fleet.routes[name].deployment
-            grant = self.grants[gid] = Grant(self, gid, dep, rid, caller)
-            task = self.tasks[gid] = running_loop().create_task(self._place(grant, Api(api), left))
+    def _message(self, m: Message) -> None:
+        if isinstance(m, Admit):
+            gid = m.gid
+            dep = self.fleet.routes[m.deployment].deployment
+            grant = Grant(self, gid, dep, m.rid, m.caller, Facts(m.deployment, m.salt))
+            self.grants[gid] = grant
+            task = self.tasks[gid] = running_loop().create_task(
+                self._place(grant, Api(m.api), m.left)
+            )
             # Forgotten when it ends, however: a task cancelled before its first step (a GONE
             # in the same read as its ADMIT) never runs its body.
             task.add_done_callback(lambda _: self._forget(gid))
-        elif kind == Msg.COUNTS:
-            figures = cast("Figures", tuple(m[1]))
-            add(self.authority.gateway.telemetry, figures, running_loop().time())
-        elif kind == Msg.READY:
+        elif isinstance(m, Counts):
+            add(self.authority.gateway.telemetry, m.figures, running_loop().time())
+        elif isinstance(m, Ready):
             if not self.ready.done():
                 self.ready.set_result(True)
-        else:
-            self._word(kind, m)
+        elif isinstance(m, End | Next | Gone):
+            self._word(m)
 
-    def _word(self, kind: str, m: list[Any]) -> None:
+    def _word(self, m: End | Next | Gone) -> None:
         """A worker's word on a request it asked about: how its offer ended (``END``), that
         the engine never got it (``NEXT``), or that its client went (``GONE``)."""
-        found = self.grants.get(m[1])
+        found = self.grants.get(m.gid)
         if found is None:
             return  # already refused or ended
         verdict = found.verdict
         if verdict is None or verdict.done():
-            if kind == Msg.GONE:  # still waiting for its slot or an instance
+            if isinstance(m, Gone):  # still waiting for its slot or an instance
                 self.tasks[found.gid].cancel()
             return
-        if kind == Msg.END:
-            found.outcome = Ended(m[2], m[3], m[4], m[5])
+        if isinstance(m, End):
+            found.outcome = Ended(m.sent, m.completed, m.answered, m.cut)
             verdict.set_result(None)
-        elif kind == Msg.NEXT:
+        elif isinstance(m, Next):
             found.outcome = Ended(sent=False)
-            verdict.set_result(m[2])
-        elif kind == Msg.GONE:  # its client went before the offer reached it: never sent
+            verdict.set_result(m.why)
+        else:  # its client went before the offer reached it: never sent
             found.outcome = Ended(sent=False)
             verdict.set_result(None)
 
@@ -173,17 +194,19 @@ class Line:
             self._refuse(grant, GatewayError(f"the gateway failed: {type(exc).__name__}"))
 
     def _refuse(self, grant: Grant, err: GatewayError) -> None:
-        kind = "engine" if isinstance(err, EngineError) else ""
+        waited, gated = grant.waited()
         self.wire.send(
-            Msg.REFUSED,
-            grant.gid,
-            kind,
-            err.status,
-            err.code,
-            err.message,
-            err.retryable,
-            err.detail,
-            *grant.waited(),
+            Refused(
+                grant.gid,
+                isinstance(err, EngineError),
+                err.status,
+                err.code,
+                err.message,
+                err.retryable,
+                err.detail,
+                waited,
+                gated,
+            )
         )
 
     def _forget(self, gid: int) -> None:
@@ -221,9 +244,9 @@ class Authority:
             "index": index,
             "started_at": gateway.started_at,
         }
-        line.wire.send(Msg.HELLO, hello)
+        line.wire.send(Hello(hello))
         return line
 
-    def broadcast(self, *message: Any) -> None:
+    def broadcast(self, message: Message) -> None:
         for line in self.lines:
-            line.wire.send(*message)
+            line.wire.send(message)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from yarl import URL
@@ -20,10 +20,11 @@ from .._config import GatewayConfig
 from .._engine_client import EngineClient
 from .._errors import EngineError, GatewayError, NotAcceptedError, UnavailableError
 from .._http.calls import Call
-from .._http.record import Tally, figures
 from .._loop import running_loop
 from .._relay.exchange import Exchange
-from .wire import Msg, Wire
+from .._tally import Tally, figures
+from .messages import Admit, Counts, End, Gone, Next, Offer, Refused
+from .wire import Wire
 
 if TYPE_CHECKING:
     from .._http.inference import Surface
@@ -42,7 +43,7 @@ class RemoteDesk:
         self.engines = engines
         self.drains: set[asyncio.Task[None]] = set()
         self.wire = wire
-        self._asking: dict[int, asyncio.Future[list[Any]]] = {}
+        self._asking: dict[int, asyncio.Future[Offer | Refused]] = {}
         self._live: dict[int, Exchange | None] = {}
         """Every request asked about and not ended, with its exchange once it has one."""
         self._aborts: dict[int, str] = {}
@@ -51,11 +52,11 @@ class RemoteDesk:
         self._urls: dict[str, URL] = {}
         """The engine URLs offers named, parsed once (at most `MAX_URLS`)."""
 
-    def answer(self, m: list[Any]) -> None:
+    def answer(self, m: Offer | Refused) -> None:
         """An ``OFFER`` or ``REFUSED`` for one of this worker's requests."""
         # An abort kept for an earlier offer of this request was for that instance, not this.
-        self._aborts.pop(m[1], None)
-        waiting = self._asking.pop(m[1], None)
+        self._aborts.pop(m.gid, None)
+        waiting = self._asking.pop(m.gid, None)
         if waiting is not None and not waiting.done():
             waiting.set_result(m)
 
@@ -86,15 +87,9 @@ class RemoteDesk:
         if wire.closed:
             raise UnavailableError("the gateway is stopping", code="shutting_down")
         asked_at = loop.time()
-        wire.send(
-            Msg.ADMIT,
-            gid,
-            call.dep.name,
-            call.api.value,
-            call.rid,
-            call.caller,
-            deadline - loop.time(),
-        )
+        left = deadline - loop.time()
+        dep, api, facts = call.dep.name, call.api.value, call.facts
+        wire.send(Admit(gid, dep, api, call.rid, call.caller, left, facts.salt))
         ex: Exchange | None = None
         asking = True
         self._live[gid] = None
@@ -103,18 +98,17 @@ class RemoteDesk:
                 asked = self._asking[gid] = loop.create_future()
                 m = await asked
                 asking = False
-                _slot(tally, call, asked_at, m[-2], m[-1])
-                if m[0] == Msg.REFUSED:
+                _slot(tally, call, asked_at, m.waited, m.gated)
+                if isinstance(m, Refused):
                     raise _refusal(m)
-                _, _, index, url, headers, where, abortable, _, _ = m
-                ex = self._live[gid] = self._exchange(url, headers, where, deadline, abortable)
-                tally.ex, tally.instance = ex, index
+                ex = self._live[gid] = self._exchange(m, deadline)
+                tally.ex, tally.instance = ex, m.instance
                 try:
                     if gid in self._aborts:  # ended before it began: nothing is sent
-                        raise EngineError(f"{where}: {self._aborts.pop(gid)}")
+                        raise EngineError(f"{m.where}: {self._aborts.pop(gid)}")
                     return await surface.run(call, ex, self.config.limits.max_answer_bytes)
                 except NotAcceptedError as exc:
-                    wire.send(Msg.NEXT, gid, exc.detail or exc.message)
+                    wire.send(Next(gid, exc.detail or exc.message))
                     ex, asking = None, True
                     self._live[gid] = None
         finally:
@@ -122,14 +116,13 @@ class RemoteDesk:
             del self._live[gid]
             self._aborts.pop(gid, None)
             if asking:  # an offer on its way is declined: nothing was sent
-                wire.send(Msg.GONE, gid)
+                wire.send(Gone(gid))
             elif ex is not None:
                 out = ex.outcome
-                wire.send(Msg.END, gid, out.sent, out.completed, out.answered, out.cut)
+                wire.send(End(gid, out.sent, out.completed, out.answered, out.cut))
 
-    def _exchange(
-        self, url: str, headers: dict[str, str], where: str, deadline: float, abortable: bool
-    ) -> Exchange:
+    def _exchange(self, offer: Offer, deadline: float) -> Exchange:
+        url = offer.url
         parsed = self._urls.get(url)
         if parsed is None:
             if len(self._urls) >= MAX_URLS:
@@ -138,18 +131,18 @@ class RemoteDesk:
         ex = Exchange(
             self.engines,
             parsed,
-            headers,
-            where=where,
+            offer.headers,
+            where=offer.where,
             deadline=deadline,
             idle_timeout=self.config.queue.stream_idle_timeout,
             drains=self.drains,
         )
-        if abortable:
+        if offer.abortable:
             ex.abortable()
         return ex
 
     def record(self, tally: Tally) -> None:
-        self.wire.send(Msg.COUNTS, figures(tally))
+        self.wire.send(Counts(figures(tally)))
 
 
 def _slot(tally: Tally, call: Call, asked_at: float, waited: float | None, gated: bool) -> None:
@@ -159,7 +152,6 @@ def _slot(tally: Tally, call: Call, asked_at: float, waited: float | None, gated
         tally.slot, tally.launched, tally.gated = asked_at + waited, call.dep.launched, gated
 
 
-def _refusal(m: list[Any]) -> GatewayError:
-    _, _, kind, status, code, message, retryable, detail, _, _ = m
-    cls = EngineError if kind == "engine" else GatewayError
-    return cls(message, status=status, code=code, retryable=retryable, detail=detail)
+def _refusal(m: Refused) -> GatewayError:
+    cls = EngineError if m.engine else GatewayError
+    return cls(m.message, status=m.status, code=m.code, retryable=m.retryable, detail=m.detail)

@@ -5,7 +5,8 @@ The first message of a turn of the event loop leaves at once; the others of that
 together in one write at its end. A lone request waits for nothing, and the messages of a busy
 turn batch (``bench/perf/authority_cost.py`` measured 2–3 µs of the authority's CPU a request
 batched, 11 µs not). A message over `MAX_MESSAGE_BYTES` is a broken peer: the line is closed.
-What each side sends is listed in `Msg`.
+What each side sends is a typed message (``messages.py``): the line encodes each as it is sent
+and decodes each as it arrives; one it cannot decode closes the line.
 """
 
 from __future__ import annotations
@@ -13,44 +14,24 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import orjson
 
 from .._loop import running_loop
+from .messages import Message, decode
 
-__all__ = ["MAX_MESSAGE_BYTES", "Msg", "Wire"]
+__all__ = ["MAX_MESSAGE_BYTES", "Wire"]
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """The largest message either side takes (the hello carries the configuration)."""
 _LEN = struct.Struct(">I")
 
 
-class Msg:
-    """The first element of every message."""
-
-    # authority -> worker
-    HELLO = "H"  # {config, key, index, workers, log_format, host, port}
-    OFFER = "O"  # gid, instance, url, headers, where, abortable, slot wait, gated
-    REFUSED = "X"  # gid, kind, status, code, message, retryable, detail, slot wait, gated
-    ABORT = "K"  # gid, why: end that exchange now (a host lost, the gateway stopping)
-    STOP = "S"  # stop listening: the gateway is stopping
-    QUIT = "Q"  # the requests still open were ended: finish their last words and exit
-    # worker -> authority
-    READY = "R"  # listening
-    ADMIT = "A"  # gid, deployment, api, rid, caller, seconds left before its deadline
-    NEXT = "N"  # gid, why: the engine provably never got it; the next instance, please
-    END = "E"  # gid, sent, completed, answered, cut
-    GONE = "C"  # gid: its client went before an offer came
-    COUNTS = "F"  # one request's figures (`_http.record.Figures`)
-
-
 class Wire(asyncio.Protocol):
     """One end of the line: ``on_message`` gets each message, ``on_lost`` the end."""
 
-    def __init__(
-        self, on_message: Callable[[list[Any]], None], on_lost: Callable[[], None]
-    ) -> None:
+    def __init__(self, on_message: Callable[[Message], None], on_lost: Callable[[], None]) -> None:
         self._on_message = on_message
         self._on_lost = on_lost
         self._transport: asyncio.WriteTransport | None = None
@@ -75,7 +56,11 @@ class Wire(asyncio.Protocol):
                 return
             if n - at - 4 < size:
                 break
-            message = orjson.loads(memoryview(buf)[at + 4 : at + 4 + size])
+            try:
+                message = decode(orjson.loads(memoryview(buf)[at + 4 : at + 4 + size]))
+            except ValueError:  # not JSON, or not a message: a broken peer
+                self.close()
+                return
             at += 4 + size
             self._on_message(message)
         del buf[:at]
@@ -85,12 +70,12 @@ class Wire(asyncio.Protocol):
             self.closed = True
             self._on_lost()
 
-    def send(self, *message: Any) -> None:
+    def send(self, message: Message) -> None:
         """Send ``message``: the first of a loop turn at once (a lone request's word waits for
         nothing), the rest of that turn together in one write at its end."""
         if self.closed:
             return
-        data = orjson.dumps(message)
+        data = orjson.dumps(message.encode())
         frame = _LEN.pack(len(data)) + data
         if self._quiet:
             self._quiet = False

@@ -25,7 +25,8 @@ from .._http.inference import Inference
 from .._http.server import GatewayRunner
 from .._loop import running_loop
 from .desk import RemoteDesk
-from .wire import Msg, Wire
+from .messages import Abort, Hello, Message, Offer, Quit, Ready, Refused, Stop
+from .wire import Wire
 
 __all__ = ["END_GRACE_S", "Worker", "bound", "share"]
 
@@ -45,7 +46,7 @@ class Worker:
 
     def __init__(self) -> None:
         self.wire = Wire(self._message, self._lost)
-        self.orders: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self.orders: asyncio.Queue[Hello | Stop | Quit] = asyncio.Queue()
         """The authority's orders for the worker itself: hello, stop, quit (and a quit of its
         own when the line ends)."""
         self.desk: RemoteDesk | None = None
@@ -54,27 +55,29 @@ class Worker:
         self.started_at = 0
         self._runner: GatewayRunner | None = None
 
-    def _message(self, m: list[Any]) -> None:
-        kind, desk = m[0], self.desk
-        if desk is not None and (kind == Msg.OFFER or kind == Msg.REFUSED):
-            desk.answer(m)
-        elif desk is not None and kind == Msg.ABORT:
-            desk.abort(m[1], m[2])
-        else:
+    def _message(self, m: Message) -> None:
+        desk = self.desk
+        if isinstance(m, Offer | Refused):
+            if desk is not None:
+                desk.answer(m)
+        elif isinstance(m, Abort):
+            if desk is not None:
+                desk.abort(m.gid, m.why)
+        elif isinstance(m, Hello | Stop | Quit):
             self.orders.put_nowait(m)
 
     def _lost(self) -> None:
         if self.desk is not None:
             self.desk.lost()
-        self.orders.put_nowait([Msg.QUIT])
+        self.orders.put_nowait(Quit())
 
     async def connect(self, line: socket.socket) -> dict[str, Any]:
         """Open the line and wait for the authority's hello; returns it."""
         await running_loop().create_unix_connection(lambda: self.wire, sock=line)
         first = await self.orders.get()
-        if first[0] != Msg.HELLO:
+        if not isinstance(first, Hello):
             raise ConnectionError("the authority ended before its hello")
-        hello: dict[str, Any] = first[1]
+        hello = first.doc
         workers = hello["workers"]
         config = GatewayConfig.model_validate(hello["config"])
         limits = config.limits.model_copy(
@@ -103,15 +106,15 @@ class Worker:
         await runner.setup()
         site = web.SockSite(runner, sock, backlog=BACKLOG)
         await site.start()
-        self.wire.send(Msg.READY)
+        self.wire.send(Ready())
         if on_ready is not None:
             on_ready()
         while True:
             order = await self.orders.get()
-            if order[0] == Msg.STOP:
+            if isinstance(order, Stop):
                 for each in list(runner.sites):
                     await each.stop()
-            elif order[0] == Msg.QUIT:
+            elif isinstance(order, Quit):
                 break
 
     async def close(self) -> None:

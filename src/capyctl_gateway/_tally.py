@@ -1,14 +1,21 @@
 """What each request adds to the gateway's own counts and timings (`Telemetry`), once it is
 answered or its client has gone: its outcome, the code it was refused with, and the timings of
 its phases, all counted from its arrival; and its deployment's recent window (the console's
-requests, errors and time to first content)."""
+requests, errors and time to first content).
+
+A `Tally` is filled in as the request goes (the public handlers, placing, the exchange);
+`figures` turns it into plain values (`Figures`, what a worker sends its authority) and `add`
+counts them. Never imports the HTTP surface, the lifecycle or management.
+"""
 
 from __future__ import annotations
 
-from .._errors import EngineError, GatewayError
-from .._loop import running_loop
-from .._relay.exchange import Exchange
-from .._telemetry import Ending, Telemetry
+from typing import NamedTuple
+
+from ._errors import EngineError, GatewayError
+from ._loop import running_loop
+from ._relay.exchange import Exchange
+from ._telemetry import Ending, Telemetry
 
 __all__ = ["Figures", "Tally", "add", "ending_of", "failed", "figures", "record"]
 
@@ -67,23 +74,29 @@ def ending_of(ex: Exchange | None, err: GatewayError | None) -> Ending:
     return Ending.ENGINE_ERROR if isinstance(err, EngineError) else Ending.REFUSED
 
 
-Figures = tuple[
-    str,
-    str,
-    str,
-    str | None,
-    int | None,
-    int | None,
-    float | None,
-    float | None,
-    float | None,
-    float | None,
-    float | None,
-    float,
-]
-"""One request's counts as plain values (what a worker sends its authority): deployment, api,
-ending, refusal code, status, instance, then the seconds from its arrival to its slot, its
-activation, the engine's head, the first content, the last chunk, and its end."""
+class Figures(NamedTuple):
+    """One request's counts as plain values (what a worker sends its authority): the seconds
+    are counted from its arrival."""
+
+    deployment: str
+    api: str
+    ending: str
+    code: str | None
+    """The code it was refused with."""
+    status: int | None
+    instance: int | None
+    slot: float | None
+    """To its running slot."""
+    activation: float | None
+    """The part of that spent waiting for a start or wake (0 when none was needed)."""
+    head: float | None
+    """To the engine's answer's head."""
+    content: float | None
+    """To the first content."""
+    last: float | None
+    """To the last chunk."""
+    total: float
+    """To its end."""
 
 
 def figures(r: Tally) -> Figures:
@@ -104,7 +117,7 @@ def figures(r: Tally) -> Figures:
         if out.last_at is not None:
             last = out.last_at - arrival
     total = running_loop().time() - arrival
-    return (
+    return Figures(
         r.deployment,
         r.api,
         r.ending.value,

@@ -1,14 +1,79 @@
-"""What the router's log lines and refusals say about a deployment's instances: each candidate's
-score and the sample it came from, and why each other instance was skipped. The score is the
-one routing weighs (`load_of`), from the same `LoadSample`."""
+"""What the router's log lines and refusals say about a deployment's instances: the line for
+each choice and each failover (`log_route`), each candidate's score and the sample it came
+from, and why each other instance was skipped. The score is the one routing weighs
+(`load_of`), from the same `LoadSample`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from ._deployments.routes import EngineInstance, Route, load_of, offerable
+from .._config import Deployment
+from .._deployments.routes import EngineInstance, Route, load_of, offerable
+from .._log import event
 
-__all__ = ["candidates", "closed_reason", "skipped"]
+__all__ = ["Named", "candidates", "closed_reason", "log_route", "skipped"]
+
+
+class Named(Protocol):
+    """What a router line names of a request: its ID, its caller's and its deployment."""
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def caller(self) -> str | None: ...
+
+    @property
+    def dep(self) -> Deployment: ...
+
+
+def log_route(
+    name: str,
+    call: Named,
+    route: Route,
+    instance: EngineInstance,
+    detail: str | None = None,
+    **more: Any,
+) -> None:
+    """A router line: ``request <ID> (caller <theirs>) <deployment ID> -> <machine> instance
+    <N>`` for a selection, or why an instance did not take the request for a failover."""
+    fields: dict[str, Any] = {
+        "capyctl_request_id": call.rid,
+        "deployment": call.dep.name,
+        "deployment_id": route.id,
+        "instance": instance.index,
+        "host": instance.host,
+        "machine": instance.machine,
+        **more,
+    }
+    if call.caller is not None:
+        fields["caller_request_id"] = call.caller
+    caller = f" (caller {call.caller})" if call.caller is not None else ""
+    if name == "router_selection":
+        event(
+            name,
+            "request %s%s %s -> %s instance %d",
+            call.rid,
+            caller,
+            route.id,
+            instance.machine,
+            instance.index,
+            **fields,
+        )
+    else:
+        event(
+            name,
+            "request %s%s %s: instance %d on %s did not take it (%s)",
+            call.rid,
+            caller,
+            route.id,
+            instance.index,
+            instance.machine,
+            detail,
+            **fields,
+            reason="not_accepted",
+            detail=detail,
+        )
 
 
 def closed_reason(i: EngineInstance) -> str:
