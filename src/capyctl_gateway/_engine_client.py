@@ -13,7 +13,8 @@ comes on a new connection before its request is sent (a host's ingress at its co
 answers a connection at once) is read as that request's answer.
 
 A connection never established raises `EngineConnectError` (the engine never got the request);
-any later failure, `EngineConnectionError`. ``engine_client: aiohttp`` keeps aiohttp's client.
+any later failure, `EngineConnectionError`. It is the gateway's only engine client (the
+configuration's ``engine_client: lean`` names it; the aiohttp fallback is gone).
 """
 
 from __future__ import annotations

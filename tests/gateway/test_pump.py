@@ -369,7 +369,7 @@ async def test_the_pump_takes_http_1_1_streams_and_frames_a_chunk_as_aiohttp_doe
 
     async def handler(request: web.Request) -> web.StreamResponse:
         out = await start_stream(request, {})
-        seen.append(pump.pumpable(Body(_Socket()), out))
+        seen.append(pump.pumpable(out))
         for piece in pieces:
             await out.write(piece)
         await out.write_eof()

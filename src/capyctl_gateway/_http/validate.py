@@ -23,8 +23,6 @@ __all__ = [
     "check_chat",
     "check_decision",
     "engine_payload",
-    "parse_chat_request",
-    "parse_decision_request",
     "resolve",
 ]
 
@@ -129,11 +127,6 @@ def resolve(raw: bytes, config: GatewayConfig, api: Api) -> tuple[dict[str, Any]
     return body, deployment
 
 
-def parse_chat_request(raw: bytes, config: GatewayConfig) -> ChatRequest:
-    """Validate a chat body in the documented order; raise the documented GatewayError."""
-    return check_chat(*resolve(raw, config, Api.CHAT))
-
-
 def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
     """The chat checks after `resolve` (which found ``deployment``), in the documented order."""
     for key in body:
@@ -166,11 +159,6 @@ def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
                 CACHE_SALT_UNSUPPORTED, code="cache_salt_unsupported", in_band=bool(stream)
             )
     return ChatRequest(deployment, body, bool(stream))
-
-
-def parse_decision_request(raw: bytes, config: GatewayConfig) -> DecisionRequest:
-    """The documented checks, in order; the engine judges the rest."""
-    return check_decision(*resolve(raw, config, Api.DECISIONS))
 
 
 def check_decision(body: dict[str, Any], deployment: Deployment) -> DecisionRequest:

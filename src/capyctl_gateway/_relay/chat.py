@@ -72,7 +72,7 @@ async def relay_chat(
                         out = await start_stream(request, headers)
                     await out.write(b"".join(parts))
                     ex.writing = False
-                    if not done and pumpable(content, out):
+                    if not done and pumpable(out):
                         done, last = await pump_rest(content, reader, ex, out)
                         break
             verifier.verify_end(done)

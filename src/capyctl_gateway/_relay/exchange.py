@@ -43,7 +43,7 @@ __all__ = ["DRAIN_S", "Exchange", "Outcome"]
 
 logger = logging.getLogger(__name__)
 
-Answer = aiohttp.ClientResponse | EngineResponse
+Answer = EngineResponse
 
 
 @dataclass(slots=True)
@@ -97,7 +97,7 @@ class Exchange:
 
     def __init__(
         self,
-        session: EngineClient | aiohttp.ClientSession,
+        session: EngineClient,
         url: URL,
         headers: dict[str, str],
         *,
@@ -159,7 +159,7 @@ class Exchange:
         """Let `abort` end this exchange before the engine's answer has a head too."""
         self._abortable = True
 
-    async def open_stream(self, payload: bytes) -> aiohttp.StreamReader | Body:
+    async def open_stream(self, payload: bytes) -> Body:
         """Send the request and return the engine's event stream; a refusal or an answer that
         is not a stream raises here."""
         resp = await self.post(payload)

@@ -26,9 +26,7 @@ into the answer where it arrives, and the task wakes once, at the end (or at a f
 from __future__ import annotations
 
 import asyncio
-from typing import TypeGuard
 
-import aiohttp
 from aiohttp import web
 
 from .._aiohttp import StreamWriter, chunk, chunk_writer
@@ -42,10 +40,10 @@ from .exchange import Exchange
 __all__ = ["Fold", "Pump", "chunk", "pump_rest", "pumpable"]
 
 
-def pumpable(content: object, out: web.StreamResponse) -> TypeGuard[Body]:
-    """Whether ``content`` can be pumped into ``out``: the lean client's body, and an answer
-    whose every write aiohttp would frame as one plain chunk."""
-    return type(content) is Body and chunk_writer(out) is not None
+def pumpable(out: web.StreamResponse) -> bool:
+    """Whether the rest of an engine's stream can be pumped into ``out``: an answer whose
+    every write aiohttp would frame as one plain chunk."""
+    return chunk_writer(out) is not None
 
 
 async def pump_rest(
@@ -169,20 +167,16 @@ class Fold:
         self.done = False
         self.error: Exception | None = None
 
-    async def read(self, content: aiohttp.StreamReader | Body) -> bool:
+    async def read(self, content: Body) -> bool:
         """Fold the whole of ``content``; whether ``[DONE]`` came. Raises a fault in the
         stream, or what broke its connection."""
-        if type(content) is Body:
-            self._wake = content.hand_over
-            content.attach(self)
-            try:
-                while not (self.done or self.error is not None or content.ended()):
-                    await content.wait()
-            finally:
-                content.detach()
-        else:  # aiohttp's client: a task's read at a time
-            while not (self.done or self.error is not None) and (block := await content.readany()):
-                self.take(block)
+        self._wake = content.hand_over
+        content.attach(self)
+        try:
+            while not (self.done or self.error is not None or content.ended()):
+                await content.wait()
+        finally:
+            content.detach()
         if self.error is not None:
             raise self.error
         return self.done
