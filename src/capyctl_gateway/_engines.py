@@ -18,6 +18,7 @@ from canopyx_provider import EngineKind
 __all__ = [
     "DEVICES",
     "FACTS",
+    "FIGURE_OBJECTS",
     "EngineFacts",
     "EngineKind",
     "facts",
@@ -59,6 +60,17 @@ class EngineFacts:
     """Flags a launched engine needs to be parked (with ``park: sleep``, or ``auto`` on a GPU)."""
     sleep_env: tuple[tuple[str, str], ...] = ()
     """Environment a launched engine needs to be parked (as ``sleep_flags``)."""
+    park_by: str | None = None
+    """How a park keeps its process up (``_local/parking.py`` has one driver each):
+    ``sleep`` (vLLM's sleep mode), ``release`` (SGLang's memory release); None where it
+    cannot (a llama.cpp router unloads its model instead)."""
+    figures_in: str | None = None
+    """The key of the engine's own figures in an answer's chunks (``_relay/figures.py`` reads
+    each such object one way): vLLM's ``metrics``, TensorFold's ``tensorfold``, llama.cpp's
+    ``timings``; None where it sends none."""
+    cached_only_when_some: bool = False
+    """The engine reports ``cached_tokens`` only when some were cached: an answer without it
+    says nothing of the cache (not 0)."""
 
 
 FACTS: dict[EngineKind, EngineFacts] = {
@@ -72,6 +84,8 @@ FACTS: dict[EngineKind, EngineFacts] = {
         can_sleep=True,
         sleep_flags=("--enable-sleep-mode",),
         sleep_env=(("VLLM_SERVER_DEV_MODE", "1"),),
+        park_by="sleep",
+        figures_in="metrics",
     ),
     EngineKind.SGLANG: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
@@ -83,6 +97,8 @@ FACTS: dict[EngineKind, EngineFacts] = {
         # and says nothing), and a GPU (torch_memory_saver): park: auto asks for it there.
         can_sleep=True,
         sleep_flags=("--enable-memory-saver",),
+        park_by="release",
+        cached_only_when_some=True,
     ),
     EngineKind.LLAMACPP: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
@@ -92,14 +108,22 @@ FACTS: dict[EngineKind, EngineFacts] = {
         # met a closed socket, 10 times in 10.
         closes_after_stream=True,
         forced_flags=("--metrics",),
+        figures_in="timings",
     ),
     EngineKind.TENSORFOLD: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
         reasoning_key="reasoning_content",
         honours_cache_salt=False,
+        figures_in="tensorfold",
     ),
 }
 
+
+FIGURE_OBJECTS = tuple(
+    dict.fromkeys(f.figures_in for f in FACTS.values() if f.figures_in is not None)
+)
+"""Every key under which an engine sends its own figures in a chunk (``metrics``, ``timings``,
+``tensorfold``): what the verifier keeps of a chunk beyond its frame."""
 
 _PLACEMENT = ("--host", "--port")
 _PLACEMENT_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "VLLM_HOST_IP", "SGLANG_HOST_IP")

@@ -268,3 +268,17 @@ async def test_every_path_refuses_other_methods_with_405_and_hands_back_the_call
             assert r.headers["x-request-id"] == "mine-405" and r.headers["x-capyctl-request-id"]
         missing = await c.get("/nowhere", headers={"X-Request-Id": "mine-404"})
     assert missing.status_code == 404 and missing.headers["x-request-id"] == "mine-404"
+
+
+def test_each_engine_kind_that_can_sleep_says_how_it_parks() -> None:
+    """The engine facts table: a kind that can park with its process up names its driver,
+    and each figures object it names is one the verifier keeps."""
+    from capyctl_gateway._engines import FACTS, FIGURE_OBJECTS
+    from capyctl_gateway._local.parking import _DRIVERS
+    from capyctl_gateway._relay.figures import _ENGINE_FIGURES
+
+    for kind, f in FACTS.items():
+        assert f.can_sleep == (f.park_by is not None), kind
+        assert f.park_by is None or f.park_by in _DRIVERS, kind
+        assert f.figures_in is None or f.figures_in in _ENGINE_FIGURES, kind
+    assert set(FIGURE_OBJECTS) == set(_ENGINE_FIGURES)

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from capyctl_gateway import GatewayConfig
+from capyctl_gateway._config.bounds import Limits, shared_bounds
 from capyctl_gateway._workers.messages import Gone, Ready
 from capyctl_gateway._workers.wire import MAX_MESSAGE_BYTES, Wire
 from capyctl_gateway._workers.worker import share
@@ -170,6 +171,8 @@ def _sum(text: str, *parts: str) -> float:
 
 def test_each_worker_holds_its_share_of_the_listeners_bounds() -> None:
     assert share(2048, 2) == 1024 and share(5, 2) == 3 and share(1, 4) == 1
+    # the bounds shared are the fields marked so, not a list kept beside them
+    assert shared_bounds(Limits) == ("max_body_bytes_in_flight", "max_connections")
     assert GatewayConfig.model_validate({"workers": 64, "deployments": [launched()]}).workers == 64
     with pytest.raises(ValueError, match="workers"):
         GatewayConfig.model_validate({"workers": 65, "deployments": [launched()]})

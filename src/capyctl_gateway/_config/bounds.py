@@ -4,10 +4,15 @@ connections it accepts (`Limits`)."""
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
+from pydantic.config import JsonDict
 
 from .parts import KEEPALIVE_TIMEOUT_S, STRICT, Seconds
 
-__all__ = ["Limits", "QueueConfig"]
+__all__ = ["SHARED", "Limits", "QueueConfig", "shared_bounds"]
+
+SHARED: JsonDict = {"per_process": "shared"}
+"""The marker of a bound of the whole gateway that its worker processes share (each holds its
+part: ``serve --workers``); a bound without it holds in each process as configured."""
 
 
 class QueueConfig(BaseModel):
@@ -32,7 +37,9 @@ class Limits(BaseModel):
     """Chat request bodies above this are refused with 413."""
     max_decision_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """Decision request bodies above this are refused with 413."""
-    max_body_bytes_in_flight: int = Field(default=256 * 1024 * 1024, ge=1024)
+    max_body_bytes_in_flight: int = Field(
+        default=256 * 1024 * 1024, ge=1024, json_schema_extra=SHARED
+    )
     """Request bodies being read and held, over all requests at once; a body that would pass
     it is refused with 503 (retryable)."""
     body_read_timeout: Seconds = 120.0
@@ -41,10 +48,15 @@ class Limits(BaseModel):
     """A connection's request head must arrive within this; else it is closed."""
     keepalive_timeout: Seconds = KEEPALIVE_TIMEOUT_S
     """A keep-alive connection idle this long after an answer is closed (every listener)."""
-    max_connections: int = Field(default=2048, ge=1, le=1_000_000)
+    max_connections: int = Field(default=2048, ge=1, le=1_000_000, json_schema_extra=SHARED)
     """Client connections held at once; past it a connection gets a 503 and is closed."""
     shutdown_timeout: Seconds = 60.0
     """A stopping gateway waits this long for running requests, then ends them in band."""
     max_answer_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """An engine answer the gateway assembles or reads whole (non-streamed chat, decisions)
     may be this large; past it, 502 engine_error."""
+
+
+def shared_bounds(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of ``model`` marked `SHARED`: what each of N workers holds a part of."""
+    return tuple(name for name, f in model.model_fields.items() if f.json_schema_extra == SHARED)

@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from .._engines import EngineKind
+from .._engines import EngineKind, facts
 from .._errors import ParkFailedError
 
 __all__ = ["ParkFailedError", "drive"]
@@ -96,20 +96,38 @@ async def drive(
     *,
     park: bool,
 ) -> None:
-    """Park (or wake) one engine the way its kind allows, and check it took effect."""
+    """Park (or wake) one engine the way its kind allows (`EngineFacts.park_by`), and check
+    it took effect."""
     if kind is EngineKind.LLAMACPP and router_model is not None:
         route, want = ("unload", "unloaded") if park else ("load", "loaded")
         await _post(session, f"{base}/models/{route}", headers, {"model": router_model})
         await _router_until(session, base, headers, router_model, want)
-    elif kind is EngineKind.SGLANG:
-        route = "release" if park else "resume"
-        await _post(session, f"{base}/{route}_memory_occupation", headers, {})
-    elif kind is EngineKind.VLLM:
-        await _post(session, f"{base}/sleep?level=1" if park else f"{base}/wake_up", headers)
-        if await _sleeping(session, base, headers) is not park:
-            raise ParkFailedError(
-                "the engine says it is "
-                + ("not sleeping after /sleep" if park else "still sleeping after /wake_up")
-            )
-    else:
+        return
+    by = facts(kind).park_by
+    if by is None:
         raise ParkFailedError(f"{kind.value} cannot be parked with its process up")
+    await _DRIVERS[by](session, base, headers, park)
+
+
+async def _sleep(
+    session: aiohttp.ClientSession, base: str, headers: dict[str, str], park: bool
+) -> None:
+    """vLLM's sleep mode: ``/sleep?level=1`` or ``/wake_up``, then ``/is_sleeping`` says so."""
+    await _post(session, f"{base}/sleep?level=1" if park else f"{base}/wake_up", headers)
+    if await _sleeping(session, base, headers) is not park:
+        raise ParkFailedError(
+            "the engine says it is "
+            + ("not sleeping after /sleep" if park else "still sleeping after /wake_up")
+        )
+
+
+async def _release(
+    session: aiohttp.ClientSession, base: str, headers: dict[str, str], park: bool
+) -> None:
+    """SGLang's memory release: ``/release_memory_occupation`` or ``/resume_...``."""
+    route = "release" if park else "resume"
+    await _post(session, f"{base}/{route}_memory_occupation", headers, {})
+
+
+_DRIVERS = {"sleep": _sleep, "release": _release}
+"""How each `EngineFacts.park_by` parks and wakes an engine."""

@@ -6,9 +6,10 @@ figure nobody measured is left out, never shown as zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from .._engines import EngineKind
+from .._engines import EngineKind, facts
 
 __all__ = ["Figures", "chat_figures", "num", "put"]
 
@@ -38,31 +39,10 @@ def chat_figures(
 ) -> Figures:
     """The figures of one chat answer. Times are ``loop.time()`` seconds."""
     out: Figures = {}
-    if family is EngineKind.VLLM:
-        m = engine_objects.get("metrics")
-        if isinstance(m, dict):
-            queue, ttft = num(m.get("queue_time_ms")), num(m.get("time_to_first_token_ms"))
-            if queue is not None and ttft is not None:
-                put(out, "ttft_ms", queue + ttft, "engine")
-            put(out, "queue_ms", queue, "engine")
-            put(out, "prefill_ms", ttft, "engine")
-            itl = num(m.get("mean_itl_ms"))
-            if itl is not None and itl > 0:
-                put(out, "decode_tokens_per_second", 1000.0 / itl, "engine")
-    elif family is EngineKind.TENSORFOLD:
-        t = engine_objects.get("tensorfold")
-        if isinstance(t, dict):
-            ttft, prefill = num(t.get("time_to_first_token")), num(t.get("prefill_seconds"))
-            put(out, "ttft_ms", None if ttft is None else ttft * 1000, "engine")
-            put(out, "prefill_ms", None if prefill is None else prefill * 1000, "engine")
-            tps = num(t.get("tokens_per_second"))
-            put(out, "decode_tokens_per_second", tps if tps and tps > 0 else None, "engine")
-    elif family is EngineKind.LLAMACPP:
-        t = engine_objects.get("timings")
-        if isinstance(t, dict):
-            put(out, "prefill_ms", num(t.get("prompt_ms")), "engine")
-            tps = num(t.get("predicted_per_second"))
-            put(out, "decode_tokens_per_second", tps if tps and tps > 0 else None, "engine")
+    key = facts(family).figures_in
+    found = engine_objects.get(key) if key is not None else None
+    if key is not None and isinstance(found, dict):
+        _ENGINE_FIGURES[key](found, out)
     cached = _cached_tokens(family, usage)
     put(out, "cached_tokens", cached, "engine")
     if first_text_at is not None:
@@ -78,9 +58,45 @@ def _cached_tokens(family: EngineKind, usage: dict[str, Any] | None) -> float | 
         return None
     details = usage.get("prompt_tokens_details")
     cached = num(details.get("cached_tokens")) if isinstance(details, dict) else None
-    if family is EngineKind.SGLANG and not cached:
-        return None  # SGLang reports the count only when some were cached
+    if facts(family).cached_only_when_some and not cached:
+        return None  # a count it gives only when some were cached: none says nothing
     return cached
+
+
+def _vllm_metrics(m: dict[str, Any], out: Figures) -> None:
+    """vLLM's per-request ``metrics`` (``--enable-per-request-metrics``)."""
+    queue, ttft = num(m.get("queue_time_ms")), num(m.get("time_to_first_token_ms"))
+    if queue is not None and ttft is not None:
+        put(out, "ttft_ms", queue + ttft, "engine")
+    put(out, "queue_ms", queue, "engine")
+    put(out, "prefill_ms", ttft, "engine")
+    itl = num(m.get("mean_itl_ms"))
+    if itl is not None and itl > 0:
+        put(out, "decode_tokens_per_second", 1000.0 / itl, "engine")
+
+
+def _tensorfold(t: dict[str, Any], out: Figures) -> None:
+    """TensorFold's ``tensorfold`` object (seconds)."""
+    ttft, prefill = num(t.get("time_to_first_token")), num(t.get("prefill_seconds"))
+    put(out, "ttft_ms", None if ttft is None else ttft * 1000, "engine")
+    put(out, "prefill_ms", None if prefill is None else prefill * 1000, "engine")
+    tps = num(t.get("tokens_per_second"))
+    put(out, "decode_tokens_per_second", tps if tps and tps > 0 else None, "engine")
+
+
+def _llamacpp_timings(t: dict[str, Any], out: Figures) -> None:
+    """llama.cpp's ``timings`` (milliseconds, tokens per second)."""
+    put(out, "prefill_ms", num(t.get("prompt_ms")), "engine")
+    tps = num(t.get("predicted_per_second"))
+    put(out, "decode_tokens_per_second", tps if tps and tps > 0 else None, "engine")
+
+
+_ENGINE_FIGURES: dict[str, Callable[[dict[str, Any], Figures], None]] = {
+    "metrics": _vllm_metrics,
+    "tensorfold": _tensorfold,
+    "timings": _llamacpp_timings,
+}
+"""How each engine figures object is read, keyed as `EngineFacts.figures_in` names it."""
 
 
 def _completion_tokens(usage: dict[str, Any] | None, objects: dict[str, Any]) -> float | None:

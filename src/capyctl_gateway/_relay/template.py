@@ -13,10 +13,13 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from .._engines import FIGURE_OBJECTS
+
 __all__ = ["ENGINE_OBJECTS", "TEXT_KEYS", "Template", "TemplateText"]
 
 TEXT_KEYS = ("content", "reasoning_content", "reasoning")
-ENGINE_OBJECTS = ("metrics", "timings", "tensorfold")
+ENGINE_OBJECTS = FIGURE_OBJECTS
+"""The engines' own figure objects a chunk may carry (from the engine facts table)."""
 CHUNK_FRAME = frozenset({"id", "object", "created", "model", "choices"})
 """A chunk's keys that are not chunk-level fields of the answer (usage, metrics, ...)."""
 

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from .._config import GatewayConfig
+from .._config.bounds import Limits, shared_bounds
 from .._engine_client import EngineClient
 from .._gateway import Gateway
 from .._http.app import public_app
@@ -36,8 +37,9 @@ BACKLOG = 4096
 
 
 def share(total: int, workers: int) -> int:
-    """One worker's part of a bound the whole gateway has (``limits.max_connections``,
-    ``limits.max_body_bytes_in_flight``): rounded up, so that the parts add up to at least it."""
+    """One worker's part of a bound the whole gateway has (a field marked `SHARED`:
+    ``limits.max_connections``, ``limits.max_body_bytes_in_flight``): rounded up, so that the
+    parts add up to at least it."""
     return math.ceil(total / workers)
 
 
@@ -82,8 +84,7 @@ class Worker:
         config = GatewayConfig.model_validate(hello["config"])
         limits = config.limits.model_copy(
             update={
-                "max_connections": share(config.limits.max_connections, workers),
-                "max_body_bytes_in_flight": share(config.limits.max_body_bytes_in_flight, workers),
+                name: share(getattr(config.limits, name), workers) for name in shared_bounds(Limits)
             }
         )
         self.config = config.model_copy(update={"limits": limits})
