@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 from aiohttp import web
@@ -27,6 +26,7 @@ from capyctl_gateway._log import event
 from capyctl_gateway._management import live
 from capyctl_gateway._tally import failed
 from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Ending, Recent
+from tests.eventually import eventually
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched
 
@@ -76,15 +76,6 @@ async def launched_console(
     dep = launched(extra=["--api-key", "SeCrEt-FlAg-99"])
     gw = await make_gateway({"deployments": [dep]}, engine_logs=tmp_path / "logs")
     return await console_of(gw)
-
-
-async def polled(happened: Callable[[], bool], within: float = 10) -> None:
-    """Return once ``happened()`` is true; fail after ``within`` seconds."""
-    with anyio.fail_after(within):
-        while True:
-            if happened():
-                return
-            await asyncio.sleep(0.01)
 
 
 # -- the page ----------------------------------------------------------------------------------
@@ -171,7 +162,7 @@ async def test_subscribers_are_capped(launched_console: Console) -> None:
         finally:
             for s in streams:
                 await s.__aexit__(None, None, None)
-    await polled(lambda: not BUS.subscribers)  # the handlers notice the hang-ups
+    await eventually(lambda: not BUS.subscribers)  # the handlers notice the hang-ups
 
 
 async def test_a_stream_whose_client_hangs_up_frees_its_slot_at_once(
@@ -183,7 +174,7 @@ async def test_a_stream_whose_client_hangs_up_frees_its_slot_at_once(
             async with m.stream("GET", "/management/v1/events") as resp:
                 assert resp.status_code == 200
                 assert await anext(resp.aiter_lines()) == ": capyctl events"
-            await polled(lambda: not BUS.subscribers, within=2)
+            await eventually(lambda: not BUS.subscribers, within=2)
 
 
 async def test_an_open_stream_ends_with_its_end_event_when_the_listener_stops(
@@ -232,7 +223,7 @@ async def test_a_reader_that_takes_nothing_is_dropped_and_its_stream_ends(
         b"Authorization: Bearer " + launched_console.gw.key.encode() + b"\r\n\r\n"
     )
     try:
-        await polled(lambda: bool(BUS.subscribers))
+        await eventually(lambda: bool(BUS.subscribers))
         (sub,) = BUS.subscribers
         big = "x" * 100_000
         started = time.monotonic()
@@ -248,7 +239,7 @@ async def test_a_reader_that_takes_nothing_is_dropped_and_its_stream_ends(
         # WRITE_TIMEOUT_S, with the reader still reading nothing
         server = launched_console.runner.server
         assert server is not None
-        await polled(lambda: not server.connections, within=live.WRITE_TIMEOUT_S + 10)
+        await eventually(lambda: not server.connections, within=live.WRITE_TIMEOUT_S + 10)
     finally:
         sock.close()
 

@@ -23,6 +23,7 @@ import yaml
 
 from capyctl_gateway import ConfigError, GatewayConfig, load_config
 from capyctl_gateway._management.status import deployment_status
+from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, WORKERS, Gw
 
 workers = WORKERS
@@ -265,22 +266,19 @@ async def test_list_shows_a_stop_under_way_as_the_state_it_is_in(make_gateway: M
                     answers.append((await c.post("/v1/chat/completions", json=long)).status_code)
 
                 tg.start_soon(ask)
-                with anyio.fail_after(10):  # polled: the request reaches the engine
-                    while True:
-                        if queue.running == 1:
-                            break
-                        await anyio.sleep(0.01)
+                await eventually(lambda: queue.running == 1)  # the request reaches the engine
                 stops: list[int] = []
 
                 async def stop() -> None:
                     stops.append((await m.post(f"{base}/deployments/my-model/stop")).status_code)
 
                 tg.start_soon(stop)
-                with anyio.fail_after(10):  # polled: the stop has begun
-                    while True:
-                        if (during := await row(m))["state"] != "ready":
-                            break
-                        await anyio.sleep(0.01)
+
+                async def begun() -> dict[str, Any] | None:
+                    seen = await row(m)
+                    return seen if seen["state"] != "ready" else None
+
+                during = await eventually(begun)  # the stop has begun
                 assert during["state"] == "ready (an operator's stop)", during
                 assert not stops  # the stop still waits for the running request
             assert answers == [200] and stops == [200]

@@ -39,6 +39,7 @@ from capyctl_gateway._machines import pki
 from capyctl_gateway._machines.enroll import ServerIdentity
 from capyctl_gateway._machines.protocol import NOT_FORWARDED
 from capyctl_gateway.cli import app as cli
+from tests.eventually import eventually
 from tests.gateway.conftest import KEY, deployments
 
 pytestmark = pytest.mark.anyio
@@ -174,9 +175,7 @@ async def test_control_connections_in_their_handshake_count_and_those_past_the_c
     assert "the control port holds its 4 connections (4 of them in their TLS" in lines[0].message
     for _, writer in idle:
         writer.close()
-    with anyio.fail_after(5):  # their handshakes end with them
-        while site.handshaking:  # noqa: ASYNC110 - the site's count, read until it drops
-            await asyncio.sleep(0.01)
+    await eventually(lambda: site.handshaking == 0, within=5)  # they end with them
     client = host_context(identity, tmp_path, "gpu-1")
     reader, writer = await asyncio.open_connection(
         "127.0.0.1", port, ssl=client, server_hostname=pki.SERVER_NAME
@@ -226,9 +225,9 @@ async def test_a_control_port_out_of_open_files_says_so_once_and_serves_again(
         with out_of_files():
             for c in clients:
                 await loop.sock_connect(c, address)
-            with anyio.fail_after(5):
-                while not any("cannot accept" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110 - the log, read until it says so
-                    await asyncio.sleep(0.01)
+            await eventually(
+                lambda: any("cannot accept" in r.getMessage() for r in caplog.records), within=5
+            )
         lines = [r.getMessage() for r in caplog.records if "cannot accept" in r.getMessage()]
         assert len(lines) == 1 and "open-file limit" in lines[0], lines
         reader, writer = await asyncio.open_connection(

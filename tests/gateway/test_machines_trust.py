@@ -11,12 +11,12 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 
-import anyio
 import httpx
 import pytest
 
 from capyctl_gateway._host import Host, join
 from capyctl_gateway._machines.protocol import NOT_FORWARDED, deployment_tag, ingress_path
+from tests.eventually import eventually
 from tests.gateway.conftest import KEY
 from tests.gateway.fake_engine import FakeEngine
 from tests.gateway.test_machines import Cluster, cluster, dep, engines, reported
@@ -28,12 +28,10 @@ pytestmark = pytest.mark.anyio
 
 async def logged(caplog: pytest.LogCaptureFixture, text: str, within: float = 10) -> str:
     """The first log line with ``text``, once it is there."""
-    with anyio.fail_after(within):
-        while True:
-            lines = [r.getMessage() for r in caplog.records if text in r.getMessage()]
-            if lines:
-                return lines[0]
-            await asyncio.sleep(0.01)
+    lines = await eventually(
+        lambda: [r.getMessage() for r in caplog.records if text in r.getMessage()], within=within
+    )
+    return lines[0]
 
 
 async def test_the_server_refuses_an_ingress_that_is_not_on_the_hosts_own_address(

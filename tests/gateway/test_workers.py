@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 import yaml
@@ -23,6 +22,7 @@ from capyctl_gateway._config.bounds import Limits, shared_bounds
 from capyctl_gateway._workers.messages import Gone, Ready
 from capyctl_gateway._workers.wire import MAX_MESSAGE_BYTES, Wire
 from capyctl_gateway._workers.worker import share
+from tests.eventually import eventually
 from tests.gateway.serving import listening, serve_command
 from tests.gateway.test_lifecycle import launched
 from tests.gateway.test_lifecycle_races import said, served
@@ -46,15 +46,6 @@ def children(pid: int) -> list[int]:
         if int(stat[1]) == pid and stat[0] != "Z" and b"capyctl_gateway._cli_workers" in argv:
             found.append(int(proc.name))
     return found
-
-
-async def until(check: Any, within_s: float = 30.0) -> None:
-    """Poll a condition of real processes (no event to wait on) until it holds."""
-    with anyio.fail_after(within_s):
-        for _ in range(int(within_s / 0.05) + 1):
-            if check():
-                return
-            await anyio.sleep(0.05)
 
 
 async def stream(port: int, key: str, seconds: float, begun: asyncio.Event) -> str:
@@ -107,7 +98,9 @@ async def test_a_killed_worker_ends_only_its_streams_settles_them_and_is_replace
         broken, done = ends.count("broken"), ends.count("done")
         # Each worker held some of 16 connections (SO_REUSEPORT); the other's streams ended well.
         assert broken + done == STREAMS and broken > 0 and done > 0, ends
-        await until(lambda: len(children(gateway.pid)) == 2 and victim not in children(gateway.pid))
+        await eventually(
+            lambda: len(children(gateway.pid)) == 2 and victim not in children(gateway.pid)
+        )
         headers = {"Authorization": f"Bearer {key}"}
         async with httpx.AsyncClient(timeout=60, headers=headers) as m:
             status = f"http://127.0.0.1:{mport}/management/v1/deployments/my-model"
@@ -186,7 +179,7 @@ async def test_a_message_past_the_lines_bound_closes_the_line() -> None:
     loop = asyncio.get_running_loop()
     await loop.create_unix_connection(lambda: wire, sock=ours)
     theirs.sendall(b'\x00\x00\x00\x05["R"]' + (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big"))
-    await until(lambda: lost == [True], 5)
+    await eventually(lambda: lost == [True], within=5)
     assert got == [Ready()]
     assert theirs.recv(10) == b""  # the line really closed on our side
     theirs.close()
@@ -205,7 +198,7 @@ async def test_a_message_that_is_not_one_closes_the_line(sent: bytes) -> None:
     await asyncio.get_running_loop().create_unix_connection(lambda: wire, sock=ours)
     good = b'["C",7]'
     theirs.sendall(len(good).to_bytes(4, "big") + good + len(sent).to_bytes(4, "big") + sent)
-    await until(lambda: lost == [True], 5)
+    await eventually(lambda: lost == [True], within=5)
     assert got == [Gone(7)]  # the one before it was taken; nothing after it
     assert theirs.recv(10) == b""
     theirs.close()
