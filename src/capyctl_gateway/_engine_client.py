@@ -176,6 +176,13 @@ class _Connection(asyncio.Protocol):
             else:
                 transport.abort()  # cut short: at once, whatever is still to be written
 
+    def abandon(self) -> None:
+        """Close a connection no request will use, at once: nobody waits for its answer."""
+        self._head.cancel()
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
 
 class EngineClient:
     """Pooled keep-alive connections to the engines; `post` is all it does."""
@@ -241,7 +248,7 @@ class EngineClient:
             async with asyncio.timeout(self._connect_timeout):
                 await loop.create_connection(lambda: conn, key[0], key[1])
         except BaseException as exc:
-            _unused(conn)  # made just as its request was given up (a hang-up, the deadline)
+            conn.abandon()  # made just as its request was given up (a hang-up, the deadline)
             if isinstance(exc, TimeoutError):
                 raise EngineConnectError(f"connecting to {key[0]}:{key[1]} timed out") from None
             if isinstance(exc, OSError):
@@ -281,11 +288,3 @@ class EngineClient:
 
 def _host(host: str) -> str:
     return f"[{host}]" if ":" in host else host  # an IPv6 address, as a Host header writes it
-
-
-def _unused(conn: _Connection) -> None:
-    """Close a connection no request will use, at once: nobody waits for its answer."""
-    conn._head.cancel()
-    conn.closed = True
-    if conn.transport is not None:
-        conn.transport.abort()

@@ -17,7 +17,7 @@ from ._loop import running_loop
 from ._relay.exchange import Exchange
 from ._telemetry import Ending, Telemetry
 
-__all__ = ["Figures", "Tally", "add", "ending_of", "failed", "figures", "record"]
+__all__ = ["Figures", "Tally", "add", "ending_of", "failed", "record"]
 
 
 class Tally:
@@ -63,6 +63,39 @@ class Tally:
         if err is not None:
             self.code, self.status = err.code, err.status
 
+    def figures(self) -> Figures:
+        """this request's counts, the times taken now (its end) and made relative to its arrival."""
+        arrival = self.arrival
+        slot = activation = head = content = last = None
+        if self.slot is not None:
+            slot = self.slot - arrival
+            if self.launched:
+                activation = slot if self.gated else 0.0
+        ex = self.ex
+        if ex is not None:
+            out = ex.outcome
+            if out.head_at is not None:
+                head = out.head_at - arrival
+            if out.first_content_at is not None:
+                content = out.first_content_at - arrival
+            if out.last_at is not None:
+                last = out.last_at - arrival
+        total = running_loop().time() - arrival
+        return Figures(
+            self.deployment,
+            self.api,
+            self.ending.value,
+            self.code,
+            self.status,
+            self.instance,
+            slot,
+            activation,
+            head,
+            content,
+            last,
+            total,
+        )
+
 
 def ending_of(ex: Exchange | None, err: GatewayError | None) -> Ending:
     """How a request ended: as its last exchange ended, when it had one; otherwise (refused
@@ -99,42 +132,8 @@ class Figures(NamedTuple):
     """To its end."""
 
 
-def figures(r: Tally) -> Figures:
-    """``r``'s counts, the times taken now (its end) and made relative to its arrival."""
-    arrival = r.arrival
-    slot = activation = head = content = last = None
-    if r.slot is not None:
-        slot = r.slot - arrival
-        if r.launched:
-            activation = slot if r.gated else 0.0
-    ex = r.ex
-    if ex is not None:
-        out = ex.outcome
-        if out.head_at is not None:
-            head = out.head_at - arrival
-        if out.first_content_at is not None:
-            content = out.first_content_at - arrival
-        if out.last_at is not None:
-            last = out.last_at - arrival
-    total = running_loop().time() - arrival
-    return Figures(
-        r.deployment,
-        r.api,
-        r.ending.value,
-        r.code,
-        r.status,
-        r.instance,
-        slot,
-        activation,
-        head,
-        content,
-        last,
-        total,
-    )
-
-
 def record(t: Telemetry, r: Tally) -> None:
-    add(t, figures(r), running_loop().time())
+    add(t, r.figures(), running_loop().time())
 
 
 def add(t: Telemetry, f: Figures, now: float) -> None:

@@ -169,9 +169,37 @@ class Settlement:
     def __call__(self, event: Event, /) -> None:
         ledger = self.ledgers.get(event.key)
         if ledger is not None:
-            _by_event(self, ledger, event)
+            self._by_event(ledger, event)
         for observer in self.observers:
             observer(event)
+
+    def _by_event(self, ledger: InstanceLedger, event: Event) -> None:
+        """A collector event of ``ledger``'s instance: an idle sample, a recovery from failed health
+        checks, or a restart (a failed health check is noted for the recovery)."""
+        match event:
+            case ScrapeSucceeded(snapshot=snap):
+                recovered_from = ledger.down_since
+                ledger.down_since = None
+                if not ledger.cut:
+                    return
+                idle = snap.metrics.idle is True
+                self.settle(
+                    ledger,
+                    lambda c: (
+                        (c.rule is SettleRule.WHEN_IDLE and idle and c.cut_at < snap.requested_at)
+                        or (recovered_from is not None and c.cut_at < recovered_from)
+                    ),
+                    "engine recovered" if recovered_from is not None else "engine idle",
+                    sample_requested_at=snap.requested_at,
+                )
+            case ScrapeFailed(check=check, at=at):
+                if check == "health" and ledger.down_since is None:
+                    ledger.down_since = at
+            case EngineRestarted():
+                now = self.now()
+                self.settle(ledger, lambda c: c.cut_at < now, "engine restarted")
+            case ChecksCompleted():
+                pass
 
     def settle(
         self,
@@ -203,35 +231,6 @@ class Settlement:
 
 
 # --- the evidence: what a collector event, or a host's report, settles --------------------------
-
-
-def _by_event(settlement: Settlement, ledger: InstanceLedger, event: Event) -> None:
-    """A collector event of ``ledger``'s instance: an idle sample, a recovery from failed health
-    checks, or a restart (a failed health check is noted for the recovery)."""
-    match event:
-        case ScrapeSucceeded(snapshot=snap):
-            recovered_from = ledger.down_since
-            ledger.down_since = None
-            if not ledger.cut:
-                return
-            idle = snap.metrics.idle is True
-            settlement.settle(
-                ledger,
-                lambda c: (
-                    (c.rule is SettleRule.WHEN_IDLE and idle and c.cut_at < snap.requested_at)
-                    or (recovered_from is not None and c.cut_at < recovered_from)
-                ),
-                "engine recovered" if recovered_from is not None else "engine idle",
-                sample_requested_at=snap.requested_at,
-            )
-        case ScrapeFailed(check=check, at=at):
-            if check == "health" and ledger.down_since is None:
-                ledger.down_since = at
-        case EngineRestarted():
-            now = settlement.now()
-            settlement.settle(ledger, lambda c: c.cut_at < now, "engine restarted")
-        case ChecksCompleted():
-            pass
 
 
 def settle_remote(

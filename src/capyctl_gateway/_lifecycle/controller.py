@@ -103,9 +103,52 @@ class Lifecycle:
         if life.activation is None or life.activation.done():
             what = f"activating deployment {life.deployment.name}"
             life.activation = self.tasks.spawn(
-                _activate(self, life, why), kind="activation", what=what
+                self._activate(life, why), kind="activation", what=what
             )
         return life.activation
+
+    async def _activate(self, life: DeploymentLife, why: str) -> None:
+        """One activation of ``life``: after any closing under way, room reserved in the memory
+        budget, then every instance that can be started started and every parked one woken; it
+        failed if none became ready, and then every request waiting for it gets its own error."""
+        try:
+            if life.closing is not None:
+                await asyncio.shield(life.closing)
+            if life.ready:
+                return  # a closing that failed: it serves on
+            await self._bring_up(life, why)
+        except GatewayError as exc:
+            _refuse_waiters(life, exc)
+            raise
+        except Exception as exc:  # a defect: logged once, and every waiter answered now
+            what = f"activating deployment {life.deployment.name}"
+            failure = self.tasks.fault("activation", what, exc)
+            _refuse_waiters(life, failure)
+            raise failure from exc
+
+    async def _bring_up(self, life: DeploymentLife, why: str) -> None:
+        name = life.deployment.name
+        todo = [lc for lc in life.launched if lc.state in STARTABLE]
+        parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
+        await self.budget.make_room(life, todo, parked)
+        wait = max((backoff_left(lc, time.monotonic()) for lc in todo), default=0.0)
+        if wait > 0:  # it kept crashing: the next start waits (status shows how long)
+            logger.warning("deployment %s crashed again; starting it in %.1f s", name, wait)
+            await asyncio.sleep(wait)
+        engines = self.engines
+        jobs = [*(engines.start(lc, why) for lc in todo), *(engines.wake(lc, why) for lc in parked)]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for r in results:  # a defect in one start is raised, never read as a failed start
+            if isinstance(r, Exception) and not isinstance(r, EngineControlError | GatewayError):
+                raise r
+        if not life.ready:
+            failed = next((r for r in results if isinstance(r, EngineControlError)), None)
+            detail = failed.message if failed is not None else "no instance became ready"
+            raise ActivationFailedError(
+                f"deployment {name} could not be started; the gateway's log has the engine's "
+                "last words",
+                detail=detail,
+            )
 
     # -- closing ------------------------------------------------------------------------------
     def close(
@@ -163,26 +206,6 @@ class Lifecycle:
             reported(self, *entry, state, failure)
 
 
-async def _activate(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> None:
-    """One activation of ``life``: after any closing under way, room reserved in the memory
-    budget, then every instance that can be started started and every parked one woken; it
-    failed if none became ready, and then every request waiting for it gets its own error."""
-    try:
-        if life.closing is not None:
-            await asyncio.shield(life.closing)
-        if life.ready:
-            return  # a closing that failed: it serves on
-        await _bring_up(lifecycle, life, why)
-    except GatewayError as exc:
-        _refuse_waiters(life, exc)
-        raise
-    except Exception as exc:  # a defect: logged once, and every waiter answered now
-        what = f"activating deployment {life.deployment.name}"
-        failure = lifecycle.tasks.fault("activation", what, exc)
-        _refuse_waiters(life, failure)
-        raise failure from exc
-
-
 def _refuse_waiters(life: DeploymentLife, failure: GatewayError) -> None:
     refused = life.route.queue.fail_waiters(lambda: fresh(failure))
     logger.info(
@@ -191,31 +214,6 @@ def _refuse_waiters(life: DeploymentLife, failure: GatewayError) -> None:
         refused,
         failure.message,
     )
-
-
-async def _bring_up(lifecycle: Lifecycle, life: DeploymentLife, why: str) -> None:
-    name = life.deployment.name
-    todo = [lc for lc in life.launched if lc.state in STARTABLE]
-    parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
-    await lifecycle.budget.make_room(life, todo, parked)
-    wait = max((backoff_left(lc, time.monotonic()) for lc in todo), default=0.0)
-    if wait > 0:  # it kept crashing: the next start waits (status shows how long)
-        logger.warning("deployment %s crashed again; starting it in %.1f s", name, wait)
-        await asyncio.sleep(wait)
-    engines = lifecycle.engines
-    jobs = [*(engines.start(lc, why) for lc in todo), *(engines.wake(lc, why) for lc in parked)]
-    results = await asyncio.gather(*jobs, return_exceptions=True)
-    for r in results:  # a defect in one start is raised, never read as a failed start
-        if isinstance(r, Exception) and not isinstance(r, EngineControlError | GatewayError):
-            raise r
-    if not life.ready:
-        failed = next((r for r in results if isinstance(r, EngineControlError)), None)
-        detail = failed.message if failed is not None else "no instance became ready"
-        raise ActivationFailedError(
-            f"deployment {name} could not be started; the gateway's log has the engine's "
-            "last words",
-            detail=detail,
-        )
 
 
 def fresh(exc: GatewayError) -> GatewayError:

@@ -136,12 +136,34 @@ class EngineLog:
     def tail(self, max_bytes: int = 2000) -> str:
         """The run's last whole lines within its last ``max_bytes`` of output (from its newest
         two parts)."""
-        return _tail(self, max_bytes).decode("utf-8", "replace")
+        return self._tail(max_bytes).decode("utf-8", "replace")
 
     def lines(self, count: int, max_bytes: int) -> list[str]:
         """The run's last ``count`` whole lines, within its last ``max_bytes`` of output."""
-        raw = _tail(self, max_bytes)
+        raw = self._tail(max_bytes)
         return raw.decode("utf-8", "replace").splitlines()[-count:] if count > 0 else []
+
+    def _tail(self, max_bytes: int) -> bytes:
+        """The whole lines within the last ``max_bytes`` of this log's current run, from its newest
+        two parts. Unless the read began at the run's first byte, what comes before its first
+        newline is left out: a line cut there (by ``max_bytes``, or by a rotation, which cuts at a
+        byte count) could show part of a key that no mask would recognise."""
+        with self._lock:
+            out = b""
+            whole = False
+            for n in range(min(self._policy.files, 2)):
+                try:
+                    with self._part(n).open("rb") as f:
+                        f.seek(0, os.SEEK_END)
+                        start = max(0, f.tell() - (max_bytes - len(out)))
+                        f.seek(start)
+                        out = f.read() + out
+                except OSError:
+                    break
+                whole = start == 0 and n == self._parts - 1  # from the first byte of its first file
+                if whole or len(out) >= max_bytes:
+                    break
+        return out if whole else out.partition(b"\n")[2]
 
 
 @dataclass(frozen=True)
@@ -154,29 +176,6 @@ class ShownLog:
 
     def lines(self, count: int, max_bytes: int) -> list[str]:
         return [masked(line, self.secrets) for line in self.log.lines(count, max_bytes)]
-
-
-def _tail(log: EngineLog, max_bytes: int) -> bytes:
-    """The whole lines within the last ``max_bytes`` of ``log``'s current run, from its newest
-    two parts. Unless the read began at the run's first byte, what comes before its first
-    newline is left out: a line cut there (by ``max_bytes``, or by a rotation, which cuts at a
-    byte count) could show part of a key that no mask would recognise."""
-    with log._lock:
-        out = b""
-        whole = False
-        for n in range(min(log._policy.files, 2)):
-            try:
-                with log._part(n).open("rb") as f:
-                    f.seek(0, os.SEEK_END)
-                    start = max(0, f.tell() - (max_bytes - len(out)))
-                    f.seek(start)
-                    out = f.read() + out
-            except OSError:
-                break
-            whole = start == 0 and n == log._parts - 1  # from the first byte of its first file
-            if whole or len(out) >= max_bytes:
-                break
-    return out if whole else out.partition(b"\n")[2]
 
 
 def _create(path: Path) -> int:

@@ -10,7 +10,6 @@ ends the exchanges in flight through the host when the session is lost.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +145,27 @@ class HostRunner(Reported):
         return ProcessView(r.pid, r.port, r.command)
 
     def describe(self) -> dict[str, Any]:
-        return _row(self, self._link.live, self._time)
+        """What ``status`` shows of the engine as the host last reported it: the session, the
+        engine's state and load with their ages, the ingress's requests in flight, the process,
+        and why it failed."""
+        live = self._link.live
+        row: dict[str, Any] = {"session": "live" if live else "lost"}
+        s = self.latest
+        if s is None:
+            return row
+        r = s.report
+        row["state"] = "ready" if r.gate is not None and live else r.state
+        row["report_age_s"] = round(self._time() - s.received_at, 3)
+        seen = self.fresh()
+        if seen is not None:
+            row["running"], row["waiting"] = seen[0].running, seen[0].waiting
+            row["snapshot_age_s"] = round(seen[1], 3)
+        row["ingress_in_flight"] = r.ingress_in_flight
+        if r.pid is not None and r.command is not None:
+            row["process"] = {"pid": r.pid, "port": r.port, "command": shown(r.command)}
+        if r.failure is not None:
+            row["failure"] = r.failure
+        return row
 
     def log(self) -> None:
         inst = self._inst
@@ -217,29 +236,6 @@ class HostRunner(Reported):
 
     def exited(self) -> str | None:
         return None  # a host reports its engine's exit (`Lifecycle.found`)
-
-
-def _row(runner: HostRunner, live: bool, loop_time: Callable[[], float]) -> dict[str, Any]:
-    """What ``status`` shows of the engine as the host last reported it: the session, the
-    engine's state and load with their ages, the ingress's requests in flight, the process,
-    and why it failed."""
-    row: dict[str, Any] = {"session": "live" if live else "lost"}
-    s = runner.latest
-    if s is None:
-        return row
-    r = s.report
-    row["state"] = "ready" if r.gate is not None and live else r.state
-    row["report_age_s"] = round(loop_time() - s.received_at, 3)
-    fresh = runner.fresh()
-    if fresh is not None:
-        row["running"], row["waiting"] = fresh[0].running, fresh[0].waiting
-        row["snapshot_age_s"] = round(fresh[1], 3)
-    row["ingress_in_flight"] = r.ingress_in_flight
-    if r.pid is not None and r.command is not None:
-        row["process"] = {"pid": r.pid, "port": r.port, "command": shown(r.command)}
-    if r.failure is not None:
-        row["failure"] = r.failure
-    return row
 
 
 def _settle(

@@ -22,7 +22,7 @@ from .._errors import EngineError, GatewayError, NotAcceptedError, UnavailableEr
 from .._http.calls import Call
 from .._loop import running_loop
 from .._relay.exchange import Exchange
-from .._tally import Tally, figures
+from .._tally import Tally
 from .messages import Admit, Counts, End, Gone, Next, Offer, Refused
 from .wire import Wire
 
@@ -142,7 +142,7 @@ class RemoteDesk:
         return ex
 
     def record(self, tally: Tally) -> None:
-        self.wire.send(Counts(figures(tally)))
+        self.wire.send(Counts(tally.figures()))
 
 
 def _slot(tally: Tally, call: Call, asked_at: float, waited: float | None, gated: bool) -> None:
