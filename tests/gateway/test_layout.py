@@ -61,7 +61,9 @@ def _room(path: Path) -> str:
     return rel.parts[0].removesuffix(".py")
 
 
-def _imported_rooms(path: Path) -> set[str]:
+def _imported_modules(path: Path) -> set[str]:
+    """The gateway modules ``path`` imports from, dotted from the package (``_local.runner``;
+    ``from .. import _x`` names ``_x``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = path.relative_to(ROOT).parent.parts
     found: set[str] = set()
@@ -70,14 +72,18 @@ def _imported_rooms(path: Path) -> set[str]:
             base = list(package[: len(package) - (node.level - 1)])
             parts = [*base, *(node.module.split(".") if node.module else [])]
             if parts:
-                found.add(parts[0])
+                found.add(".".join(parts))
             else:
                 found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
             "capyctl_gateway."
         ):
-            found.add(node.module.split(".")[1])  # type: ignore[union-attr]
+            found.add(node.module.removeprefix("capyctl_gateway."))  # type: ignore[union-attr]
     return found
+
+
+def _imported_rooms(path: Path) -> set[str]:
+    return {module.split(".")[0] for module in _imported_modules(path)}
 
 
 MODULES = sorted(p for p in ROOT.rglob("*.py"))
@@ -99,22 +105,6 @@ def test_the_workers_authority_imports_nothing_of_the_http_room() -> None:
 
 # Runner classes are made by the registry alone: no other room imports them.
 RUNNER_MODULES = {"_local.runner", "_local", "_machines.runner"}
-
-
-def _imported_modules(path: Path) -> set[str]:
-    """The gateway modules ``path`` imports from, dotted from the package (``_local.runner``)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    package = path.relative_to(ROOT).parent.parts
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = list(package[: len(package) - (node.level - 1)])
-            found.add(".".join([*base, *(node.module.split(".") if node.module else [])]))
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            "capyctl_gateway."
-        ):
-            found.add(node.module.removeprefix("capyctl_gateway."))  # type: ignore[union-attr]
-    return found
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
