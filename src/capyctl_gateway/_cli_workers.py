@@ -21,6 +21,7 @@ import time
 
 from ._cli_common import settle_heap, use_uvloop
 from ._log import configure_logging, event
+from ._tasks import Supervisor
 from ._workers.authority import Authority
 from ._workers.messages import Quit, Stop
 from ._workers.worker import Worker, bound
@@ -45,7 +46,8 @@ class Workers:
         self.count = count
         self.host, self.port, self.log_format = host, port, log_format
         self.procs: dict[int, asyncio.subprocess.Process] = {}
-        self._keepers: set[asyncio.Task[None]] = set()
+        self._keepers = Supervisor("the workers' keeper")
+        """One task a worker: waits for it to exit and starts it again (a fault is logged)."""
         self._stopping = False
 
     async def start(self) -> None:
@@ -71,9 +73,7 @@ class Workers:
             raise RuntimeError(
                 f"worker {index} exited with {proc.returncode} before it listened"
             ) from None
-        keeper = asyncio.get_running_loop().create_task(self._keep(index, proc))
-        self._keepers.add(keeper)
-        keeper.add_done_callback(self._keepers.discard)
+        self._keepers.spawn(self._keep(index, proc), what=f"keeping worker {index}")
 
     async def _keep(self, index: int, proc: asyncio.subprocess.Process) -> None:
         delay = RESTART_FIRST_S
@@ -121,9 +121,7 @@ class Workers:
         """Tell every worker to finish and wait for them; one still running after
         ``within_s`` is killed. No worker is started again from here on."""
         self._stopping = True
-        for keeper in list(self._keepers):
-            keeper.cancel()
-        await asyncio.gather(*self._keepers, return_exceptions=True)
+        await self._keepers.aclose()
         self.authority.broadcast(Quit())
         procs = list(self.procs.values())
         try:

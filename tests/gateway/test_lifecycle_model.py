@@ -1,7 +1,7 @@
 """A model test of the lifecycle: a seeded random schedule of concurrent traffic and operator
 commands against three launched deployments under a memory budget that holds two, over real
 sockets. It runs twice: on the fake runner (the launchable engine's application in this
-process), for hundreds of steps at five times the pace, and on real engine processes (the
+process), for hundreds of steps at ten times the pace, and on real engine processes (the
 launchable fake engine under its reaper) for a few dozen.
 
 The schedule mixes streamed and whole answers, short and long generations, clients that hang
@@ -47,7 +47,7 @@ MakeGateway = Callable[..., Awaitable[Gw]]
 SEED = int(os.environ.get("CAPYCTL_MODEL_SEED", "20261202"))
 STEPS = {"fake": 400, "process": 36}
 """Steps per run in CI, by runner (``CAPYCTL_MODEL_STEPS`` sets both)."""
-PACE = {"fake": 0.2, "process": 1.0}
+PACE = {"fake": 0.1, "process": 1.0}
 """The schedule's gaps and generation times, scaled: the fake runner starts an engine at once,
 so its run packs more overlap into each second."""
 NAMES = ("a", "b", "c")

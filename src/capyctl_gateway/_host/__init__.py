@@ -31,6 +31,7 @@ from .._machines.control import PINGS_KEPT
 from .._machines.enroll import HostIdentity, JoinError, join
 from .._machines.ingress import Gate, close_all
 from .._machines.protocol import LOST_AFTER_S, MAX_MESSAGE_BYTES, REPORT_EVERY_S, deployment_tag
+from .._tasks import Supervisor
 from .placement import Placement
 
 __all__ = ["Host", "join"]  # join: enroll.join, where it lives
@@ -52,7 +53,8 @@ class Host:
         self.state_dir = state_dir
         self.ingress_url = ingress_url
         self.placed = Placement(state_dir / "logs")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Supervisor(f"host {self.name}")
+        """The server's orders being carried out (a fault past `_carry_out`'s is logged)."""
         self.connected = asyncio.Event()
         self.pings: deque[tuple[int, float]] = deque(maxlen=PINGS_KEPT)
         """The server's latest pings and when each arrived (wall clock, as the samples')."""
@@ -95,9 +97,7 @@ class Host:
                     await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
                     attempt += 1
         finally:
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._tasks.aclose()
             await self.placed.teardown()
 
     async def _converse(self, ws: aiohttp.ClientWebSocketResponse) -> None:
@@ -134,7 +134,7 @@ class Host:
                     self.pings.append((int(doc["n"]), time.time()))
                     await ws.send_bytes(orjson.dumps({"t": "pong", "n": doc.get("n")}))
                 elif doc.get("t") == "order":
-                    self._spawn(_carry_out(self, ws, doc))
+                    self._tasks.spawn(_carry_out(self, ws, doc), what=f"order {doc.get('op')}")
         finally:
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -148,11 +148,6 @@ class Host:
         close_all(gates)
         for gate in gates:  # a key that crossed the lost session opens nothing any more:
             gate.key = None  # the next session's first report carries a fresh one
-
-    def _spawn(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 # --- what the host sends its server -----------------------------------------------------------
