@@ -33,6 +33,7 @@ import anyio
 import httpx
 import pytest
 
+from capyctl_gateway._lifecycle import crash
 from capyctl_gateway._lifecycle.operator import deployments_list
 from capyctl_gateway._lifecycle.rest import quiesce
 from capyctl_gateway._management.status import deployment_status
@@ -101,8 +102,14 @@ class Run:
 
 
 @pytest.fixture(params=["fake", "process"])
-def fakes(request: pytest.FixtureRequest) -> FakeEngines | None:
-    return FakeEngines() if request.param == "fake" else None
+def fakes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FakeEngines | None:
+    if request.param != "fake":
+        return None
+    # The schedule runs at `PACE`: so do the crash backoff's clocks, or a long run's crashes in
+    # a row (none serving `STEADY_S` between them) push it to its minute, past the clients'.
+    for name in ("BACKOFF_FIRST_S", "BACKOFF_MAX_S", "STEADY_S"):
+        monkeypatch.setattr(crash, name, getattr(crash, name) * PACE["fake"])
+    return FakeEngines()
 
 
 def schedule(rng: random.Random, steps_n: int, pace: float) -> list[tuple[float, Ask | Command]]:
