@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import anyio
 import pytest
 
+from tests.eventually import eventually
 from tests.gateway.conftest import KEY, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Hold, chunk, event, vllm_stream
 
@@ -167,6 +168,38 @@ async def test_bodies_past_the_bytes_in_flight_are_refused_and_the_count_returns
     # cancelled handler, before the engine could see the close.
     assert gw.gateway.bodies.held == 0
     assert len(engine.received) == 1
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one", "workers2"])
+async def test_bodies_declared_large_and_never_sent_lock_nobody_out(
+    engine: FakeEngine, make_gateway: MakeGateway, workers: int
+) -> None:
+    """Four connections that declare 64 MiB bodies and send nine bytes each: the budget (256 MiB)
+    was reserved from the declared lengths, and every other request got 503 until they gave up;
+    with two workers, whose shares are half of it, the same (issue 34, item 1). What a body holds
+    is what arrived."""
+    engine.script = vllm_stream()
+    gw = await make_gateway(config(engine))  # the defaults: 64 MiB a body, 256 MiB in flight
+    parts = urlsplit(gw.url)
+    idle = []
+    try:
+        for _ in range(4):
+            reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+            writer.write(chat_head(b'{"model":', length=64 * 1024 * 1024))
+            await writer.drain()
+            idle.append((reader, writer))
+        async with gw.client() as c:
+            answers = await asyncio.gather(
+                *(c.post("/v1/chat/completions", json=CHAT) for _ in range(20))
+            )
+        assert [r.status_code for r in answers] == [200] * 20, answers[0].text
+        if workers == 1:  # the four hold what they sent, and only that (the 20 released theirs)
+            assert await eventually(lambda: gw.gateway.bodies.held == 4 * len(b'{"model":'))
+    finally:
+        for _, writer in idle:
+            writer.close()
+    if workers == 1:
+        assert await eventually(lambda: gw.gateway.bodies.held == 0)
 
 
 async def test_a_body_that_stops_arriving_gets_408(

@@ -1,5 +1,12 @@
 """Reading request bodies within bounds: each body's size, the time it may take, and the bytes
-all requests may hold at once (read and not yet released)."""
+all requests may hold at once (read and not yet released).
+
+A body is charged to the budget for the bytes that arrived, as they arrive: a declared
+``Content-Length`` only refuses a body over the per-request limit at once (413), it reserves
+nothing. Otherwise connections that declare large bodies and send a few bytes would hold the
+whole budget while they idle, and every other client would be refused. What one connection can
+hold before its bytes are read is aiohttp's read buffer (it stops reading the socket past its
+high-water mark)."""
 
 from __future__ import annotations
 
@@ -26,17 +33,14 @@ class Body:
         """The whole body: 413 as soon as it is known to be over ``limit``, 408 past
         ``within_s`` seconds, 503 when the gateway holds too many bodies already."""
         length = request.content_length
-        if length is not None:
-            if length > limit:
-                raise TooLargeError(f"the request body is over {limit} bytes")
-            self._take(length)
+        if length is not None and length > limit:
+            raise TooLargeError(f"the request body is over {limit} bytes")
         content = request.content
         if content.is_eof():  # the whole body came with the head: no wait, no timer
             data = content.read_nowait(-1)
             if len(data) > limit:
                 raise TooLargeError(f"the request body is over {limit} bytes")
-            if len(data) > self.held:
-                self._take(len(data) - self.held)
+            self._take(len(data))
             return data
         parts: list[bytes] = []
         size = 0
