@@ -10,6 +10,7 @@ import os
 import socket
 import ssl
 from pathlib import Path
+from urllib.parse import quote
 
 import typer
 from aiohttp import web
@@ -35,6 +36,7 @@ __all__ = [
     "address",
     "bind",
     "bounded",
+    "path_segment",
     "enough_files",
     "fail",
     "files_wanted",
@@ -220,3 +222,9 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+
+
+def path_segment(name: str) -> str:
+    """``name`` as one segment of a URL's path: a model ID's ``/`` (and any character that
+    is not plain) escaped, as the console's ``encodeURIComponent`` does."""
+    return quote(name, safe="")

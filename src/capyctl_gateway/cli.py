@@ -20,6 +20,7 @@ from ._cli_common import (
     fail,
     files_wanted,
     management_address,
+    path_segment,
     state_path,
     use_uvloop,
 )
@@ -228,7 +229,7 @@ def status_deployment(
     management: ManagementOpt = None,
 ) -> None:
     """A deployment, its instances, and the cancelled requests each still counts."""
-    doc = _call("GET", f"deployments/{name}", state_dir, management)
+    doc = _call("GET", f"deployments/{path_segment(name)}", state_dir, management)
     if as_json:
         typer.echo(json.dumps(doc))
     else:
@@ -250,7 +251,7 @@ def list_deployments(
 
 
 def _act(action: str, name: str, state_dir: Path | None, management: str | None) -> None:
-    doc = _call("POST", f"deployments/{name}/{action}", state_dir, management)
+    doc = _call("POST", f"deployments/{path_segment(name)}/{action}", state_dir, management)
     typer.echo(f"{name}: {doc['deployment'].get('lifecycle', doc['deployment']['state'])}")
 
 

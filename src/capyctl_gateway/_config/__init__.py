@@ -113,7 +113,8 @@ class Deployment(BaseModel):
     model_config = STRICT
 
     name: str = Field(min_length=1, max_length=256)
-    """The public model id clients send."""
+    """The public model id clients send (any characters but control characters; not ``.`` or
+    ``..``, which no URL can name)."""
     api: Api = Api.CHAT
     engine: EngineKind
     engine_version: str = Field(min_length=1)
@@ -174,6 +175,15 @@ class Deployment(BaseModel):
     def remote(self) -> bool:
         """Its instances run on host machines (the server role)."""
         return any(i.host is not None for i in self.instances)
+
+    @field_validator("name")
+    @classmethod
+    def _nameable(cls, v: str) -> str:
+        if v in (".", ".."):
+            raise ValueError(f"{v!r} cannot name a deployment: no URL path can name it")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+            raise ValueError("a deployment's name has no control characters")
+        return v
 
     @field_validator("engine")
     @classmethod

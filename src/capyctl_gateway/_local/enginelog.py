@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import re
 import threading
@@ -23,7 +24,27 @@ from pathlib import Path
 from .._config.parts import EngineLogs
 from .._log import masked
 
-__all__ = ["EngineLog", "ShownLog"]
+__all__ = ["EngineLog", "ShownLog", "file_stem"]
+
+_PLAIN = re.compile(r"[A-Za-z0-9_-]|(?<!^)\.")
+"""What a file name keeps as it is: letters, digits, ``_``, ``-``, and a dot not at its start."""
+MAX_STEM = 160
+"""A stem longer than this is cut and told apart by a digest (a file name has 255 bytes)."""
+
+
+def file_stem(name: str, index: int) -> str:
+    """The stem of instance ``index`` of deployment ``name``'s log files: one file name inside
+    the log directory whatever the name holds (a model ID's ``/``, ``..``, spaces, any
+    character): each other byte is written ``%XX``, so two names never share a stem."""
+    out = "".join(
+        c if _PLAIN.match(name, i) else "".join(f"%{b:02X}" for b in c.encode())
+        for i, c in enumerate(name)
+    )
+    if len(out) > MAX_STEM:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+        out = f"{out[:MAX_STEM]}~{digest}"
+    return f"{out}-{index}"
+
 
 CHUNK = 1 << 16
 DRAIN_S = 1.0

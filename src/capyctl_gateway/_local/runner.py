@@ -25,7 +25,7 @@ from .._deployments.runner import HERE, LoadSample, ProcessView, Site, Tracked, 
 from .._errors import StartFailedError
 from .._log import masked, secrets_in
 from .._store import Store
-from .enginelog import EngineLog, ShownLog
+from .enginelog import EngineLog, ShownLog, file_stem
 from .parking import drive
 from .pids import remember
 from .process import EngineProcess, free_port, launch_argv, launch_env
@@ -104,7 +104,7 @@ class LocalRunner:
         if launch is None:
             raise StartFailedError(f"{inst.where} is an engine someone else runs")
         port = free_port()
-        log = EngineLog(self._log_dir, f"{d.name}-{inst.index}", launch.logs)
+        log = EngineLog(self._log_dir, file_stem(d.name, inst.index), launch.logs)
         sleep = d.parks and not d.router  # a router parks by unloading: no flags
         argv = launch_argv(d.engine, launch, port, sleep=sleep)
         env = launch_env(d.engine, launch, sleep=sleep)
