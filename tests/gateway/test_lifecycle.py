@@ -541,3 +541,22 @@ async def test_a_cut_restored_at_startup_is_polled_fast_from_the_first_poll(
         assert COLLECTOR.poll_interval_ms != FAST_POLL_MS  # the default would not pass
     finally:
         await runner.cleanup()
+
+
+async def test_a_start_answers_ready_for_the_deployment_it_made_ready(
+    make_gateway: MakeGateway,
+) -> None:
+    """``POST .../start`` said ``state: unavailable`` for a deployment it had just made ready
+    (the collector had not polled its engine yet), while ``list`` said ready (issue 34, item
+    16): a launched deployment is ready while an instance takes requests."""
+    gw = await make_gateway({"deployments": [launched(lifecycle={"activation": "explicit"})]})
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    try:
+        async with httpx.AsyncClient(headers=auth, timeout=60) as m:
+            started = (await m.post(f"{base}/deployments/my-model/start")).json()
+            listed = (await m.get(f"{base}/deployments")).json()["deployments"][0]
+    finally:
+        await runner.cleanup()
+    assert started["deployment"]["lifecycle"] == "ready"
+    assert started["deployment"]["state"] == "ready" == listed["state"]

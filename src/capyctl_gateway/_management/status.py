@@ -68,6 +68,8 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
                     row["process"]["reaper_pid"] = proc.reaper_pid
         instances.append(row)
     ready = any(i["state"] == "ready" for i in instances)
+    if life is not None:  # ready while an instance takes requests: its start waited for /health
+        ready = any(inst.available and not inst.unusable for inst in route.instances)
     doc: dict[str, Any] = {
         "deployment": {
             "name": d.name,
