@@ -339,4 +339,4 @@ async def test_status_deployment_through_the_cli(
     assert row["snapshot_age_s"] is not None
     assert [c["settles"] for c in row["cancelled"]] == ["at the engine's next stop or restart"]
     assert missing.exit_code == 2 and "no deployment named 'nope'" in missing.output
-    assert unauthorized.status_code == 401
+    assert unauthorized.status_code == 401 and unauthorized.headers["www-authenticate"] == "Bearer"

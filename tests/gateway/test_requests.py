@@ -137,6 +137,7 @@ async def test_chat_without_the_right_key_is_401(
         r = await c.post(CHAT_PATH, json=CHAT)
     error(r, 401, "unauthorized")
     capyctl_id(r)
+    assert r.headers["www-authenticate"] == "Bearer"  # how to authenticate (RFC 6750)
     assert engine.received == []
 
 
@@ -171,7 +172,7 @@ async def test_wrong_key_is_refused_before_an_oversized_body_is_read(
         b"Content-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % declared,
     )
-    assert status == 401
+    assert status == 401 and headers["www-authenticate"] == "Bearer"
     assert orjson.loads(body) == {"code": "unauthorized", "message": "missing or invalid api key"}
     assert ULID.match(headers["x-capyctl-request-id"])
     assert engine.received == []

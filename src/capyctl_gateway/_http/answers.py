@@ -1,8 +1,9 @@
 """Turning a `GatewayError` into what the client receives, in one place.
 
 Before anything was written an error is an HTTP answer with the documented JSON body, the
-request's IDs and, for a 429, ``Retry-After``. An error marked in band (the client asked for a
-stream) is a ``200`` event stream with one error event instead. What only the log may see
+request's IDs and, for a 429, ``Retry-After`` (for a 401, ``WWW-Authenticate: Bearer``). An
+error marked in band (the client asked for a stream) is a ``200`` event stream with one error
+event instead. What only the log may see
 (``detail``) is logged here with the request ID, never sent.
 """
 
@@ -25,6 +26,8 @@ def error_response(err: GatewayError, headers: dict[str, str]) -> web.Response:
     h = dict(headers)
     if err.status == 429:
         h["Retry-After"] = "1"
+    elif err.status == 401:  # how to authenticate (RFC 6750): the key as a bearer token
+        h["WWW-Authenticate"] = "Bearer"
     return web.Response(
         status=err.status, body=error_body(err), headers=h, content_type="application/json"
     )
