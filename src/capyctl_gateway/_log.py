@@ -180,8 +180,10 @@ def configure_logging(fmt: str) -> None:
 
 _SECRET_WORD = r"key|tokens?|secret|password"  # noqa: S105 (names, not a password)
 """What names a secret: a key, a token (or tokens), a secret or a password."""
-_SECRET_NAME = re.compile(_SECRET_WORD, re.IGNORECASE)
-_KEY_NAME = re.compile(r"key|secret|password", re.IGNORECASE)
+_SHORT = r"hft"
+"""Short flags that name a secret without saying so: llama-server's ``-hft`` (``--hf-token``)."""
+_SECRET_NAME = re.compile(_SECRET_WORD + r"|^-" + _SHORT + r"$", re.IGNORECASE)
+_KEY_NAME = re.compile(r"key|secret|password|^-?" + _SHORT + r"$", re.IGNORECASE)
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
@@ -211,19 +213,31 @@ def shown(argv: list[str]) -> list[str]:
 
 
 _SECRET_TEXT = re.compile(
-    r"(?i)(?P<flag>(?<![\w-])--?(?P<fname>[\w-]*(?:" + _SECRET_WORD + r")[\w-]*)[ \t]+)"
-    r"(?P<fvalue>[^\s'\",}]+)"
+    r"(?i)(?P<flag>(?<![\w-])--?(?P<fname>[\w-]*(?:"
+    + _SECRET_WORD
+    + r")[\w-]*|"
+    + _SHORT
+    + r")[ \t]+)(?P<fvalue>[^\s'\",}]+)"
+    # a pair whose value is in a list, as a repr writes one: 'api_key': ['sk-...']
+    r"|(?P<lpair>(?P<lname>[\w-]*(?:" + _SECRET_WORD + r")[\w-]*)['\"]?[ \t]*[:=][ \t]*"
+    r"\[[ \t]*['\"]?)(?P<lvalue>[^\s'\",}\]]+)"
     r"|(?P<pair>(?P<pname>[\w-]*(?:" + _SECRET_WORD + r")[\w-]*)['\"]?[ \t]*[:=][ \t]*['\"]?)"
     r"(?P<pvalue>[^\s'\",}]+)"
     r"|(?P<bearer>\b(?:bearer|basic)[ \t]+)[^\s'\",}]+"
+    # a URL's userinfo: https://user:secret@host
+    r"|(?P<userinfo>\b[a-z][a-z0-9+.-]*://[^\s/@:]*:)[^\s/@]+(?=@)"
 )
 
 
 def _mask(m: re.Match[str]) -> str:
     if m.group("bearer"):
         return m.group("bearer") + "***"
+    if m.group("userinfo"):
+        return m.group("userinfo") + "***"
     if m.group("flag"):
         name, value, head = m.group("fname"), m.group("fvalue"), m.group("flag")
+    elif m.group("lpair"):
+        name, value, head = m.group("lname"), m.group("lvalue"), m.group("lpair")
     else:
         name, value, head = m.group("pname"), m.group("pvalue"), m.group("pair")
     return head + "***" if _hides(name, value) else m.group(0)

@@ -141,6 +141,12 @@ def test_a_handler_above_info_gets_no_events(sink: Writes) -> None:
         ("--max-tokens 64 -n 64", None),
         ("max_num_batched_tokens=8192, max_tokens: 2.5", None),
         ("--max-tokens 64x", "--max-tokens ***"),
+        # issue 34, item 15: llama-server's short -hft, a list in a repr, a URL's userinfo
+        ("llama-server -hft hf_abc --port 8", "llama-server -hft *** --port 8"),
+        ("{'api_key': ['sk-live-1'], 'port': 8}", "{'api_key': ['***'], 'port': 8}"),
+        ('"api_key": ["sk-live-1"]', '"api_key": ["***"]'),
+        ("from https://user:s3cret@example.org/x", "from https://user:***@example.org/x"),
+        ("at https://example.org:8443/x and a@b", None),
     ],
 )
 def test_masked_hides_secrets_and_leaves_token_counts(text: str, want: str | None) -> None:
@@ -157,6 +163,13 @@ def test_shown_masks_a_flags_value_but_not_a_token_count() -> None:
         "--max-tokens",
         "64",
     ]
+
+
+def test_shown_masks_llama_servers_short_token_flag() -> None:
+    argv = ["llama-server", "-hft", "hf_abc", "-hf", "org/model", "-hft=hf_def", "-n", "64"]
+    assert shown(argv) == [
+        "llama-server", "-hft", "***", "-hf", "org/model", "-hft=***", "-n", "64",
+    ]  # fmt: skip
 
 
 def test_shown_masks_plural_token_names_and_numeric_keys() -> None:
