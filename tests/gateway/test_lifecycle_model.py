@@ -291,7 +291,14 @@ def judge(run: Run) -> None:
             assert overlapped(a, run), (a, "cut by neither a stop nor a crash")
     for cmd in run.commands:
         # A park whose drain fails is refused; a start that finds no room (every other
-        # deployment busy or its switch failed) is a retryable 503, as for a request.
+        # deployment busy or its switch failed) is a retryable 503, as for a request; a start
+        # that an operator's stop overtook is abandoned, 409 deployment_stopped.
+        if (cmd.verb, cmd.status, cmd.code) == ("start", 409, "deployment_stopped"):
+            assert any(
+                o.verb == "stop" and o.dep == cmd.dep and cmd.began <= o.began <= cmd.ended
+                for o in run.commands
+            ), (cmd, "a start refused with no stop after it")
+            continue
         allowed = {200: None, 409: "park_refused", 503: "unavailable"}
         assert cmd.status in allowed and cmd.code == allowed[cmd.status], cmd
 

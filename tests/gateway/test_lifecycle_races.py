@@ -298,3 +298,42 @@ async def test_a_cut_heard_after_its_engines_stop_settles_at_once(
         assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
         fleet.settlement.cut(inst.ledger, "on-the-new-engine", answered=False, reason="hang_up")
         assert [x.request_id for x in inst.ledger.cut] == ["on-the-new-engine"]
+
+
+async def test_an_operators_stop_abandons_the_switch_it_meets(
+    make_gateway: MakeGateway, gates: Gates
+) -> None:
+    """Budget for one; a serves a stream; a request for c starts a switch (a drains); an
+    operator stops c. c's request got 409, but a was switched out anyway and c launched
+    ("a request is waiting", though none was), then stopped (issue 34, item 3). The stop
+    abandons the activation it meets: a serves on, c never starts."""
+    memory, cycle = {"ready": "1GiB"}, {"drain_timeout": "20s"}
+    deps = [launched(n, served=served(n), memory=memory, lifecycle=cycle) for n in ("a", "c")]
+    gw = await make_gateway({"resources": {"memory_budget": "1GiB"}, "deployments": deps})
+    assert gw.fakes is not None
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    moves: list[tuple[str, str]] = []
+    gw.gateway.fleet.lifecycle.engines.observers.append(
+        lambda lc: moves.append((lc.inst.deployment, lc.state.value))
+    )
+    try:
+        async with gw.client(timeout=60) as c, httpx.AsyncClient(headers=auth, timeout=60) as m:
+            assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
+            long = await long_stream(c, "a", 1)
+            asking = asyncio.ensure_future(c.post("/v1/chat/completions", json=chat("c")))
+            await gates.until_shut("a")  # the switch drains a
+            stop = await m.post(f"{base}/deployments/c/stop")
+            refused = await asking
+            assert (refused.status_code, refused.json()["code"]) == (409, "deployment_stopped")
+            assert stop.status_code == 200, stop.text
+            assert "[DONE]" in await long
+            after = await c.post("/v1/chat/completions", json=chat("a"))
+            assert after.status_code == 200, after.text
+    finally:
+        await runner.cleanup()
+    lives = gw.gateway.fleet.lifecycle.lives
+    assert lives["a"].state == "ready" and lives["c"].state == "stopped"
+    assert gw.fakes.starts["c/0"] == 0 and gw.fakes.starts["a/0"] == 1
+    assert [s for d, s in moves if d == "a"] == ["starting", "ready"], moves
+    assert gw.gateway.fleet.lifecycle.budget.held() == 2**30

@@ -104,6 +104,9 @@ class MemoryBudget:
                 finally:
                     life.blocked = False
                 if not came_to_rest:
+                    refused = life.refusal()  # an operator stopped it meanwhile: say so
+                    if refused is not None:
+                        raise refused
                     raise UnavailableError(
                         f"deployment {life.deployment.name} needs memory that deployment "
                         f"{victim.deployment.name} holds, and its running requests did not "

@@ -131,6 +131,11 @@ class Lifecycle:
         todo = [lc for lc in life.launched if lc.state in STARTABLE]
         parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
         await self.budget.make_room(life, todo, parked)
+        refused = life.refusal()
+        if refused is not None:  # an operator stopped it while it waited for room: abandoned
+            for lc in [*todo, *parked]:
+                self.budget.note(lc)  # what was reserved for it is free again
+            raise refused
         wait = max((backoff_left(lc, time.monotonic()) for lc in todo), default=0.0)
         if wait > 0:  # it kept crashing: the next start waits (status shows how long)
             logger.warning("deployment %s crashed again; starting it in %.1f s", name, wait)
@@ -152,22 +157,36 @@ class Lifecycle:
 
     # -- closing ------------------------------------------------------------------------------
     def close(
-        self, life: DeploymentLife, reason: str, *, may_park: bool = True, must: bool = False
+        self,
+        life: DeploymentLife,
+        reason: str,
+        *,
+        may_park: bool = True,
+        must: bool = False,
+        unless: Callable[[], str | None] | None = None,
     ) -> asyncio.Task[bool]:
         """Close ``life`` for ``reason`` (see the module's docstring); the task that does it,
         whose result says whether it came to rest. ``must``: stop or park even when running
         requests outlast the drain (an operator's stop); else the closing fails and it serves
-        on. A closing already under way is the one returned."""
+        on. ``unless``: asked once the drain is over, why the closing is no longer wanted (it
+        then serves on); None while it is. A closing already under way is the one returned."""
         if life.closing is None:
             what = f"closing deployment {life.deployment.name} ({reason})"
-            task = closing(self, life, reason, may_park, must)
+            task = closing(self, life, reason, may_park, must, unless)
             life.closing = self.tasks.spawn(task, kind="closing", what=what)
             life.regate(reason)
         return life.closing
 
     def _switch_out(self, life: DeploymentLife, target: DeploymentLife) -> asyncio.Task[bool]:
-        why = f"switched out for deployment {target.deployment.name} (the memory budget)"
-        return self.close(life, why)
+        name = target.deployment.name
+        why = f"switched out for deployment {name} (the memory budget)"
+
+        def unwanted() -> str | None:  # an operator stopped the deployment it made room for
+            if target.refusal() is None:
+                return None
+            return f"deployment {name}, which it made room for, may no longer start"
+
+        return self.close(life, why, unless=unwanted)
 
     # -- time -------------------------------------------------------------------------------
     def watch(self) -> asyncio.Task[None]:

@@ -9,6 +9,7 @@ from typing import Any
 from .._deployments.routes import EngineInstance
 from .._errors import (
     ActivationFailedError,
+    DeploymentStoppedError,
     GatewayError,
     UnavailableError,
     UnknownModelError,
@@ -41,7 +42,8 @@ def _life(lifecycle: Lifecycle, name: str, known: bool) -> DeploymentLife:
 
 
 async def operator_start(lifecycle: Lifecycle, name: str, *, known: bool) -> None:
-    """Start it (and let requests start it again); waits until it is ready or failed."""
+    """Start it (and let requests start it again); waits until it is ready or failed. An
+    operator's stop that comes while it starts abandons the start: 409 ``deployment_stopped``."""
     life = _life(lifecycle, name, known)
     life.operator_stopped = False
     life.operator_started = True
@@ -52,8 +54,8 @@ async def operator_start(lifecycle: Lifecycle, name: str, *, known: bool) -> Non
             continue
         try:
             await asyncio.shield(lifecycle.activate(life, "started by an operator"))
-        except (ActivationFailedError, UnavailableError) as exc:
-            raise fresh(exc) from None
+        except (ActivationFailedError, UnavailableError, DeploymentStoppedError) as exc:
+            raise fresh(exc) from None  # a stop that came after it: the operator's last word
 
 
 async def operator_stop(lifecycle: Lifecycle, name: str, *, known: bool) -> None:

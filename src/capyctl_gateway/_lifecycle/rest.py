@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .._deployments.settle import SettleRule
@@ -49,15 +50,28 @@ async def put_to_rest(
 
 
 async def closing(
-    lifecycle: Lifecycle, life: DeploymentLife, reason: str, may_park: bool, must: bool
+    lifecycle: Lifecycle,
+    life: DeploymentLife,
+    reason: str,
+    may_park: bool,
+    must: bool,
+    unless: Callable[[], str | None] | None = None,
 ) -> bool:
     """`Lifecycle.close`'s task (its gate is shut): the running requests drain within
     ``drain_timeout``, then ``life`` is put to rest; whether it was. Without ``must``, a drain
-    that fails ends the closing: it serves on. Requests that came meanwhile get an activation."""
+    that fails ends the closing: it serves on; so does one that ``unless`` says is no longer
+    wanted once the drain is over (a switch for a deployment an operator stopped meanwhile).
+    Requests that came meanwhile get an activation."""
     rested = False
     try:
         within = life.deployment.lifecycle.drain_timeout
         drained = await life.route.queue.drained(within)
+        unwanted = unless() if unless is not None else None
+        if unwanted is not None:
+            logger.info(
+                "deployment %s: not %s: %s; it serves on", life.deployment.name, reason, unwanted
+            )
+            return False
         if not drained and not must:
             logger.warning(
                 "deployment %s: %d requests still ran after lifecycle.drain_timeout (%.0f s): "
