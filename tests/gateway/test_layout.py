@@ -167,7 +167,7 @@ ONE_CONCEPT_CLASSES = {
     # the same for an engine on a host, with the reports it takes and what status shows of them
     "_machines/runner.py:HostRunner": 145,
     # every launched deployment's state, its activations (one per wave) and closings
-    "_lifecycle/controller.py:Lifecycle": 155,
+    "_lifecycle/controller.py:Lifecycle": 175,
     # cut requests: recording, the evidence of each collector event, settling
     "_deployments/settle.py:Settlement": 130,
     # one engine connection: its protocol callbacks, its answer, its reuse or its end
