@@ -10,8 +10,8 @@ configuration means the same on either runner; a request that says ``crash`` mak
 that, a `Script` per deployment makes a start, park, wake or stop take time or fail, and
 `FakeEngines.exit` ends an engine on demand.
 
-`FakeEngines` is the ground truth the invariants read: which engines serve now, which sleep,
-and how many starts each instance had. Its `process` is a fake pid (an identity that a restart changes,
+`FakeEngines` is the ground truth the invariants read: which engines serve now (`live`) and
+how many starts each instance had. Its `process` is a fake pid (an identity that a restart changes,
 never a real process's) and its port; it has no log and no keeper.
 """
 
@@ -56,11 +56,7 @@ class FakeEngines:
 
     def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
         self.scripts = dict(scripts or {})
-        self.serving: Counter[str] = Counter()
-        """instance key -> engines listening for it now (never more than 1, if the lifecycle
-        is right)."""
-        self.asleep: set[str] = set()
-        """Instance keys whose engine is parked (it holds no ready memory)."""
+        """deployment -> its `Script` (read at each start, park, wake and stop)."""
         self.starts: Counter[str] = Counter()
         self.runners: dict[str, FakeRunner] = {}
         self.live: dict[int, str] = {}
@@ -174,7 +170,6 @@ class FakeRunner:
         await site.start()
         self._server, self._site = server, site
         self._exited, self._gone = None, asyncio.Event()
-        self._engines.serving[key] += 1
         self._engines.starts[key] += 1
         host, port = server.addresses[0][:2]
         self._pid, self._port = self._engines.new_pid(args.served), port
@@ -188,7 +183,6 @@ class FakeRunner:
         if script.park_fails is not None or self._sleep is None:
             raise ParkFailedError(script.park_fails or "no engine to park")
         self._sleep.asleep = True
-        self._engines.asleep.add(self._inst.key)
 
     async def wake(self, reason: str) -> None:
         script = self._engines.script(self._inst.deployment)
@@ -196,7 +190,6 @@ class FakeRunner:
         if script.wake_fails is not None or self._sleep is None:
             raise ParkFailedError(script.wake_fails or "no engine to wake")
         self._sleep.asleep = False
-        self._engines.asleep.discard(self._inst.key)
 
     async def stop(self, reason: str) -> bool:
         await asyncio.sleep(self._engines.script(self._inst.deployment).stop_s)
@@ -241,9 +234,6 @@ class FakeRunner:
             await self._dead.pop().cleanup()
 
     def _forget(self) -> None:
-        key = self._inst.key
-        self._engines.serving[key] -= 1
-        self._engines.asleep.discard(key)
         if self._pid is not None:
             self._engines.live.pop(self._pid, None)
         self._sleep, self._pid, self._port = None, None, None

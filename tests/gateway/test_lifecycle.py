@@ -25,6 +25,7 @@ from capyctl_gateway import ConfigError, GatewayConfig, load_config
 from capyctl_gateway._management.status import deployment_status
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, WORKERS, Gw
+from tests.gateway.fake_runner import Script
 
 workers = WORKERS
 fakes = FAKES
@@ -560,3 +561,33 @@ async def test_a_start_answers_ready_for_the_deployment_it_made_ready(
         await runner.cleanup()
     assert started["deployment"]["lifecycle"] == "ready"
     assert started["deployment"]["state"] == "ready" == listed["state"]
+
+
+async def test_a_park_that_fails_is_a_stop_and_a_wake_that_fails_answers_activation_failed(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fake runner's scripted failures: an engine that will not park is stopped instead
+    (its memory freed, the next request starts it); one that will not wake is stopped and
+    failed, and the request that woke it gets 500 activation_failed."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    dep = launched(lifecycle={"park": "sleep", "ready_idle_timeout": "200ms"})
+    gw = await make_gateway({"deployments": [dep]})
+    assert gw.fakes is not None
+    gw.fakes.scripts["my-model"] = Script(park_fails="the engine refused to sleep")
+    stopped = observe(gw, "stopped")
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        with anyio.fail_after(10):
+            await stopped.wait()  # the idle park failed: a stop
+        assert gw.fakes.live == {}
+        assert "could not park" in transitions(caplog, "stopped")[0]["reason"]
+        gw.fakes.scripts["my-model"] = Script(wake_fails="the weights did not come back")
+        parked = observe(gw, "parked")
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        with anyio.fail_after(10):
+            await parked.wait()
+        r = await c.post("/v1/chat/completions", json=chat())
+    assert (r.status_code, r.json()["code"]) == (500, "activation_failed"), r.text
+    life = gw.gateway.fleet.lifecycle.lives["my-model"]
+    assert life.state == "failed" and gw.fakes.live == {}
+    assert gw.fakes.starts["my-model/0"] == 2

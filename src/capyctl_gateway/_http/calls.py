@@ -24,8 +24,17 @@ class Call:
     """One admitted request on its way to an instance."""
 
     __slots__ = (
-        "api", "caller", "dep", "facts", "headers", "payload", "request", "rid", "stream", "tally",
-    )  # fmt: skip
+        "api",
+        "caller",
+        "dep",
+        "facts",
+        "headers",
+        "payload",
+        "request",
+        "rid",
+        "stream",
+        "tally",
+    )
 
     def __init__(
         self,

@@ -61,8 +61,17 @@ class Grant:
     stand-in for its exchange in the instance's in-flight set."""
 
     __slots__ = (
-        "_abortable", "caller", "dep", "facts", "gid", "line", "outcome", "rid", "tally", "verdict",
-    )  # fmt: skip
+        "_abortable",
+        "caller",
+        "dep",
+        "facts",
+        "gid",
+        "line",
+        "outcome",
+        "rid",
+        "tally",
+        "verdict",
+    )
 
     def __init__(
         self, line: Line, gid: int, dep: Deployment, rid: str, caller: str | None, facts: Facts
