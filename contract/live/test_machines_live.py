@@ -297,6 +297,25 @@ def test_a_network_cut_is_noticed_within_seconds_and_ends_the_stream_through_it(
     wait_for(cluster.server_log, lambda _: cluster.sessions("box-b", "live") > live_before, 20)
 
 
+def idle_both(cluster: Cluster, within: float = 30) -> None:
+    """Wait until both hosts report a fresh sample of an idle engine and an idle ingress."""
+    end = time.monotonic() + within
+    while True:
+        rows = cluster.status()["instances"]
+        if all(r.get("running") == 0 and r.get("ingress_in_flight") == 0 for r in rows):
+            return
+        assert time.monotonic() < end, rows
+        time.sleep(0.25)
+
+
+def picked_host(cluster: Cluster, caller: str) -> str:
+    picks = [e for e in events(cluster.server_log, "router_selection")
+             if e.get("caller_request_id") == caller]  # fmt: skip
+    assert len(picks) == 1, picks
+    host: str = picks[0]["host"]
+    return host
+
+
 def test_a_host_killed_mid_stream_ends_its_stream_in_band_and_its_engine_with_it(
     cluster: Cluster,
 ) -> None:
@@ -305,19 +324,25 @@ def test_a_host_killed_mid_stream_ends_its_stream_in_band_and_its_engine_with_it
     engine = int(a["process"]["pid"])  # the engine's own (a host reports no reaper_pid)
     reaper = int(Path(f"/proc/{engine}/stat").read_text().rpartition(")")[2].split()[1])
     assert reaper != cluster.hosts["box-a"].pid  # it runs under a reaper, not the host itself
-    # Both instances busy with one long stream each, so that one runs on box-a.
-    clients = [cluster.chat_pipe("--stream", "--max-tokens", "3000") for _ in range(2)]
+    # Both instances busy with one long stream each, so that one runs on box-a. Routing weighs
+    # the engines' own samples: wait until both report idle (a sample taken during the tests
+    # before may still be fresh and count a request that is over).
+    idle_both(cluster)
+    callers = [f"killed-{n}" for n in range(2)]
+    clients = [cluster.chat_pipe("--stream", "--max-tokens", "3000", "--caller", caller)
+               for caller in callers]  # fmt: skip
     for c in clients:
         assert c.stdout.readline().strip() == "HEAD 200"
         assert c.stdout.readline().startswith("DATA ")
     cluster.net.kill(cluster.hosts.pop("box-a"))
     outs = [drain(c) for c in clients]
-    ended = [o for o in outs if o and o[-1] == "END"]
-    assert len(ended) == 2
-    broken = [o for o in outs if not any("[DONE]" in line for line in o)]
-    assert len(broken) >= 1, "no stream went through box-a"
-    for o in broken:
-        assert any('"error"' in line for line in o[-3:]), o[-3:]
+    hosts = [picked_host(cluster, caller) for caller in callers]
+    assert sorted(hosts) == HOSTS, hosts
+    through_a, through_b = (outs[hosts.index(h)] for h in HOSTS)
+    assert through_a[-1] == "END" and through_b[-1] == "END"
+    assert not any("[DONE]" in line for line in through_a), through_a[-3:]
+    assert any('"error"' in line for line in through_a[-3:]), through_a[-3:]
+    assert through_b[-2] == "DATA data: [DONE]", through_b[-3:]
     # Its engine went with it (its reaper is told when the host process dies).
     assert gone(reaper, within=30) and gone(engine, within=30)
     wait_for(cluster.server_log, lambda _: cluster.sessions("box-a", "lost") >= 1, 10)
