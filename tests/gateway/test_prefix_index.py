@@ -1,0 +1,224 @@
+"""Prefix routing's two pure parts: the fingerprints of a request's prompt (two requests share a
+leading run exactly as long as the full blocks of prompt they share; salts never meet) and the
+bounded index of which instance served which prefix, held against a plain model."""
+
+from __future__ import annotations
+
+import tracemalloc
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from capyctl_gateway._deployments.prefixes import ENTRY_BYTES, PrefixIndex
+from capyctl_gateway._routing.prefix import (
+    BLOCK_BYTES,
+    MAX_BLOCKS,
+    WINDOW_BYTES,
+    fingerprints,
+    pack,
+    unpack,
+)
+
+SEED = 0x5EED
+
+
+def reference_text(body: dict[str, Any]) -> bytes:
+    """The canonical prompt as the docstring defines it, written whole and cut afterwards."""
+    parts: list[Any] = [{"tools": body["tools"]}] if "tools" in body else []
+    parts += body["messages"]
+    whole = b"".join(orjson.dumps(p, option=orjson.OPT_SORT_KEYS) + b"\n" for p in parts)
+    return whole[:WINDOW_BYTES]
+
+
+def common(a: bytes, b: bytes) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=3000) | st.sampled_from(
+    ["", "x" * 70_000, "é" * 40_000, 'q"\\' * 500]
+)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": texts},
+    optional={"name": st.text(max_size=8)},
+)
+messages = st.lists(message, min_size=1, max_size=6)
+
+
+def chat(msgs: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": msgs, **more}
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared=messages, a=messages, b=messages)
+def test_two_prompts_share_a_run_of_fingerprints_as_long_as_their_shared_full_blocks(
+    shared: list[dict[str, Any]], a: list[dict[str, Any]], b: list[dict[str, Any]]
+) -> None:
+    one, two = chat(shared + a), chat(shared + b)
+    fa = fingerprints(one, chat=True, salt=None, seed=SEED)
+    fb = fingerprints(two, chat=True, salt=None, seed=SEED)
+    ta, tb = reference_text(one), reference_text(two)
+    assert len(fa) == len(ta) // BLOCK_BYTES <= MAX_BLOCKS
+    assert len(fb) == len(tb) // BLOCK_BYTES
+    expected = min(common(ta, tb) // BLOCK_BYTES, len(fa), len(fb))
+    assert common_run(fa, fb) == expected
+
+
+def common_run(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=50, deadline=None)
+@given(msgs=messages, s1=st.text(min_size=1, max_size=20), s2=st.text(min_size=1, max_size=20))
+def test_one_salts_prefix_never_matches_anothers(
+    msgs: list[dict[str, Any]], s1: str, s2: str
+) -> None:
+    body = chat(msgs)
+    salted = fingerprints(body, chat=True, salt=s1, seed=SEED)
+    unsalted = fingerprints(body, chat=True, salt=None, seed=SEED)
+    assert not set(salted) & set(unsalted)
+    if s1 != s2:
+        assert not set(salted) & set(fingerprints(body, chat=True, salt=s2, seed=SEED))
+    else:
+        assert salted == fingerprints(body, chat=True, salt=s2, seed=SEED)
+
+
+def test_the_seed_tools_and_a_decisions_state_are_part_of_the_prefix() -> None:
+    body = chat([{"role": "system", "content": "You answer briefly. " * 100}])
+    plain = fingerprints(body, chat=True, salt=None, seed=SEED)
+    assert len(plain) == len(reference_text(body)) // BLOCK_BYTES > 0
+    assert not set(plain) & set(fingerprints(body, chat=True, salt=None, seed=SEED + 1))
+    tools = {**body, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert fingerprints(tools, chat=True, salt=None, seed=SEED)[0] != plain[0]
+    decision = {"model": "d", "state": "The customer writes: " + "x" * 600, "questions": {}}
+    other = {**decision, "questions": {"q": {"type": "noul", "instructions": "?"}}}
+    assert fingerprints(decision, chat=False, salt=None, seed=SEED) == fingerprints(
+        other, chat=False, salt=None, seed=SEED
+    )  # the questions come after the input: the prefix is the state's
+    assert len(fingerprints(decision, chat=False, salt=None, seed=SEED)) == 2
+
+
+def test_a_prompt_past_the_window_costs_no_more_than_the_window() -> None:
+    huge = chat([{"role": "user", "content": "y" * 8_000_000}])
+    chain = fingerprints(huge, chat=True, salt=None, seed=SEED)
+    assert len(chain) == MAX_BLOCKS
+    assert unpack(pack(chain)) == chain
+
+
+@given(st.binary(max_size=64))
+def test_a_broken_chain_on_the_line_is_refused(raw: bytes) -> None:
+    import base64
+
+    text = base64.b64encode(raw).decode()
+    if len(raw) % 8:
+        try:
+            unpack(text)
+        except ValueError:
+            return
+        raise AssertionError("a chain that is not whole words was taken")
+    assert pack(unpack(text)) == text
+
+
+# --- the index against a plain model ------------------------------------------------------------
+
+
+class PlainIndex:
+    """What `PrefixIndex` promises, written the slow way: each fingerprint's holders and the
+    tick it was last touched; the oldest touched goes first past the cap."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.holders: dict[int, set[int]] = {}
+        self.touched: dict[int, int] = {}
+        self.tick = 0
+
+    def note(self, chain: list[int], instance: int) -> None:
+        for fp in reversed(chain):  # the first block touched last: it outlives the tail
+            self.holders.setdefault(fp, set()).add(instance)
+            self.tick += 1
+            self.touched[fp] = self.tick
+        while len(self.holders) > self.cap:
+            oldest = min(self.touched, key=self.touched.__getitem__)
+            del self.holders[oldest], self.touched[oldest]
+
+    def forget(self, instance: int) -> None:
+        for fp in list(self.holders):
+            self.holders[fp].discard(instance)
+            if not self.holders[fp]:
+                del self.holders[fp], self.touched[fp]
+
+    def match(self, chain: list[int]) -> dict[int, int]:
+        out = {}
+        for instance in {i for h in self.holders.values() for i in h}:
+            n = 0
+            while n < len(chain) and instance in self.holders.get(chain[n], ()):
+                n += 1
+            if n:
+                out[instance] = n
+        return out
+
+
+FPS = st.integers(min_value=0, max_value=40)  # few values: chains overlap and collide often
+CHAINS = st.lists(FPS, min_size=0, max_size=12, unique=True)
+INSTANCES = st.integers(min_value=0, max_value=4)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    @initialize(cap=st.integers(min_value=1, max_value=30))
+    def make(self, cap: int) -> None:
+        self.index = PrefixIndex(cap)
+        self.model = PlainIndex(cap)
+
+    @rule(chain=CHAINS, instance=INSTANCES)
+    def note(self, chain: list[int], instance: int) -> None:
+        self.index.note(chain, instance)
+        self.model.note(chain, instance)
+
+    @rule(instance=INSTANCES)
+    def forget(self, instance: int) -> None:
+        self.index.forget(instance)
+        self.model.forget(instance)
+
+    @rule(chain=CHAINS)
+    def match(self, chain: list[int]) -> None:
+        assert self.index.match(chain) == self.model.match(chain)
+
+    @invariant()
+    def bounded_and_equal(self) -> None:
+        assert len(self.index) == len(self.model.holders) <= self.index.max_entries
+        for instance in range(5):
+            held = sum(1 for h in self.model.holders.values() if instance in h)
+            assert self.index.held(instance) == held
+
+
+TestIndexAgainstModel = IndexMachine.TestCase
+TestIndexAgainstModel.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_a_full_index_holds_its_cap_in_entries_and_bytes() -> None:
+    """The bound the configuration documents: ``prefix_entries`` entries of at most
+    `ENTRY_BYTES` each, however many chains arrive."""
+    cap = 4096
+    tracemalloc.start()
+    try:
+        index = PrefixIndex(cap)
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(64):
+            index.note([hash((n, k)) & (2**64 - 1) for k in range(MAX_BLOCKS)], n % 8)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(index) == cap
+    assert held <= cap * ENTRY_BYTES, held
