@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from canopyx_provider import AiohttpFetcher, Collector, ProviderOptions
+from canopyx_provider import AiohttpFetcher, Collector, EngineRestarted, Event, ProviderOptions
 
 from ._config import GatewayConfig
 from ._deployments.build import build_routes
@@ -34,7 +34,7 @@ from ._deployments.settle import CutRequest, Settlement
 from ._engine_client import IDLE_S, EngineClient
 from ._errors import UnavailableError
 from ._lifecycle.controller import Lifecycle
-from ._lifecycle.states import Launched
+from ._lifecycle.states import InstanceState, Launched
 from ._lifecycle.watch import boot
 from ._loop import running_loop
 from ._machines.enroll import Invites, ServerIdentity
@@ -160,6 +160,8 @@ async def open_fleet(
             remember=(lambda n, s, t: store.set_intent(n, stopped=s, started=t)) if store else None,
         )
         lifecycle.engines.observers.append(_transitions(telemetry))
+        lifecycle.engines.observers.append(_left_ready(routes))
+        settlement.observers.append(_restarted(routes))
         await prepare(opened, runners)  # a previous run's engines go before this one starts any
         if store is not None:  # the collector polls: a restored cut is polled fast at once
             restore(store, routes, settlement, lifecycle)
@@ -248,6 +250,31 @@ def _transitions(telemetry: Telemetry) -> Callable[[Launched], None]:
         telemetry.transitions[(lc.inst.deployment, lc.state.value)] += 1
 
     return count
+
+
+def _left_ready(routes: Mapping[str, Route]) -> Callable[[Launched], None]:
+    """A launched instance that is not ready (stopping, parking, failed, starting) has lost
+    its KV cache, or is about to: prefix routing forgets what it held."""
+
+    def forget(lc: Launched) -> None:
+        prefixes = routes[lc.inst.deployment].prefixes
+        if prefixes is not None and lc.state is not InstanceState.READY:
+            prefixes.forget(lc.inst.index)
+
+    return forget
+
+
+def _restarted(routes: Mapping[str, Route]) -> Callable[[Event], None]:
+    """An engine the collector saw restart (one someone else runs, too) has an empty cache."""
+    keyed = {i.key: (r, i.index) for r in routes.values() for i in r.instances}
+
+    def forget(event: Event) -> None:
+        if isinstance(event, EngineRestarted) and event.key in keyed:
+            route, index = keyed[event.key]
+            if route.prefixes is not None:
+                route.prefixes.forget(index)
+
+    return forget
 
 
 async def _cancel(drains: set[asyncio.Task[None]]) -> None:

@@ -7,6 +7,7 @@ No module globals; the HTTP surface and management read it, the rooms below neve
 from __future__ import annotations
 
 import hmac
+import secrets
 import time
 from collections.abc import Callable
 
@@ -31,8 +32,10 @@ class Gateway:
         *,
         clock: Callable[[], float] = time.time,
         started_at: int | None = None,
+        prefix_seed: int | None = None,
     ) -> None:
-        """``started_at``: the start a worker's models documents name (its authority's)."""
+        """``started_at``: the start a worker's models documents name (its authority's);
+        ``prefix_seed``: the seed of its prefix fingerprints (its authority's)."""
         self.config = config
         self._key = api_key.encode()
         self.clock = clock
@@ -41,6 +44,9 @@ class Gateway:
         self.bodies = BodyBudget(config.limits.max_body_bytes_in_flight)
         """Request-body bytes read and held, over all requests."""
         self.started_at = int(clock()) if started_at is None else started_at
+        self.prefix_seed = secrets.randbits(64) if prefix_seed is None else prefix_seed
+        """The secret seed of the requests' prefix fingerprints (``_routing/prefix.py``):
+        random per run, the same in every worker, never shown."""
         self._fleet: Fleet | None = None
         models = [
             {

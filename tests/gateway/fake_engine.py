@@ -87,6 +87,8 @@ class FakeEngine:
     waiting: int = 0
     process_start: float = 1796000000.0
     healthy: bool = True
+    metrics_served: bool = True
+    """False: /metrics answers 503, so the collector has no fresh load sample of it."""
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -100,6 +102,8 @@ class FakeEngine:
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if not self.metrics_served:
+            return web.Response(status=503)
         labels = f'engine="0",model_name="{self.served}"'
         text = (
             f"process_start_time_seconds {self.process_start}\n"

@@ -174,7 +174,7 @@ class AuthorityModel(RuleBasedStateMachine):
     @rule(w=st.integers(0, 1))
     def admit(self, w: int) -> None:
         gid = self.gid = self.gid + 1
-        self.send(w, Admit(gid, "my-model", "chat", f"r{gid}", None, 600.0, None))
+        self.send(w, Admit(gid, "my-model", "chat", f"r{gid}", None, 600.0, None, ()))
         if len(self.running) < RUNNING:
             self.running.append((w, gid))
         elif len(self.waiting) < WAITING:
@@ -212,7 +212,7 @@ class AuthorityModel(RuleBasedStateMachine):
     def admit_and_leave_at_once(self, w: int) -> None:
         """ADMIT and GONE in one write: the authority reads both before it starts placing."""
         gid = self.gid = self.gid + 1
-        self.send(w, Admit(gid, "my-model", "chat", f"r{gid}", None, 600.0, None))
+        self.send(w, Admit(gid, "my-model", "chat", f"r{gid}", None, 600.0, None, ()))
         self.send(w, Gone(gid))  # the same loop turn: one write
         self._settle()
 

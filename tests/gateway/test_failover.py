@@ -34,6 +34,7 @@ async def test_a_refused_connection_moves_the_request_to_the_next_instance(
     engine: FakeEngine, make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine.script = vllm_stream()
+    engine.metrics_served = False  # no fresh sample of either: neither is passed over for it
     gw = await make_gateway(two_instances(engine.url))
     caplog.set_level(logging.INFO, logger="capyctl_gateway")
     async with gw.client() as c:

@@ -62,7 +62,7 @@ async def worker(engine: FakeEngine) -> AsyncIterator[tuple[Authority, str]]:
     await loop.create_unix_connection(lambda: authority.wire, sock=ours)
     config = GatewayConfig.model_validate({"deployments": [deployments(engine.url)]})
     hello = {"config": config.model_dump(mode="json"), "key": KEY, "workers": 1, "index": 0}
-    authority.wire.send(Hello({**hello, "started_at": 1796000000}))
+    authority.wire.send(Hello({**hello, "started_at": 1796000000, "prefix_seed": 7}))
     w = Worker()
     await w.connect(theirs)
     sock = bound("127.0.0.1", 0, reuse_port=True)

@@ -31,6 +31,7 @@ from .parts import (
     Lifecycle,
     Memory,
     Resources,
+    Routing,
     Seconds,
 )
 from .rules import budget_problem, kept_ready_problem, url_only_problem
@@ -128,6 +129,8 @@ class Deployment(BaseModel):
     memory: Memory | None = None
     """What one launched instance holds in each state (against resources.memory_budget)."""
     lifecycle: Lifecycle = Lifecycle()
+    routing: Routing = Routing()
+    """How a request picks one of several instances (``prefix`` or ``least_load``)."""
     _gpu: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ __all__ = [
     "Lifecycle",
     "Memory",
     "Resources",
+    "Routing",
     "Seconds",
 ]
 
@@ -99,6 +100,22 @@ class Lifecycle(BaseModel):
     unresponsive_timeout: Seconds = 30.0
     """A ready engine on this machine that answers none of the collector's polls for this long
     is stopped (its process group killed) and started again for the next request."""
+
+
+class Routing(BaseModel):
+    """How a deployment with several instances chooses one for a request: where its prefix is
+    cached (``prefix``, the default) or the least loaded (``least_load``)."""
+
+    model_config = STRICT
+
+    policy: Literal["prefix", "least_load"] = "prefix"
+    load_margin: int = Field(default=4, ge=0, le=10_000)
+    """How much more load (running and waiting requests, plus up to 8 for a nearly full KV
+    cache) the instance with the longest cached prefix may carry than the least loaded one
+    and still be chosen."""
+    prefix_entries: int = Field(default=16_384, ge=16, le=1_048_576)
+    """Prefix fingerprints the deployment's index keeps (one per 256 bytes of prompt per
+    instance group; about 200 bytes each), least recently used out first."""
 
 
 class EngineLogs(BaseModel):

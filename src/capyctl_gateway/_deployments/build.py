@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from .._config import ConfigError, GatewayConfig, Instance
 from .._engines import facts
+from .prefixes import PrefixIndex
 from .queue import Admission, DeploymentQueue
 from .routes import EngineInstance, Route, Waiters
 from .runner import Runner
@@ -80,7 +81,9 @@ def build_routes(
             max_waiting=config.queue.max_waiting_per_deployment,
             gated=d.launched,
         )
-        routes[d.name] = Route(d, instances, queue, waiters, ids[d.name])
+        route = routes[d.name] = Route(d, instances, queue, waiters, ids[d.name])
+        if d.routing.policy == "prefix" and len(instances) > 1:
+            route.prefixes = PrefixIndex(d.routing.prefix_entries)
     return routes
 
 

@@ -28,6 +28,7 @@ from yarl import URL
 
 from .._config import Deployment, Launch
 from .._log import event
+from .prefixes import PrefixIndex
 from .queue import DeploymentQueue
 from .runner import LoadSample, Runner, Tracked
 from .settle import InstanceLedger
@@ -57,11 +58,13 @@ offered every request first, short enough that one back up is soon used again.""
 @dataclass(frozen=True, slots=True)
 class Facts:
     """What the chooser may weigh of a request, besides the instances' load: the model it asks
-    for (the deployment's name) and its ``cache_salt`` (a prefix cached under one salt never
-    serves another's). Prefix-aware routing adds the request's prefix fingerprints here."""
+    for (the deployment's name), its ``cache_salt`` and its prompt's prefix fingerprints
+    (``_routing/prefix.py``; the salt is folded into them, so one salt's prefix never matches
+    another's)."""
 
     model: str
     salt: str | None = None
+    prefix: tuple[int, ...] = ()
 
 
 class Waiters:
@@ -234,6 +237,9 @@ class Route:
     clock: Callable[[], float] = time.monotonic
     resting: dict[int, float] = field(default_factory=dict)
     """Instances that failed to accept a request, with when their rest ends."""
+    prefixes: PrefixIndex | None = None
+    """Which instance recently served which prompt prefixes (prefix routing, with several
+    instances); None where the deployment routes by load alone."""
     _start: int = 0
 
     def not_accepted(self, inst: EngineInstance) -> None:
@@ -247,15 +253,10 @@ class Route:
             self.resting.pop(inst.index, None)
         return max(left, 0.0)
 
-    def choose(
-        self, facts: Facts, exclude: set[int] | frozenset[int] = frozenset()
-    ) -> EngineInstance | None:
-        """The instance to offer a request with ``facts`` to: the least loaded usable one
-        among those not excluded, resting ones only when no other can take it; ties rotate,
-        once per request (a failover keeps its turn). Nothing in ``facts`` weighs yet."""
-        if len(self.instances) == 1:
-            only = self.instances[0]
-            return only if offerable(only, exclude) else None
+    def in_turn(self, exclude: set[int] | frozenset[int]) -> list[EngineInstance]:
+        """The instances a request may be offered to now, in this request's turn: ties rotate,
+        once per request (a failover keeps its turn); resting ones only when no other can
+        take it."""
         if not exclude:
             self._start = next(self.turn) % len(self.instances)
         start = self._start
@@ -264,7 +265,7 @@ class Route:
         ]
         if self.resting:  # the clock is read only while an instance rests
             ordered = [i for i in ordered if not self.rest_left(i)] or ordered
-        return min(ordered, key=load) if ordered else None
+        return ordered
 
 
 def offerable(inst: EngineInstance, exclude: set[int] | frozenset[int]) -> bool:

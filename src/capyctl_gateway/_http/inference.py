@@ -29,6 +29,7 @@ from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange
 from .._routing.place import MAX_OFFERS
+from .._routing.prefix import fingerprints
 from .._tally import Tally
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import answer, error_response
@@ -141,7 +142,7 @@ class Inference:
             payload = engine_payload(body, dep, chat=surface.api is Api.CHAT, stream=stream)
             if dep.remote:
                 _fits_a_host(name, len(raw), len(payload))
-            facts = Facts(name, _salt(body))
+            facts = self._facts(body, dep, surface.api)
             del raw, body
             deadline = tally.arrival + config.queue.request_deadline
             call = Call(
@@ -166,11 +167,15 @@ class Inference:
             held.release()
             self.desk.record(tally)
 
-
-def _salt(body: dict[str, Any]) -> str | None:
-    """The request's ``cache_salt`` (checked already: a string, or absent)."""
-    salt = body.get("cache_salt")
-    return salt if isinstance(salt, str) else None
+    def _facts(self, body: dict[str, Any], dep: Deployment, api: Api) -> Facts:
+        """What routing weighs of the request: its salt, and the fingerprints of its prefix
+        where its deployment chooses among several instances by prefix."""
+        salt = body.get("cache_salt")  # checked already: a string, or absent
+        salt = salt if isinstance(salt, str) else None
+        if dep.routing.policy != "prefix" or len(dep.instances) < 2:
+            return Facts(dep.name, salt)
+        chain = fingerprints(body, chat=api is Api.CHAT, salt=salt, seed=self.gw.prefix_seed)
+        return Facts(dep.name, salt, chain)
 
 
 def _fits_a_host(name: str, sent: int, payload: int) -> None:

@@ -1,7 +1,7 @@
 """What the router's log lines and refusals say about a deployment's instances: the line for
 each choice and each failover (`log_route`), each candidate's score and the sample it came
 from, and why each other instance was skipped. The score is the one routing weighs
-(`load_of`), from the same `LoadSample`."""
+(`load_of`), from the same `LoadSample`, beside the prefix blocks each instance holds."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from .._config import Deployment
 from .._deployments.routes import EngineInstance, Route, load_of, offerable
 from .._log import event
+from .choose import Choice
 
 __all__ = ["Named", "candidates", "closed_reason", "log_route", "skipped"]
 
@@ -95,14 +96,21 @@ def skipped(route: Route) -> list[str]:
 
 
 def candidates(
-    route: Route, exclude: set[int]
+    route: Route, exclude: set[int], choice: Choice
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """What a ``router_selection`` event shows: each instance that could take the request with
-    its score and the sample it came from, and each one skipped with the reason (an instance
-    resting after it failed to accept a request: ``not_accepted_recently``, with the rest's
-    time left)."""
+    its score, the sample it came from and the prefix blocks it holds (prefix routing), and
+    each one skipped with the reason (an instance resting after it failed to accept a request:
+    ``not_accepted_recently``, with the rest's time left; one without a fresh load sample
+    while another has one: ``stale_sample``)."""
     chosen: list[dict[str, Any]] = []
     skipped_: list[dict[str, Any]] = []
+
+    def prefix(index: int) -> dict[str, int]:
+        if route.prefixes is None:
+            return {}
+        return {"matched_blocks": choice.matched.get(index, 0)}
+
     open_ = [i for i in route.instances if offerable(i, exclude)]
     # Resting instances are passed over only while another can take the request (Route.choose).
     rests = {i.index: route.rest_left(i) for i in open_}
@@ -119,6 +127,8 @@ def candidates(
         elif others and rests[i.index]:
             reason = "not_accepted_recently"
             row["rest_left_ms"] = round(rests[i.index] * 1000)
+        elif i.index in choice.stale:
+            reason = "stale_sample"
         if reason is not None:
             skipped_.append({**row, "reason": reason})
             continue
@@ -135,6 +145,7 @@ def candidates(
                 "sample_age_ms": round(s.age_s * 1000) if s else None,
                 "load_source": "engine" if engine else "router_in_flight",
                 "score": load_of(i, s),
+                **prefix(i.index),
             }
         )
     return chosen, skipped_

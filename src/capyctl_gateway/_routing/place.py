@@ -14,13 +14,14 @@ worker that holds the client (``_workers/``). Either way each offer is charged t
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .._deployments.routes import EngineInstance, Facts, Route
 from .._errors import EngineError, NotAcceptedError, UnavailableError
 from .._fleet import Fleet
 from .._loop import running_loop
 from .._tally import Tally
+from .choose import Choice, choose
 from .lines import Named, candidates, log_route, skipped
 
 __all__ = ["MAX_OFFERS", "Placing", "place"]
@@ -76,8 +77,8 @@ async def _offer(
     details: list[str] = []
     loop = running_loop()
     while len(refused) < MAX_OFFERS:
-        instance = route.choose(asked.facts, refused)
-        if instance is None:
+        choice = choose(route, asked.facts, refused)
+        if choice is None:
             if refused:
                 break
             # None may take it now (its host is gone, its engine is parking): wait for one.
@@ -88,7 +89,10 @@ async def _offer(
                     detail="; ".join(skipped(route)),
                 )
             continue
-        _log_choice(asked, route, instance, refused)
+        instance = choice.instance
+        _log_choice(asked, route, choice, refused)
+        if route.prefixes is not None and asked.facts.prefix:
+            route.prefixes.note(asked.facts.prefix, instance.index)
         try:
             return await attempt(instance, route)
         except NotAcceptedError as exc:
@@ -103,11 +107,24 @@ async def _offer(
     )
 
 
-def _log_choice(asked: Placing, route: Route, instance: EngineInstance, refused: set[int]) -> None:
-    """The ``router_selection`` line: with the candidates weighed and the instances skipped
-    when there was a choice (or the instance is on a host)."""
+def _log_choice(asked: Placing, route: Route, choice: Choice, refused: set[int]) -> None:
+    """The ``router_selection`` line: with why, the candidates weighed and the instances
+    skipped when there was a choice (or the instance is on a host)."""
+    instance = choice.instance
     if len(route.instances) > 1 or asked.dep.remote:
-        shown, skipped_ = candidates(route, refused)
-        log_route("router_selection", asked, route, instance, candidates=shown, skipped=skipped_)
+        shown, skipped_ = candidates(route, refused, choice)
+        prefix: dict[str, Any] = {}
+        if route.prefixes is not None:
+            prefix["prefix_blocks"] = len(asked.facts.prefix)
+        log_route(
+            "router_selection",
+            asked,
+            route,
+            instance,
+            why=choice.why,
+            **prefix,
+            candidates=shown,
+            skipped=skipped_,
+        )
     else:
         log_route("router_selection", asked, route, instance)

@@ -148,7 +148,7 @@ class Line:
         if isinstance(m, Admit):
             gid = m.gid
             dep = self.fleet.routes[m.deployment].deployment
-            grant = Grant(self, gid, dep, m.rid, m.caller, Facts(m.deployment, m.salt))
+            grant = Grant(self, gid, dep, m.rid, m.caller, Facts(m.deployment, m.salt, m.prefix))
             self.grants[gid] = grant
             task = self.tasks[gid] = running_loop().create_task(
                 self._place(grant, Api(m.api), m.left)
@@ -252,6 +252,7 @@ class Authority:
             "workers": workers,
             "index": index,
             "started_at": gateway.started_at,
+            "prefix_seed": gateway.prefix_seed,
         }
         line.wire.send(Hello(hello))
         return line

@@ -89,7 +89,7 @@ class RemoteDesk:
         asked_at = loop.time()
         left = deadline - loop.time()
         dep, api, facts = call.dep.name, call.api.value, call.facts
-        wire.send(Admit(gid, dep, api, call.rid, call.caller, left, facts.salt))
+        wire.send(Admit(gid, dep, api, call.rid, call.caller, left, facts.salt, facts.prefix))
         ex: Exchange | None = None
         asking = True
         self._live[gid] = None

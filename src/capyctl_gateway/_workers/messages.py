@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .._routing.prefix import pack, unpack
 from .._tally import Figures
 
 __all__ = [
@@ -176,8 +177,9 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Admit:
-    """Place request ``gid`` (its deployment, API, IDs and routing facts; ``left``: seconds
-    before its deadline when it was sent)."""
+    """Place request ``gid`` (its deployment, API, IDs and routing facts: its salt and its
+    prefix fingerprints, never its body; ``left``: seconds before its deadline when it was
+    sent)."""
 
     TAG: ClassVar[str] = "A"
     gid: int
@@ -187,15 +189,17 @@ class Admit:
     caller: str | None
     left: float
     salt: str | None
+    prefix: tuple[int, ...]
 
     def encode(self) -> list[Any]:
         s = self
-        return [s.TAG, s.gid, s.deployment, s.api, s.rid, s.caller, s.left, s.salt]
+        chain = pack(s.prefix)
+        return [s.TAG, s.gid, s.deployment, s.api, s.rid, s.caller, s.left, s.salt, chain]
 
     @classmethod
     def decode(cls, m: list[Any]) -> Admit:
-        _, gid, deployment, api, rid, caller, left, salt = m
-        return cls(gid, deployment, api, rid, caller, left, salt)
+        _, gid, deployment, api, rid, caller, left, salt, chain = m
+        return cls(gid, deployment, api, rid, caller, left, salt, unpack(chain))
 
 
 @dataclass(frozen=True, slots=True)

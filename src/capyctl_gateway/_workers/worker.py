@@ -90,6 +90,7 @@ class Worker:
         self.config = config.model_copy(update={"limits": limits})
         self.key = hello["key"]
         self.started_at = int(hello["started_at"])
+        self.prefix_seed = int(hello["prefix_seed"])
         engines = EngineClient(connect_timeout=config.queue.connect_timeout)
         self.desk = RemoteDesk(self.config, engines, self.wire)
         return hello
@@ -100,7 +101,9 @@ class Worker:
         `END_GRACE_S` to finish."""
         desk, config = self.desk, self.config
         assert desk is not None and config is not None
-        gateway = Gateway(config, self.key, started_at=self.started_at)
+        gateway = Gateway(
+            config, self.key, started_at=self.started_at, prefix_seed=self.prefix_seed
+        )
         runner = self._runner = GatewayRunner(
             public_app(gateway, Inference(gateway, desk)), shutdown_timeout=END_GRACE_S
         )

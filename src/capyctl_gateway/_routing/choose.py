@@ -1,0 +1,74 @@
+"""Which instance a request is offered to: where its prefix is cached, unless that instance is
+busier than the least loaded by more than the deployment's ``routing.load_margin``.
+
+The policy, in order:
+
+1. The instances that may take the request now, in this request's turn (`Route.in_turn`:
+   ties rotate; resting instances only when no other can take it).
+2. Staleness: an instance without a fresh load sample is passed over only while one with a
+   fresh sample can take the request. A lone instance, or a set of instances that all went
+   quiet, is never blocked for it (their load is then the gateway's own requests in flight
+   there, never a zero read as idle).
+3. Load is `load_of`: the engine's running and waiting requests, never under the gateway's
+   own in flight there, plus up to 8 for a nearly full KV cache or slot set.
+4. Among the instances within ``load_margin`` of the least loaded, the one holding the most
+   leading blocks of the request's prefix (`PrefixIndex.match`); ties go to the lower load,
+   then the turn. Where none of them holds a block, the least loaded.
+
+A deployment with ``routing.policy: least_load`` (or one instance, or a request with no full
+block of prompt) skips step 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._deployments.routes import EngineInstance, Facts, Route, load, offerable
+
+__all__ = ["Choice", "choose"]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """An instance chosen for a request, and why (what the router line says)."""
+
+    instance: EngineInstance
+    why: str
+    """``prefix``: it holds the longest cached prefix of any instance; ``load_margin``: an
+    instance holding more of it was busier than the margin allows; ``least_load``: none holds
+    a block of it (or the deployment routes by load alone)."""
+    matched: dict[int, int]
+    """Leading blocks of the prefix each instance holds (those holding one)."""
+    stale: frozenset[int]
+    """Instances passed over for a stale load sample while a fresh one could take it."""
+
+
+def choose(route: Route, facts: Facts, exclude: set[int] | frozenset[int]) -> Choice | None:
+    """The instance to offer a request with ``facts`` to, or None while none may take it."""
+    if len(route.instances) == 1:
+        only = route.instances[0]
+        return Choice(only, "least_load", {}, frozenset()) if offerable(only, exclude) else None
+    ordered = route.in_turn(exclude)
+    fresh = [i for i in ordered if i.runner.sample() is not None]
+    stale: frozenset[int] = frozenset()
+    if fresh and len(fresh) < len(ordered):
+        stale = frozenset(i.index for i in ordered) - {i.index for i in fresh}
+        ordered = fresh
+    if not ordered:
+        return None
+    loads = {i.index: load(i) for i in ordered}
+    least = min(ordered, key=lambda i: loads[i.index])
+    index = route.prefixes
+    if index is None or not facts.prefix:
+        return Choice(least, "least_load", {}, stale)
+    matched = index.match(facts.prefix)
+    ceiling = loads[least.index] + route.deployment.routing.load_margin
+    near = [i for i in ordered if loads[i.index] <= ceiling and matched.get(i.index)]
+    if not near:
+        why = "load_margin" if any(matched.get(i.index) for i in ordered) else "least_load"
+        return Choice(least, why, matched, stale)
+    best = max(near, key=lambda i: (matched[i.index], -loads[i.index]))
+    longest = max(matched.get(i.index, 0) for i in ordered)
+    return Choice(
+        best, "prefix" if matched[best.index] == longest else "load_margin", matched, stale
+    )

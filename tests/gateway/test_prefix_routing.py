@@ -1,0 +1,214 @@
+"""Prefix routing through the gateway, in one process and with two workers (whose authority
+sees the fingerprints, never the body): a prompt goes where its prefix was sent, unless that
+instance is busier than the margin allows; salts never share; an instance without a fresh
+load sample is passed over only while another has one; ``least_load`` turns it off; an
+instance whose cache went is forgotten."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from tests.eventually import eventually
+from tests.gateway.conftest import FAKES, WORKERS, Gw, _serve, deployments
+from tests.gateway.fake_engine import FakeEngine, vllm_stream
+from tests.gateway.test_lifecycle import launched, management
+
+workers = WORKERS
+fakes = FAKES  # launched engines run on the fake runner; url: engines are watched alike
+pytestmark = pytest.mark.anyio
+MakeGateway = Callable[..., Awaitable[Gw]]
+SYSTEM = {name: f"You are the {name} desk. " * 120 for name in ("billing", "shipping", "legal")}
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[list[FakeEngine]]:
+    fakes, runners = [], []
+    for _ in range(2):
+        fake = FakeEngine(script=vllm_stream())
+        app = web.Application()
+        fake.routes(app)
+        runner, fake.url = await _serve(app)
+        fakes.append(fake)
+        runners.append(runner)
+    try:
+        yield fakes
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def config(engines: list[FakeEngine], **over: Any) -> dict[str, Any]:
+    dep = deployments(engines[0].url, **over)
+    dep["instances"] = [{"url": e.url} for e in engines]
+    return {"deployments": [dep]}
+
+
+def chat(tenant: str, turn: str, **more: Any) -> dict[str, Any]:
+    msgs = [{"role": "system", "content": SYSTEM[tenant]}, {"role": "user", "content": turn}]
+    return {"model": "my-model", "messages": msgs, **more}
+
+
+def selections(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [
+        getattr(r, "fields", {})
+        for r in caplog.records
+        if getattr(r, "event", None) == "router_selection"
+    ]
+
+
+async def both_sampled(gw: Gw, engines: list[FakeEngine]) -> None:
+    """Wait until the collector holds a fresh sample of each engine with its reported load."""
+    route = gw.gateway.fleet.routes["my-model"]
+
+    def sampled() -> bool:
+        samples = [i.runner.sample() for i in route.instances]
+        return all(
+            s is not None and s.running == e.running for s, e in zip(samples, engines, strict=True)
+        )
+
+    await eventually(sampled)
+
+
+async def test_a_tenants_prompts_go_where_its_prefix_was_sent(
+    pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await make_gateway(config(pair))
+    await both_sampled(gw, pair)
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        for turn in range(4):
+            for tenant in SYSTEM:
+                r = await c.post("/v1/chat/completions", json=chat(tenant, f"question {turn}"))
+                assert r.status_code == 200, r.text
+    picks = selections(caplog)
+    assert len(picks) == 12
+    by_tenant: dict[str, set[int]] = {}
+    for n, pick in enumerate(picks):
+        by_tenant.setdefault(list(SYSTEM)[n % 3], set()).add(pick["instance"])
+        assert pick["prefix_blocks"] > 10
+        if n >= 3:  # every tenant's first prompt was sent somewhere already
+            assert pick["why"] == "prefix", pick
+            chosen = next(c for c in pick["candidates"] if c["instance"] == pick["instance"])
+            assert chosen["matched_blocks"] >= 10
+    assert all(len(sent) == 1 for sent in by_tenant.values()), by_tenant
+    assert sum(len(e.received) for e in pair) == 12
+
+
+async def test_a_holder_busier_than_the_margin_loses_the_request_to_the_least_loaded(
+    pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await make_gateway(config(pair, routing={"load_margin": 3}))
+    await both_sampled(gw, pair)
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat("billing", "a"))).status_code == 200
+        holder = selections(caplog)[-1]["instance"]
+        pair[holder].running = 3  # within the margin: it keeps the prefix's requests
+        await both_sampled(gw, pair)
+        assert (await c.post("/v1/chat/completions", json=chat("billing", "b"))).status_code == 200
+        kept = selections(caplog)[-1]
+        pair[holder].running = 4  # past it: the least loaded takes the request
+        await both_sampled(gw, pair)
+        assert (await c.post("/v1/chat/completions", json=chat("billing", "c"))).status_code == 200
+        moved = selections(caplog)[-1]
+    assert (kept["instance"], kept["why"]) == (holder, "prefix")
+    assert (moved["instance"], moved["why"]) == (1 - holder, "load_margin")
+    scores = {c["instance"]: c["score"] for c in moved["candidates"]}
+    assert scores == {holder: 4, 1 - holder: 0}
+
+
+async def test_one_salts_prefix_never_draws_anothers_request(
+    pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await make_gateway(config(pair))
+    await both_sampled(gw, pair)
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        for salt in ("tenant-a", "tenant-b", "tenant-a"):
+            body = chat("legal", "same words", cache_salt=salt)
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    first, other, again = selections(caplog)
+    assert other["why"] == "least_load"
+    assert all(c["matched_blocks"] == 0 for c in other["candidates"])
+    assert (again["why"], again["instance"]) == ("prefix", first["instance"])
+
+
+async def test_an_instance_without_a_fresh_sample_is_passed_over_only_while_one_has_one(
+    pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    pair[0].metrics_served = False
+    gw = await make_gateway(config(pair))
+    route = gw.gateway.fleet.routes["my-model"]
+    await eventually(lambda: route.instances[1].runner.sample() is not None)
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        for turn in range(4):  # a prefix sent to neither: the fresh one takes every one
+            body = {"model": "my-model", "messages": [{"role": "user", "content": f"t{turn}"}]}
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        pair[1].metrics_served = False  # now neither has a fresh sample: neither is blocked
+        await eventually(lambda: route.instances[1].runner.sample() is None)
+        for turn in range(4):
+            body = {"model": "my-model", "messages": [{"role": "user", "content": f"u{turn}"}]}
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    picks = selections(caplog)
+    assert [p["instance"] for p in picks[:4]] == [1, 1, 1, 1]
+    for p in picks[:4]:
+        assert p["skipped"] == [{"instance": 0, "host": p["skipped"][0]["host"],
+                                 "reason": "stale_sample"}]  # fmt: skip
+    assert {p["instance"] for p in picks[4:]} == {0, 1}  # the turn rotates over both
+    assert all(p["skipped"] == [] for p in picks[4:])
+    assert len(pair[0].received) == 2 and len(pair[1].received) == 6
+
+
+async def test_least_load_routing_weighs_no_prefix(
+    pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await make_gateway(config(pair, routing={"policy": "least_load"}))
+    await both_sampled(gw, pair)
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        for turn in range(4):
+            r = await c.post("/v1/chat/completions", json=chat("billing", f"q{turn}"))
+            assert r.status_code == 200
+    picks = selections(caplog)
+    assert [p["instance"] for p in picks] in ([0, 1, 0, 1], [1, 0, 1, 0])  # the turn, alone
+    assert all(p["why"] == "least_load" and "prefix_blocks" not in p for p in picks)
+    assert gw.gateway.fleet.routes["my-model"].prefixes is None
+
+
+async def test_an_instance_whose_cache_went_is_forgotten(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two launched instances (on the fake runner): what each was sent is forgotten when an
+    operator parks the deployment (a park here is a stop), so no request is drawn to a cache
+    that is gone."""
+    dep = launched()
+    dep["instances"] = dep["instances"] * 2
+    gw = await make_gateway({"deployments": [dep]})
+    route = gw.gateway.fleet.routes["my-model"]
+    assert route.prefixes is not None
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    try:
+        async with gw.client() as c, httpx.AsyncClient(headers=auth, timeout=60) as m:
+            for tenant in SYSTEM:
+                r = await c.post("/v1/chat/completions", json=chat(tenant, "hello"))
+                assert r.status_code == 200
+            held = [route.prefixes.held(i.index) for i in route.instances]
+            assert sum(held) >= 30
+            parked = await m.post(f"{base}/deployments/my-model/park")
+            assert parked.json()["deployment"]["lifecycle"] == "stopped"
+            assert len(route.prefixes) == 0
+            caplog.set_level(logging.INFO, logger="capyctl_gateway")
+            r = await c.post("/v1/chat/completions", json=chat("billing", "again"))
+            assert r.status_code == 200
+    finally:
+        await runner.cleanup()
+    (pick,) = selections(caplog)
+    assert pick["why"] == "least_load"
