@@ -59,6 +59,13 @@ class EngineMetrics(BaseModel):
     """Raw cumulative count as published; it falls when the engine restarts."""
     generated_tokens_total: float | None = None
     """Raw cumulative count as published; it falls when the engine restarts."""
+    prefix_cache_queried_tokens_total: float | None = None
+    """Prompt tokens the engine looked up in its prefix cache (raw cumulative count, falls when
+    the engine restarts): vLLM's ``prefix_cache_queries``; llama.cpp's prompt tokens, cached
+    and not."""
+    prefix_cache_hit_tokens_total: float | None = None
+    """Of those, the tokens it found cached (vLLM's ``prefix_cache_hits``, llama.cpp's
+    ``prompt_tokens_cached``)."""
     busy: bool | None = None
     """TensorFold's own busy flag."""
     has_engine_load: bool = True

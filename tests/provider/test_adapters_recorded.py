@@ -45,6 +45,16 @@ def test_vllm_reads_the_model_gauges(rel: str, model: str, running: int, waiting
     assert poll.metrics.slot_usage_ratio is None  # vLLM has no slots: absent, not 0
 
 
+def test_vllm_prefix_cache_counters_are_read_and_absent_ones_stay_none() -> None:
+    text = recorded("vllm/0.32.0/GET_metrics_busy_2_running.http").text
+    m = vllm(BASE).parse_metrics(text, "tiny").metrics
+    assert m.prefix_cache_queried_tokens_total == 65.0
+    assert m.prefix_cache_hit_tokens_total is not None
+    stripped = "\n".join(line for line in text.splitlines() if "prefix_cache_" not in line)
+    m = vllm(BASE).parse_metrics(stripped, "tiny").metrics
+    assert m.prefix_cache_queried_tokens_total is None and m.prefix_cache_hit_tokens_total is None
+
+
 def test_vllm_kv_cache_size_comes_from_cache_config_info_labels() -> None:
     cap = vllm(BASE).parse_capacity(recorded("vllm/0.31.0/GET_metrics_idle.http").text)
     assert cap.kv_cache_tokens == 8192 * 128
@@ -147,6 +157,17 @@ def test_llamacpp_busy_slots_give_slot_usage() -> None:
     assert (m.running_requests, m.slot_usage_ratio) == (2, 1.0)
     assert m.kv_cache_usage_ratio is None
     assert m.prompt_tokens_total is not None and m.generated_tokens_total is not None
+
+
+def test_llamacpp_prefix_cache_figures_count_cached_and_uncached_prompt_tokens() -> None:
+    text = recorded("llamacpp/b10798/GET_metrics_after.http").text
+    m = llama_cpp(BASE).parse_metrics(text, total_slots=2).metrics
+    # prompt_tokens_total excludes cached tokens: what was looked up is both.
+    assert (m.prefix_cache_queried_tokens_total, m.prefix_cache_hit_tokens_total) == (112.0, 23.0)
+    older = recorded("llamacpp/b10795/router/GET_metrics_two_models.txt").text
+    second = older.split("# --- body of", 2)[2]
+    m = llama_cpp(BASE).parse_metrics(second, total_slots=None).metrics
+    assert m.prefix_cache_queried_tokens_total is None and m.prefix_cache_hit_tokens_total is None
 
 
 def test_llamacpp_without_slots_has_no_slot_usage() -> None:

@@ -37,6 +37,8 @@ def test_check_json_passes_against_a_vllm_engine(engine: HTTPServer) -> None:
         "kv_cache_usage_ratio": 0.0,
         "prompt_tokens_total": 24.0,
         "generated_tokens_total": 16.0,
+        "prefix_cache_queried_tokens_total": 24.0,
+        "prefix_cache_hit_tokens_total": 0.0,
     }
     assert doc["engine_version"] == "0.31.0"
     assert doc["capacity"]["kv_cache_tokens"] == 1048576

@@ -18,7 +18,9 @@ PROCESSING = "llamacpp:requests_processing"
 DEFERRED = "llamacpp:requests_deferred"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 PREDICTED_TOKENS = "llamacpp:tokens_predicted_total"
-_POLLED = (PROCESSING, DEFERRED, PROMPT_TOKENS, PREDICTED_TOKENS)
+CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
+"""Prompt tokens reused from the cache; ``prompt_tokens_total`` counts the others (b10795 on)."""
+_POLLED = (PROCESSING, DEFERRED, PROMPT_TOKENS, PREDICTED_TOKENS, CACHED_TOKENS)
 START_HEADER = "process-start-time-unix"
 
 
@@ -124,13 +126,21 @@ class LlamaCppAdapter(EngineAdapter):
                     metric=PROCESSING,
                 )
             ratio = processing / total_slots
+        prompt = finite(select_one(samples, PROMPT_TOKENS, self.labels))
+        cached = (
+            finite(select_one(samples, CACHED_TOKENS, self.labels))
+            if samples.get(CACHED_TOKENS)
+            else None
+        )
         return Poll(
             EngineMetrics(
                 running_requests=processing,
                 waiting_requests=int(finite(select_one(samples, DEFERRED, self.labels))),
                 slot_usage_ratio=ratio,
-                prompt_tokens_total=finite(select_one(samples, PROMPT_TOKENS, self.labels)),
+                prompt_tokens_total=prompt,
                 generated_tokens_total=finite(select_one(samples, PREDICTED_TOKENS, self.labels)),
+                prefix_cache_queried_tokens_total=None if cached is None else prompt + cached,
+                prefix_cache_hit_tokens_total=cached,
             )
         )
 

@@ -15,6 +15,8 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATED_TOKENS = "vllm:generation_tokens_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 PROCESS_START = "process_start_time_seconds"
 
@@ -23,7 +25,16 @@ NO_SEQUENCE_LIMIT = (
     "max_running_requests is unknown"
 )
 
-_POLLED = (RUNNING, WAITING, KV_USAGE, PROMPT_TOKENS, GENERATED_TOKENS, PROCESS_START)
+_POLLED = (
+    RUNNING,
+    WAITING,
+    KV_USAGE,
+    PROMPT_TOKENS,
+    GENERATED_TOKENS,
+    PREFIX_QUERIES,
+    PREFIX_HITS,
+    PROCESS_START,
+)
 
 
 class VllmAdapter(ModelLabelledAdapter):
@@ -53,6 +64,8 @@ class VllmAdapter(ModelLabelledAdapter):
             kv_cache_usage_ratio=finite(one(KV_USAGE), high=1.0),
             prompt_tokens_total=_optional(samples, PROMPT_TOKENS, selector),
             generated_tokens_total=_optional(samples, GENERATED_TOKENS, selector),
+            prefix_cache_queried_tokens_total=_optional(samples, PREFIX_QUERIES, selector),
+            prefix_cache_hit_tokens_total=_optional(samples, PREFIX_HITS, selector),
         )
         starts = samples[PROCESS_START]
         return Poll(metrics, process_start=starts[0].value if len(starts) == 1 else None)
