@@ -89,6 +89,8 @@ class FakeEngine:
     healthy: bool = True
     metrics_served: bool = True
     """False: /metrics answers 503, so the collector has no fresh load sample of it."""
+    prefix_cache: tuple[float, float] | None = None
+    """vLLM's prefix-cache counters (queried and hit tokens) when set; absent otherwise."""
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -112,6 +114,10 @@ class FakeEngine:
             f"vllm:kv_cache_usage_perc{{{labels}}} 0.0\n"
             'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
         )
+        if self.prefix_cache is not None:
+            queried, hit = self.prefix_cache
+            text += f"vllm:prefix_cache_queries_total{{{labels}}} {queried}\n"
+            text += f"vllm:prefix_cache_hits_total{{{labels}}} {hit}\n"
         return web.Response(text=text, content_type="text/plain")
 
     decision: Reply | Hold | None = None

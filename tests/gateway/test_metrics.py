@@ -106,3 +106,48 @@ async def test_metrics_count_outcomes_refusals_and_timings(
 
 async def test_metrics_need_the_key(gateway: Gw) -> None:
     assert (await scrape(gateway, key="wrong")).status_code == 401
+
+
+async def test_the_engines_prefix_cache_counts_are_shown_where_they_publish_them(
+    engine: FakeEngine, make_gateway: MakeGateway
+) -> None:
+    """The engine's own counts come through as counters, per instance; an instance whose engine
+    publishes none has no series (never a 0 nobody measured); status sums them per deployment."""
+    from capyctl_gateway._management.status import deployment_status
+    from tests.eventually import eventually
+
+    silent = FakeEngine()
+    app = web.Application()
+    silent.routes(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    engine.prefix_cache = (4000.0, 3000.0)
+    try:
+        dep = deployments(engine.url)
+        dep["instances"] = [{"url": engine.url}, {"url": f"http://{host}:{port}"}]
+        gw = await make_gateway({"deployments": [dep]})
+        fleet = gw.gateway.fleet
+
+        def both_sampled() -> bool:
+            return all(i.runner.sample() is not None for i in fleet.routes["my-model"].instances)
+
+        await eventually(both_sampled)
+        got = samples((await scrape(gw)).text)
+        one = (("deployment", "my-model"), ("instance", "0"))
+        other = (("deployment", "my-model"), ("instance", "1"))
+        assert got[("capyctl_engine_prefix_cache_queried_tokens_total", one)] == 4000.0
+        assert got[("capyctl_engine_prefix_cache_hit_tokens_total", one)] == 3000.0
+        assert ("capyctl_engine_prefix_cache_queried_tokens_total", other) not in got
+        assert ("capyctl_engine_prefix_cache_hit_tokens_total", other) not in got
+        doc = deployment_status(fleet, "my-model")
+        assert doc is not None
+        assert doc["deployment"]["prefix_cache_hit_ratio"] == 0.75
+        assert doc["deployment"]["routing"] == "prefix"
+        rows = {i["index"]: i for i in doc["instances"]}
+        assert rows[0]["prefix_cache"] == {"queried_tokens": 4000, "hit_tokens": 3000}
+        assert "prefix_cache" not in rows[1]
+    finally:
+        await runner.cleanup()

@@ -143,8 +143,11 @@ class PlainIndex:
         self.holders: dict[int, set[int]] = {}
         self.touched: dict[int, int] = {}
         self.tick = 0
+        self.firsts: set[int] = set()
+        """Fingerprints that began a noted chain."""
 
     def note(self, chain: list[int], instance: int) -> None:
+        self.firsts.update(chain[:1])
         for fp in reversed(chain):  # the first block touched last: it outlives the tail
             self.holders.setdefault(fp, set()).add(instance)
             self.tick += 1
@@ -152,12 +155,14 @@ class PlainIndex:
         while len(self.holders) > self.cap:
             oldest = min(self.touched, key=self.touched.__getitem__)
             del self.holders[oldest], self.touched[oldest]
+            self.firsts.discard(oldest)
 
     def forget(self, instance: int) -> None:
         for fp in list(self.holders):
             self.holders[fp].discard(instance)
             if not self.holders[fp]:
                 del self.holders[fp], self.touched[fp]
+                self.firsts.discard(fp)
 
     def match(self, chain: list[int]) -> dict[int, int]:
         out = {}
@@ -201,6 +206,12 @@ class IndexMachine(RuleBasedStateMachine):
         for instance in range(5):
             held = sum(1 for h in self.model.holders.values() if instance in h)
             assert self.index.held(instance) == held
+            starts = sum(
+                1
+                for fp, h in self.model.holders.items()
+                if instance in h and fp in self.model.firsts
+            )
+            assert self.index.starts(instance) == starts
 
 
 TestIndexAgainstModel = IndexMachine.TestCase

@@ -98,6 +98,15 @@ async def test_a_tenants_prompts_go_where_its_prefix_was_sent(
             assert chosen["matched_blocks"] >= 10
     assert all(len(sent) == 1 for sent in by_tenant.values()), by_tenant
     assert sum(len(e.received) for e in pair) == 12
+    lines = [
+        r.getMessage() for r in caplog.records if getattr(r, "event", None) == "router_selection"
+    ]
+    last = picks[-1]
+    mine = next(c for c in last["candidates"] if c["instance"] == last["instance"])
+    assert lines[-1].endswith(
+        f"instance {last['instance']} (prefix: {mine['matched_blocks']} of "
+        f"{last['prefix_blocks']} blocks, load {mine['score']})"
+    ), lines[-1]
 
 
 async def test_a_holder_busier_than_the_margin_loses_the_request_to_the_least_loaded(
@@ -123,6 +132,28 @@ async def test_a_holder_busier_than_the_margin_loses_the_request_to_the_least_lo
     assert scores == {holder: 4, 1 - holder: 0}
 
 
+async def test_a_new_prefix_goes_to_the_cache_that_holds_the_fewest(
+    pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tenant A's two prompts (the second a hit) then tenant B's first: the turn would start B
+    at A's instance (both idle), but B goes to the cache that holds nothing yet."""
+    gw = await make_gateway(config(pair))
+    await both_sampled(gw, pair)
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        for tenant, turn in (("billing", "a"), ("billing", "b"), ("shipping", "a")):
+            r = await c.post("/v1/chat/completions", json=chat(tenant, turn))
+            assert r.status_code == 200
+    a1, a2, b1 = selections(caplog)
+    assert a1["why"] == "least_cached" and a2["why"] == "prefix"
+    assert a2["instance"] == a1["instance"]
+    assert (b1["why"], b1["instance"]) == ("least_cached", 1 - a1["instance"])
+    route = gw.gateway.fleet.routes["my-model"]
+    assert route.prefixes is not None
+    held = [route.prefixes.held(i.index) for i in route.instances]
+    assert all(n >= 10 for n in held), held
+
+
 async def test_one_salts_prefix_never_draws_anothers_request(
     pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -134,7 +165,7 @@ async def test_one_salts_prefix_never_draws_anothers_request(
             body = chat("legal", "same words", cache_salt=salt)
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
     first, other, again = selections(caplog)
-    assert other["why"] == "least_load"
+    assert (other["why"], other["instance"]) == ("least_cached", 1 - first["instance"])
     assert all(c["matched_blocks"] == 0 for c in other["candidates"])
     assert (again["why"], again["instance"]) == ("prefix", first["instance"])
 
@@ -211,4 +242,4 @@ async def test_an_instance_whose_cache_went_is_forgotten(
     finally:
         await runner.cleanup()
     (pick,) = selections(caplog)
-    assert pick["why"] == "least_load"
+    assert pick["why"] == "least_cached" and pick["candidates"][0]["matched_blocks"] == 0

@@ -47,7 +47,8 @@ class Seen:
 
     def row(self) -> dict[str, Any]:
         """What ``status`` shows of the engine: the collector's state, its latest load and the
-        snapshot's age, and its last error."""
+        snapshot's age, its prefix cache's own counts (prompt tokens looked up and found, since
+        it started; where it publishes them) and its last error."""
         if not self.watched:
             return {}
         status = self._collector.status(self._key)
@@ -57,6 +58,12 @@ class Seen:
             row["running"] = snap.metrics.running_requests
             row["waiting"] = snap.metrics.waiting_requests
             row["snapshot_age_s"] = round(snap.age_s(self._clock()), 3)
+            m = snap.metrics
+            if m.prefix_cache_queried_tokens_total is not None:
+                row["prefix_cache"] = {
+                    "queried_tokens": int(m.prefix_cache_queried_tokens_total),
+                    "hit_tokens": int(m.prefix_cache_hit_tokens_total or 0),
+                }
         if status.error:
             row["error"] = status.error
         return row

@@ -84,6 +84,13 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
         },
         "instances": instances,
     }
+    if len(route.instances) > 1:
+        doc["deployment"]["routing"] = d.routing.policy
+    counted = [i["prefix_cache"] for i in instances if "prefix_cache" in i]
+    queried = sum(c["queried_tokens"] for c in counted)
+    if queried:  # the engines' own counts since they started; absent where none counts
+        hits = sum(c["hit_tokens"] for c in counted)
+        doc["deployment"]["prefix_cache_hit_ratio"] = round(hits / queried, 4)
     if life is not None:
         doc["deployment"]["lifecycle"] = life.state
         # What a park does here (docs/gateway/lifecycle.md): sleep keeps the process up.

@@ -13,7 +13,11 @@ The policy, in order:
    own in flight there, plus up to 8 for a nearly full KV cache or slot set.
 4. Among the instances within ``load_margin`` of the least loaded, the one holding the most
    leading blocks of the request's prefix (`PrefixIndex.match`); ties go to the lower load,
-   then the turn. Where none of them holds a block, the least loaded.
+   then the turn. Where only busier ones hold a block, the least loaded. Where none holds a
+   block at all (a prompt start not seen yet), the one among them whose cache holds the fewest
+   distinct prompt starts (`PrefixIndex.starts`; then the lower load, then the turn), so that
+   tenants spread over the engines' caches rather than pile onto one by the accident of which
+   was idle when each first came.
 
 A deployment with ``routing.policy: least_load`` (or one instance, or a request with no full
 block of prompt) skips step 4.
@@ -35,8 +39,10 @@ class Choice:
     instance: EngineInstance
     why: str
     """``prefix``: it holds the longest cached prefix of any instance; ``load_margin``: an
-    instance holding more of it was busier than the margin allows; ``least_load``: none holds
-    a block of it (or the deployment routes by load alone)."""
+    instance holding more of it was busier than the margin allows (this is the least loaded);
+    ``least_cached``: none holds a block of it, and this one holds the fewest prompt starts
+    within the margin;
+    ``least_load``: the deployment routes by load alone (or the request has no full block)."""
     matched: dict[int, int]
     """Leading blocks of the prefix each instance holds (those holding one)."""
     stale: frozenset[int]
@@ -63,11 +69,14 @@ def choose(route: Route, facts: Facts, exclude: set[int] | frozenset[int]) -> Ch
         return Choice(least, "least_load", {}, stale)
     matched = index.match(facts.prefix)
     ceiling = loads[least.index] + route.deployment.routing.load_margin
-    near = [i for i in ordered if loads[i.index] <= ceiling and matched.get(i.index)]
-    if not near:
-        why = "load_margin" if any(matched.get(i.index) for i in ordered) else "least_load"
-        return Choice(least, why, matched, stale)
-    best = max(near, key=lambda i: (matched[i.index], -loads[i.index]))
+    near = [i for i in ordered if loads[i.index] <= ceiling]
+    holding = [i for i in near if matched.get(i.index)]
+    if not holding:
+        if any(matched.get(i.index) for i in ordered):  # its holders are all too busy
+            return Choice(least, "load_margin", matched, stale)
+        roomiest = min(near, key=lambda i: (index.starts(i.index), loads[i.index]))
+        return Choice(roomiest, "least_cached", matched, stale)
+    best = max(holding, key=lambda i: (matched[i.index], -loads[i.index]))
     longest = max(matched.get(i.index, 0) for i in ordered)
     return Choice(
         best, "prefix" if matched[best.index] == longest else "load_margin", matched, stale

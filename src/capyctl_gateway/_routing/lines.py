@@ -53,12 +53,13 @@ def log_route(
     if name == "router_selection":
         event(
             name,
-            "request %s%s %s -> %s instance %d",
+            "request %s%s %s -> %s instance %d%s",
             call.rid,
             caller,
             route.id,
             instance.machine,
             instance.index,
+            _why(instance, more),
             **fields,
         )
     else:
@@ -75,6 +76,25 @@ def log_route(
             reason="not_accepted",
             detail=detail,
         )
+
+
+def _why(instance: EngineInstance, more: dict[str, Any]) -> str:
+    """The text line's reason for a choice among several instances: ``(prefix: 12 of 40 blocks,
+    load 1)``; nothing for a lone instance."""
+    why = more.get("why")
+    if why is None:
+        return ""
+    rows: list[dict[str, Any]] = more.get("candidates", [])
+    mine = next((c for c in rows if c["instance"] == instance.index), {})
+    parts = [str(why)]
+    if "prefix_blocks" in more:
+        parts[0] += f": {mine.get('matched_blocks', 0)} of {more['prefix_blocks']} blocks"
+    if "score" in mine:
+        parts.append(f"load {mine['score']}")
+    stale = sum(1 for s in more.get("skipped", ()) if s["reason"] == "stale_sample")
+    if stale:
+        parts.append(f"{stale} passed over for a stale sample")
+    return f" ({', '.join(parts)})"
 
 
 def closed_reason(i: EngineInstance) -> str:

@@ -246,23 +246,26 @@ function instanceRows(name, doc, launched) {
   const rows = [];
   const table = el("table", {},
     el("thead", {}, el("tr", {}, ...["#", "engine", "machine", "state", "running", "waiting",
-      "cache/slots", "sample age", "in flight", ""].map((h) => el("th", {}, h)))));
+      "cache/slots", "prefix hits", "sample age", "in flight", ""].map((h) => el("th", {}, h)))));
   const body = el("tbody");
   for (const inst of doc.instances) {
     const state = inst.lifecycle && inst.lifecycle !== inst.state
       ? `${inst.state} (${inst.lifecycle})` : inst.state;
     const usage = inst.usage === undefined ? "—" : `${(inst.usage * 100).toFixed(1)}%`;
     const age = inst.sample_age_s === undefined ? inst.snapshot_age_s : inst.sample_age_s;
+    const pc = inst.prefix_cache;
+    const hits = pc && pc.queried_tokens ? `${(pc.hit_tokens / pc.queried_tokens * 100).toFixed(1)}%` : "—";
     body.append(el("tr", { "data-instance": inst.index },
       el("td", {}, inst.index), el("td", {}, engine), el("td", {}, shown(inst.machine || inst.host)),
       el("td", {}, el("span", { class: "state " + inst.state }, state)),
       el("td", {}, shown(inst.running)), el("td", {}, shown(inst.waiting)),
-      el("td", {}, usage), el("td", {}, age === null || age === undefined ? "—" : `${age.toFixed(1)} s`),
+      el("td", {}, usage), el("td", { title: "prompt tokens the engine found in its prefix cache, since it started" }, hits),
+      el("td", {}, age === null || age === undefined ? "—" : `${age.toFixed(1)} s`),
       el("td", {}, shown(inst.router_running)),
       el("td", {}, launched ? el("button", { type: "button", "data-log": inst.index,
         onclick: () => showLog(name, inst.index) }, logs.has(`${name}/${inst.index}`) ? "Hide log" : "Log") : "")));
     if (inst.failure) {
-      body.append(el("tr", {}, el("td", {}), el("td", { class: "failure", colspan: 9 },
+      body.append(el("tr", {}, el("td", {}), el("td", { class: "failure", colspan: 10 },
         `failed: ${inst.failure}` + (inst.restart_backoff_s ? ` (next try in ${inst.restart_backoff_s} s)` : ""))));
     }
   }
@@ -308,6 +311,9 @@ function card(row) {
     row.memory_held !== undefined ? `memory ${bytes(row.memory_held)}` +
       (deploymentsDoc.memory_budget ? ` of ${bytes(deploymentsDoc.memory_budget)} budget` : "") : null,
     d.park ? `park: ${d.park}` : null,
+    d.routing ? `routing: ${d.routing === "prefix" ? "by prefix" : "least load"}` : null,
+    d.prefix_cache_hit_ratio !== undefined
+      ? `prefix cache hits ${(d.prefix_cache_hit_ratio * 100).toFixed(1)}% of prompt tokens` : null,
   ].filter(Boolean);
   return el("section", { class: "card", "data-deployment": name }, top,
     el("div", { class: "muted" }, facts.join(" · ")),
