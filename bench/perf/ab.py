@@ -20,6 +20,9 @@ whose speed swings within seconds, the pairs' spread narrows from about +-20% to
 ``--floor`` adds `floor_relay` to the non-streamed load (in turn with the gateways): what a
 gateway costs above it is its own work, and the report gives each tree's.
 
+``--instances 2`` serves the engine as two instances of the deployment, so that each request
+goes through the choice among instances (and, with prefix routing, its fingerprints).
+
 ``--paced`` has the engine send its chunks 2 ms apart, each a read of its own, as a generating
 engine does (see `bench.perf.paced`), instead of the usual loads.
 """
@@ -50,9 +53,10 @@ def gateway_from_tree(
     *,
     engine: str = "vllm",
     engine_version: str = "0.31.0",
+    instances: int = 1,
 ) -> Target:
     """A gateway whose code comes from the source tree ``src``, serving the engine at
-    ``engine_url`` (of kind ``engine``, ``engine_version``)."""
+    ``engine_url`` (of kind ``engine``, ``engine_version``) as ``instances`` instances."""
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
     start = procs.start
 
@@ -62,9 +66,10 @@ def gateway_from_tree(
     procs.start = with_env  # type: ignore[method-assign,assignment]
     try:
         work.mkdir()
-        return start_gateway(procs, work, engine_url, engine=engine, engine_version=engine_version)[
-            1
-        ]
+        extra = f"      - url: {engine_url}\n" * (instances - 1)
+        return start_gateway(
+            procs, work, engine_url, engine=engine, engine_version=engine_version, extra=extra
+        )[1]
     finally:
         procs.start = start  # type: ignore[method-assign]
 
@@ -85,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=2.0, help="seconds per window")
     p.add_argument("--together", action="store_true", help="load both gateways at once")
     p.add_argument("--floor", action="store_true", help="measure floor_relay on ns too")
+    p.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="serve the engine as this many instances of the deployment (routing among them)",
+    )
     p.add_argument(
         "--paced",
         action="store_true",
@@ -107,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine, port = start_engine(procs)
         url = f"http://127.0.0.1:{port}"
+        n = args.instances
         targets = {
-            "base": gateway_from_tree(procs, work / "base", url, args.base),
-            "new": gateway_from_tree(procs, work / "new", url, args.new),
+            "base": gateway_from_tree(procs, work / "base", url, args.base, instances=n),
+            "new": gateway_from_tree(procs, work / "new", url, args.new, instances=n),
         }
         if args.floor:
             targets["floor"] = _floor(procs, url, targets["new"].model)

@@ -100,11 +100,18 @@ def _banned_byte(b: int) -> bool:
 
 
 def write_tiny_gguf(
-    path: Path, *, seed: int = 0, context_length: int = 4096, allow_eos: bool = False
+    path: Path,
+    *,
+    seed: int = 0,
+    context_length: int = 4096,
+    allow_eos: bool = False,
+    size: tuple[int, int, int] = (64, 2, 128),
 ) -> Path:
     """Write a tiny random llama GGUF (F32, about 0.5 MB) that llama-server loads.
 
-    n_embd 64, 2 layers, 4 heads, 2 KV heads, n_ff 128; GPT-2 byte-level BPE vocabulary
+    ``size`` is (n_embd, layers, n_ff): 64, 2, 128 by default; a larger one makes a model whose
+    prefill costs measurable time (the prefix-routing benchmark's: 256, 6, 1024, about 10 MB).
+    4 heads, 2 KV heads; GPT-2 byte-level BPE vocabulary
     (256 bytes + merges + ``<|endoftext|>``/``<|im_start|>``/``<|im_end|>``) and a ChatML
     template. Residual dim 0 is a constant bias channel; output rows of banned tokens
     are -1000 there, so they are never sampled: output is printable ASCII (plus tab and
@@ -114,7 +121,7 @@ def write_tiny_gguf(
     import gguf
     import numpy as np
 
-    n_embd, n_layer, n_head, n_head_kv, n_ff = 64, 2, 4, 2, 128
+    (n_embd, n_layer, n_ff), n_head, n_head_kv = size, 4, 2
     head_dim = n_embd // n_head
     bias_value = 4.0
 

@@ -1,0 +1,334 @@
+"""Prefix routing on real engines: capyctl-gateway with prefix routing and with least load, beside
+vllm-router with ``cache_aware`` and ``round_robin``, in front of the same llama-server
+instances, on a workload of tenants with long system prompts and growing multi-turn chats.
+
+Each target gets freshly started engines (cold caches) and the same seeded schedule, sent open
+loop at a fixed rate: every request is a stream with ``max_tokens`` 8 and usage, timed from
+sending to its first generated text (TTFT). The engines' own figures say how much of each prompt
+they found cached (``usage.prompt_tokens_details.cached_tokens`` over ``prompt_tokens``).
+
+The model is the tests' random-weight llama GGUF at a larger size (n_embd 128, 4 layers, n_ff
+512; about 2 MB): a 2,000-token prefill costs about 260 ms on one core here and a cached one
+about 40 ms. Each llama-server runs with ``--parallel 2 -t 1 -c 16384``; with ``--cache-ram 0``
+only its two slots hold prompts (as GPU memory bounds a KV cache), with the default (8 GiB of
+host RAM) it also keeps prompts it evicted from a slot, which serves every tenant on every
+instance whatever the routing. Both are run. A second workload with no shared prefix (every
+prompt unique) checks that prefix routing loses nothing where there is nothing to win.
+
+Run: .venv/bin/python -m bench.prefix_routing [--instances 2] [--rate 4] [--duration 30]
+[--out FILE]. vllm-router is looked up as bench.perf does (``$VLLM_ROUTER_BIN``, PATH, or
+/tmp/vllm-router-venv); without it its rows are skipped and the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from contract.engines.llamacpp import ensure_llama_server
+from contract.engines.tiny_gguf import write_tiny_gguf
+
+from bench.perf._procs import ProcessSet, free_port
+from bench.perf.run import _peer_bin, start_gateway
+
+MODEL_SIZE = (128, 4, 512)
+WORDS = [
+    "ledger", "refund", "invoice", "parcel", "courier", "warranty", "dispute", "tariff",
+    "rebate", "voucher", "audit", "escrow", "balance", "statement", "receipt", "courier",
+    "customs", "freight",
+]  # fmt: skip
+
+
+@dataclass
+class Result:
+    target: str
+    ttft_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    errors: int = 0
+    window_s: float = 0.0
+
+    def row(self) -> dict[str, Any]:
+        t = sorted(self.ttft_s)
+        n = len(t)
+        return {
+            "target": self.target,
+            "requests": n,
+            "errors": self.errors,
+            "ttft_p50_ms": round(statistics.median(t) * 1000, 1) if n else None,
+            "ttft_p95_ms": round(t[min(n - 1, int(n * 0.95))] * 1000, 1) if n else None,
+            "throughput_rps": round(n / self.window_s, 2) if self.window_s else None,
+            "engine_hit_rate": round(self.cached_tokens / self.prompt_tokens, 3)
+            if self.prompt_tokens
+            else None,
+        }
+
+
+def system_prompt(rng: random.Random, tenant: int) -> str:
+    """About 2,000 tokens of the tiny model's tokenizer (about 3 KB of text)."""
+    words = [rng.choice(WORDS) for _ in range(420)]
+    return f"Tenant {tenant}. You answer for desk {tenant}. " + " ".join(words)
+
+
+def schedule(seed: int, n: int, tenants: int, shared: bool) -> list[list[dict[str, str]]]:
+    """``n`` requests' messages: each a tenant's conversation (three per tenant) one turn on,
+    its history growing to eight turns and then begun again; or, unshared, a unique prompt."""
+    rng = random.Random(seed)
+    systems = [system_prompt(rng, t) for t in range(tenants)]
+    chats: dict[tuple[int, int], list[dict[str, str]]] = {}
+    out = []
+    for i in range(n):
+        if not shared:
+            unique = f"Request {i}. " + " ".join(rng.choice(WORDS) for _ in range(420))
+            out.append([{"role": "system", "content": unique}, {"role": "user", "content": "go"}])
+            continue
+        key = (rng.randrange(tenants), rng.randrange(3))
+        history = chats.setdefault(key, [])
+        if len(history) >= 16:
+            history.clear()
+        history.append({"role": "user", "content": f"Question {i}: " + rng.choice(WORDS)})
+        out.append([{"role": "system", "content": systems[key[0]]}, *history])
+        history.append({"role": "assistant", "content": "Noted; " + " ".join(WORDS[:12])})
+    return out
+
+
+async def one(c: httpx.AsyncClient, url: str, model: str, msgs: Any, res: Result) -> None:
+    body = {
+        "model": model,
+        "messages": msgs,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    first = None
+    try:
+        async with c.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.errors += 1
+                await r.aread()
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices") or []
+                if first is None and any((ch.get("delta") or {}).get("content") for ch in choices):
+                    first = time.perf_counter() - sent
+                usage = chunk.get("usage")
+                if usage:
+                    res.prompt_tokens += usage.get("prompt_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens += details.get("cached_tokens", 0)
+    except httpx.HTTPError:
+        res.errors += 1
+        return
+    if first is None:
+        res.errors += 1
+    else:
+        res.ttft_s.append(first)
+
+
+async def drive(
+    target: str, url: str, key: str | None, model: str, work: list[Any], rate: float
+) -> Result:
+    res = Result(target)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(headers=headers, timeout=120) as c:
+        start = time.perf_counter()
+        tasks = []
+        for i, msgs in enumerate(work):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)  # the open loop's own pace
+            tasks.append(
+                asyncio.create_task(one(c, f"{url}/v1/chat/completions", model, msgs, res))
+            )
+        await asyncio.gather(*tasks)
+        res.window_s = time.perf_counter() - start
+    return res
+
+
+def start_engines(
+    procs: ProcessSet, binary: Path, model: Path, n: int, cache_ram: str | None
+) -> list[str]:
+    urls = []
+    for k in range(n):
+        port = free_port()
+        argv = [
+            str(binary),
+            "-m",
+            str(model),
+            "-a",
+            "tiny",
+            "-c",
+            "16384",
+            "--parallel",
+            "2",
+            "-t",
+            "1",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics",
+        ]
+        if cache_ram is not None:
+            argv += ["--cache-ram", cache_ram]
+        proc = procs.start(f"engine-{k}", argv)
+        proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=60)
+        urls.append(f"http://127.0.0.1:{port}")
+    return urls
+
+
+def start_peer(procs: ProcessSet, peer_bin: str, urls: list[str], policy: str) -> str:
+    port = free_port()
+    peer = procs.start(
+        "peer",
+        [
+            peer_bin,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            policy,
+            "--log-level",
+            "warning",
+            "--prometheus-port",
+            str(free_port()),
+        ],
+    )
+    peer.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=60)
+    return f"http://127.0.0.1:{port}"
+
+
+def run_target(
+    name: str,
+    args: argparse.Namespace,
+    work: list[Any],
+    cache_ram: str | None,
+    binary: Path,
+    model: Path,
+    tmp: Path,
+) -> dict[str, Any]:
+    procs = ProcessSet(tmp)
+    try:
+        urls = start_engines(procs, binary, model, args.instances, cache_ram)
+        key: str | None = None
+        served = "tiny"
+        if name.startswith("gateway"):
+            policy = "prefix" if name.startswith("gateway-prefix") else "least_load"
+            extra = "".join(f"      - url: {u}\n" for u in urls[1:])
+            extra += f"    routing:\n      policy: {policy}\n"
+            if "-margin" in name:
+                extra += f"      load_margin: {name.rsplit('-margin', 1)[1]}\n"
+            _, t = start_gateway(
+                procs, tmp / name, urls[0], engine="llamacpp", engine_version="b10798", extra=extra
+            )
+            url, key, served = t.url, t.key, t.model
+        else:
+            peer = _peer_bin(None)
+            assert peer is not None
+            url = start_peer(procs, peer, urls, name.removeprefix("vllm-router-"))
+        res = asyncio.run(drive(name, url, key, served, work, args.rate))
+        return res.row()
+    finally:
+        procs.stop_all()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--instances", type=int, default=2)
+    p.add_argument("--tenants", type=int, default=4)
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second, open loop")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of requests per run")
+    p.add_argument("--seed", type=int, default=20261204)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--margins",
+        type=int,
+        nargs="*",
+        default=[1],
+        help="also run prefix routing with these routing.load_margin values (default: 1)",
+    )
+    p.add_argument(
+        "--targets", nargs="*", default=None, help="run only these targets (names as reported)"
+    )
+    p.add_argument(
+        "--cache-ram",
+        choices=["both", "0", "default"],
+        default="both",
+        help="which llama-server --cache-ram settings to run the shared workload with",
+    )
+    p.add_argument("--no-unshared", action="store_true", help="skip the no-shared-prefix workload")
+    args = p.parse_args()
+    binary = ensure_llama_server()
+    tmp = Path(tempfile.mkdtemp(prefix="prefix-bench-"))
+    model = write_tiny_gguf(tmp / "model.gguf", seed=0, context_length=65536, size=MODEL_SIZE)
+    n = int(args.rate * args.duration)
+    targets = ["gateway-prefix", "gateway-least_load"]
+    targets[1:1] = [f"gateway-prefix-margin{m}" for m in args.margins]
+    if _peer_bin(None) is not None:
+        targets += ["vllm-router-cache_aware", "vllm-router-round_robin"]
+    else:
+        print("vllm-router not found: its rows are skipped", file=sys.stderr)
+    if args.targets is not None:
+        targets = [t for t in targets if t in args.targets]
+    rows: list[dict[str, Any]] = []
+    shared_settings = {"both": ("0", None), "0": ("0",), "default": (None,)}[args.cache_ram]
+    workloads = [("shared prefixes", True)] + (
+        [] if args.no_unshared else [("no shared prefix", False)]
+    )
+    for workload, shared in workloads:
+        work = schedule(args.seed, n, args.tenants, shared)
+        settings = shared_settings if shared else ("0",)
+        unshared = [t for t in targets if t in ("gateway-prefix", "gateway-least_load")]
+        for cache_ram in settings:
+            for name in targets if shared else unshared:
+                row = run_target(name, args, work, cache_ram, binary, model, tmp)
+                row |= {"workload": workload, "cache_ram": cache_ram or "default (8 GiB)"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    doc = {
+        "instances": args.instances,
+        "tenants": args.tenants,
+        "rate": args.rate,
+        "duration_s": args.duration,
+        "seed": args.seed,
+        "model_size": MODEL_SIZE,
+        "rows": rows,
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    print(markdown(rows))
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | --cache-ram | target | TTFT p50 ms | TTFT p95 ms | req/s | "
+        "engine hit rate | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['workload']} | {r['cache_ram']} | {r['target']} | {r['ttft_p50_ms']} | "
+        f"{r['ttft_p95_ms']} | {r['throughput_rps']} | {r['engine_hit_rate']} | {r['errors']} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
