@@ -89,6 +89,8 @@ class FakeEngine:
     healthy: bool = True
     metrics_served: bool = True
     """False: /metrics answers 503, so the collector has no fresh load sample of it."""
+    kv_usage: float = 0.0
+    """What ``vllm:kv_cache_usage_perc`` says (0..1)."""
     prefix_cache: tuple[float, float] | None = None
     """vLLM's prefix-cache counters (queried and hit tokens) when set; absent otherwise."""
 
@@ -111,7 +113,7 @@ class FakeEngine:
             f"process_start_time_seconds {self.process_start}\n"
             f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
             f"vllm:num_requests_waiting{{{labels}}} {float(self.waiting)}\n"
-            f"vllm:kv_cache_usage_perc{{{labels}}} 0.0\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {self.kv_usage}\n"
             'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
         )
         if self.prefix_cache is not None:

@@ -154,6 +154,27 @@ async def test_a_new_prefix_goes_to_the_cache_that_holds_the_fewest(
     assert all(n >= 10 for n in held), held
 
 
+async def test_a_full_cache_alone_does_not_move_a_prefix_off_its_engine(
+    pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The margin counts requests: a holder with two running and its KV cache full (load 2 + 8
+    for the cache) keeps its prefix against an idle engine under the default margin of 4; the
+    least loaded choice for a new prompt still weighs the full cache."""
+    gw = await make_gateway(config(pair))
+    await both_sampled(gw, pair)
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat("legal", "a"))).status_code == 200
+        holder = selections(caplog)[-1]["instance"]
+        pair[holder].running, pair[holder].kv_usage = 2, 1.0
+        await both_sampled(gw, pair)
+        assert (await c.post("/v1/chat/completions", json=chat("legal", "b"))).status_code == 200
+    kept = selections(caplog)[-1]
+    assert (kept["instance"], kept["why"]) == (holder, "prefix")
+    scores = {row["instance"]: row["score"] for row in kept["candidates"]}
+    assert scores == {holder: 10, 1 - holder: 0}
+
+
 async def test_one_salts_prefix_never_draws_anothers_request(
     pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:

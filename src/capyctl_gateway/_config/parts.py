@@ -110,12 +110,11 @@ class Routing(BaseModel):
 
     policy: Literal["prefix", "least_load"] = "prefix"
     load_margin: int = Field(default=4, ge=0, le=10_000)
-    """How much more load (running and waiting requests, plus up to 8 for a nearly full KV
-    cache) the instance with the longest cached prefix may carry than the least loaded one
-    and still be chosen."""
+    """How many more requests (running and waiting) the instance with the longest cached prefix
+    may have than the instance with the fewest, and still be chosen."""
     prefix_entries: int = Field(default=16_384, ge=16, le=1_048_576)
-    """Prefix fingerprints the deployment's index keeps (one per 256 bytes of prompt per
-    instance group; about 200 bytes each), least recently used out first."""
+    """Prefix fingerprints the deployment's index keeps (one per 256 bytes of distinct prompt
+    text, at most about 200 bytes of memory each), least recently used out first."""
 
 
 class EngineLogs(BaseModel):

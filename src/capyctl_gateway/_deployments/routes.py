@@ -41,6 +41,7 @@ __all__ = [
     "Waiters",
     "load",
     "load_of",
+    "requests_of",
     "machine_of",
     "offerable",
     "usage_penalty",
@@ -214,10 +215,17 @@ def load_of(inst: EngineInstance, sample: LoadSample | None) -> int:
     """What routing weighs: the engine's running and waiting requests from a fresh sample,
     never less than the requests the gateway has in flight there, plus a penalty for a nearly
     full KV cache (or slot set); without such a sample, the requests in flight alone."""
+    count = requests_of(inst, sample)
+    return count if sample is None else count + usage_penalty(sample.usage)
+
+
+def requests_of(inst: EngineInstance, sample: LoadSample | None) -> int:
+    """The requests at ``inst``: the engine's running and waiting from a fresh sample, never
+    less than the gateway's own in flight there (`load_of` without the cache's penalty)."""
     running = inst.ledger.running
     if sample is None or sample.running is None or sample.waiting is None:
         return running
-    return max(running, int(sample.running + sample.waiting)) + usage_penalty(sample.usage)
+    return max(running, int(sample.running + sample.waiting))
 
 
 def load(inst: EngineInstance) -> int:

@@ -29,7 +29,7 @@ from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange
 from .._routing.place import MAX_OFFERS
-from .._routing.prefix import fingerprints
+from .._routing.prefix import BLOCK_BYTES, fingerprints
 from .._tally import Tally
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import answer, error_response
@@ -142,7 +142,7 @@ class Inference:
             payload = engine_payload(body, dep, chat=surface.api is Api.CHAT, stream=stream)
             if dep.remote:
                 _fits_a_host(name, len(raw), len(payload))
-            facts = self._facts(body, dep, surface.api)
+            facts = self._facts(body, dep, surface.api, len(raw))
             del raw, body
             deadline = tally.arrival + config.queue.request_deadline
             call = Call(
@@ -167,12 +167,13 @@ class Inference:
             held.release()
             self.desk.record(tally)
 
-    def _facts(self, body: dict[str, Any], dep: Deployment, api: Api) -> Facts:
+    def _facts(self, body: dict[str, Any], dep: Deployment, api: Api, sent: int) -> Facts:
         """What routing weighs of the request: its salt, and the fingerprints of its prefix
-        where its deployment chooses among several instances by prefix."""
+        where its deployment chooses among several instances by prefix (none for a body of
+        ``sent`` bytes under one block: its prompt's canonical JSON is never longer)."""
         salt = body.get("cache_salt")  # checked already: a string, or absent
         salt = salt if isinstance(salt, str) else None
-        if dep.routing.policy != "prefix" or len(dep.instances) < 2:
+        if dep.routing.policy != "prefix" or len(dep.instances) < 2 or sent < BLOCK_BYTES:
             return Facts(dep.name, salt)
         chain = fingerprints(body, chat=api is Api.CHAT, salt=salt, seed=self.gw.prefix_seed)
         return Facts(dep.name, salt, chain)

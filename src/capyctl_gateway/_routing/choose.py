@@ -11,7 +11,8 @@ The policy, in order:
    there, never a zero read as idle).
 3. Load is `load_of`: the engine's running and waiting requests, never under the gateway's
    own in flight there, plus up to 8 for a nearly full KV cache or slot set.
-4. Among the instances within ``load_margin`` of the least loaded, the one holding the most
+4. Among the instances whose requests (`requests_of`: the load without the cache's penalty)
+   are within ``load_margin`` of the fewest, the one holding the most
    leading blocks of the request's prefix (`PrefixIndex.match`); ties go to the lower load,
    then the turn. Where only busier ones hold a block, the least loaded. Where none holds a
    block at all (a prompt start not seen yet), the one among them whose cache holds the fewest
@@ -25,9 +26,10 @@ block of prompt) skips step 4.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .._deployments.routes import EngineInstance, Facts, Route, load, offerable
+from .._deployments.routes import EngineInstance, Facts, Route, load_of, offerable, requests_of
+from .._deployments.runner import LoadSample
 
 __all__ = ["Choice", "choose"]
 
@@ -47,6 +49,8 @@ class Choice:
     """Leading blocks of the prefix each instance holds (those holding one)."""
     stale: frozenset[int]
     """Instances passed over for a stale load sample while a fresh one could take it."""
+    samples: dict[int, LoadSample | None] = field(default_factory=dict)
+    """The samples the choice weighed, by instance (what the router line shows)."""
 
 
 def choose(route: Route, facts: Facts, exclude: set[int] | frozenset[int]) -> Choice | None:
@@ -55,29 +59,32 @@ def choose(route: Route, facts: Facts, exclude: set[int] | frozenset[int]) -> Ch
         only = route.instances[0]
         return Choice(only, "least_load", {}, frozenset()) if offerable(only, exclude) else None
     ordered = route.in_turn(exclude)
-    fresh = [i for i in ordered if i.runner.sample() is not None]
+    samples = {i.index: i.runner.sample() for i in ordered}
+    fresh = [i for i in ordered if samples[i.index] is not None]
     stale: frozenset[int] = frozenset()
     if fresh and len(fresh) < len(ordered):
         stale = frozenset(i.index for i in ordered) - {i.index for i in fresh}
         ordered = fresh
     if not ordered:
         return None
-    loads = {i.index: load(i) for i in ordered}
+    loads = {i.index: load_of(i, samples[i.index]) for i in ordered}
     least = min(ordered, key=lambda i: loads[i.index])
     index = route.prefixes
     if index is None or not facts.prefix:
-        return Choice(least, "least_load", {}, stale)
+        return Choice(least, "least_load", {}, stale, samples)
     matched = index.match(facts.prefix)
-    ceiling = loads[least.index] + route.deployment.routing.load_margin
-    near = [i for i in ordered if loads[i.index] <= ceiling]
+    # The margin counts requests: a full slot set's penalty would move every prefix off an
+    # engine of two slots the moment both are busy, and a miss elsewhere costs a prefill.
+    counts = {i.index: requests_of(i, samples[i.index]) for i in ordered}
+    ceiling = min(counts.values()) + route.deployment.routing.load_margin
+    near = [i for i in ordered if counts[i.index] <= ceiling]
     holding = [i for i in near if matched.get(i.index)]
     if not holding:
         if any(matched.get(i.index) for i in ordered):  # its holders are all too busy
-            return Choice(least, "load_margin", matched, stale)
+            return Choice(least, "load_margin", matched, stale, samples)
         roomiest = min(near, key=lambda i: (index.starts(i.index), loads[i.index]))
-        return Choice(roomiest, "least_cached", matched, stale)
+        return Choice(roomiest, "least_cached", matched, stale, samples)
     best = max(holding, key=lambda i: (matched[i.index], -loads[i.index]))
     longest = max(matched.get(i.index, 0) for i in ordered)
-    return Choice(
-        best, "prefix" if matched[best.index] == longest else "load_margin", matched, stale
-    )
+    why = "prefix" if matched[best.index] == longest else "load_margin"
+    return Choice(best, why, matched, stale, samples)

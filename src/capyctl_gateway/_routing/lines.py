@@ -152,7 +152,7 @@ def candidates(
         if reason is not None:
             skipped_.append({**row, "reason": reason})
             continue
-        s = i.runner.sample()
+        s = choice.samples[i.index] if i.index in choice.samples else i.runner.sample()
         engine = s is not None and s.counted
         chosen.append(
             {
