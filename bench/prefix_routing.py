@@ -39,7 +39,7 @@ from contract.engines.llamacpp import ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
 
 from bench.perf._procs import ProcessSet, free_port
-from bench.perf.run import _peer_bin, start_gateway
+from bench.perf.run import _peer_bin, start_gateway, start_peer
 
 MODEL_SIZE = (128, 4, 512)
 WORDS = [
@@ -191,30 +191,6 @@ def start_engines(
     return urls
 
 
-def start_peer(procs: ProcessSet, peer_bin: str, urls: list[str], policy: str) -> str:
-    port = free_port()
-    peer = procs.start(
-        "peer",
-        [
-            peer_bin,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            policy,
-            "--log-level",
-            "warning",
-            "--prometheus-port",
-            str(free_port()),
-        ],
-    )
-    peer.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=60)
-    return f"http://127.0.0.1:{port}"
-
-
 def run_target(
     name: str,
     args: argparse.Namespace,
@@ -242,7 +218,8 @@ def run_target(
         else:
             peer = _peer_bin(None)
             assert peer is not None
-            url = start_peer(procs, peer, urls, name.removeprefix("vllm-router-"))
+            policy = name.removeprefix("vllm-router-")
+            url = start_peer(procs, peer, *urls, policy=policy).url
         res = asyncio.run(drive(name, url, key, served, work, args.rate))
         return res.row()
     finally:

@@ -221,8 +221,11 @@ def _serve(args: argparse.Namespace, procs: ProcessSet, work: Path) -> tuple[lis
     return targets, engine.pid
 
 
-def start_peer(procs: ProcessSet, peer_bin: str, engine_url: str) -> Target:
-    """vllm-router in front of the engine at ``engine_url`` (round robin), ready."""
+def start_peer(
+    procs: ProcessSet, peer_bin: str, engine_url: str, *more: str, policy: str = "round_robin"
+) -> Target:
+    """vllm-router in front of the engine at ``engine_url`` (and the ``more`` engines), with
+    ``policy`` (round robin by default), ready."""
     pport = free_port()
     peer = procs.start(
         "peer",
@@ -234,8 +237,9 @@ def start_peer(procs: ProcessSet, peer_bin: str, engine_url: str) -> Target:
             str(pport),
             "--worker-urls",
             engine_url,
+            *more,
             "--policy",
-            "round_robin",
+            policy,
             "--log-level",
             "warning",
             "--prometheus-port",

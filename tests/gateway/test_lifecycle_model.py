@@ -25,7 +25,7 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,8 +129,10 @@ def schedule(rng: random.Random, steps_n: int, pace: float) -> list[tuple[float,
     return steps
 
 
-async def ask(c: httpx.AsyncClient, a: Ask) -> None:
-    body = said("crash" if a.crash else f"take:{a.take}", a.dep)
+async def ask(c: httpx.AsyncClient, a: Ask, body: dict[str, Any] | None = None) -> None:
+    """Send ``a`` (``body``: what to send instead of the plain one) and record its answer."""
+    if body is None:
+        body = said("crash" if a.crash else f"take:{a.take}", a.dep)
     if a.stream:
         body["stream"] = True
     a.began = time.monotonic()
@@ -243,19 +245,7 @@ async def test_the_lifecycle_under_a_random_schedule_loses_no_request(
     auth = {"Authorization": f"Bearer {gw.key}"}
     rng = random.Random(SEED)
     try:
-        async with (
-            gw.client(timeout=60) as c,
-            httpx.AsyncClient(headers=auth, timeout=60) as m,
-            anyio.create_task_group() as tg,
-        ):
-            for gap, step in schedule(rng, steps, PACE[kind]):
-                await anyio.sleep(gap)  # the schedule's own pace, not synchronisation
-                if isinstance(step, Ask):
-                    run.asks.append(step)
-                    tg.start_soon(ask, c, step)
-                else:
-                    run.commands.append(step)
-                    tg.start_soon(command, m, base, step)
+        await play(gw, base, schedule(rng, steps, PACE[kind]), run)
         lifecycle = gw.gateway.fleet.lifecycle
         with anyio.fail_after(30):
             for life in lifecycle.lives.values():
@@ -275,6 +265,31 @@ async def test_the_lifecycle_under_a_random_schedule_loses_no_request(
     finally:
         await runner.cleanup()
     assert run.broken == []
+
+
+async def play(
+    gw: Gw,
+    base: str,
+    steps: list[tuple[float, Ask | Command]],
+    run: Run,
+    send: Callable[[httpx.AsyncClient, Any], Coroutine[Any, Any, None]] = ask,
+) -> None:
+    """Play ``steps`` at their own pace, each at once: requests through ``send``, commands to
+    the management API at ``base``; ``run`` records them. Returns once every one has ended."""
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    async with (
+        gw.client(timeout=60) as c,
+        httpx.AsyncClient(headers=auth, timeout=60) as m,
+        anyio.create_task_group() as tg,
+    ):
+        for gap, step in steps:
+            await anyio.sleep(gap)  # the schedule's own pace, not synchronisation
+            if isinstance(step, Ask):
+                run.asks.append(step)
+                tg.start_soon(send, c, step)
+            else:
+                run.commands.append(step)
+                tg.start_soon(command, m, base, step)
 
 
 def judge(run: Run) -> None:

@@ -5,6 +5,7 @@ bounded index of which instance served which prefix, held against a plain model.
 from __future__ import annotations
 
 import tracemalloc
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -33,7 +34,8 @@ def reference_text(body: dict[str, Any]) -> bytes:
     return whole[:WINDOW_BYTES]
 
 
-def common(a: bytes, b: bytes) -> int:
+def common(a: Sequence[object], b: Sequence[object]) -> int:
+    """How long a run ``a`` and ``b`` begin with (bytes or fingerprints alike)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -68,16 +70,7 @@ def test_two_prompts_share_a_run_of_fingerprints_as_long_as_their_shared_full_bl
     assert len(fa) == len(ta) // BLOCK_BYTES <= MAX_BLOCKS
     assert len(fb) == len(tb) // BLOCK_BYTES
     expected = min(common(ta, tb) // BLOCK_BYTES, len(fa), len(fb))
-    assert common_run(fa, fb) == expected
-
-
-def common_run(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    assert common(fa, fb) == expected
 
 
 @settings(max_examples=50, deadline=None)

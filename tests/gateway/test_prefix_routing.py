@@ -75,12 +75,24 @@ async def both_sampled(gw: Gw, engines: list[FakeEngine]) -> None:
     await eventually(sampled)
 
 
+async def sampled_gateway(
+    make_gateway: MakeGateway,
+    pair: list[FakeEngine],
+    caplog: pytest.LogCaptureFixture,
+    **over: Any,
+) -> Gw:
+    """A gateway over ``pair`` (``over``: more of the deployment) once both engines are sampled,
+    its router lines captured from then on."""
+    gw = await make_gateway(config(pair, **over))
+    await both_sampled(gw, pair)
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    return gw
+
+
 async def test_a_tenants_prompts_go_where_its_prefix_was_sent(
     pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
-    gw = await make_gateway(config(pair))
-    await both_sampled(gw, pair)
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await sampled_gateway(make_gateway, pair, caplog)
     async with gw.client() as c:
         for turn in range(4):
             for tenant in SYSTEM:
@@ -112,9 +124,7 @@ async def test_a_tenants_prompts_go_where_its_prefix_was_sent(
 async def test_a_holder_busier_than_the_margin_loses_the_request_to_the_least_loaded(
     pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
-    gw = await make_gateway(config(pair, routing={"load_margin": 3}))
-    await both_sampled(gw, pair)
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await sampled_gateway(make_gateway, pair, caplog, routing={"load_margin": 3})
     async with gw.client() as c:
         assert (await c.post("/v1/chat/completions", json=chat("billing", "a"))).status_code == 200
         holder = selections(caplog)[-1]["instance"]
@@ -137,9 +147,7 @@ async def test_a_new_prefix_goes_to_the_cache_that_holds_the_fewest(
 ) -> None:
     """Tenant A's two prompts (the second a hit) then tenant B's first: the turn would start B
     at A's instance (both idle), but B goes to the cache that holds nothing yet."""
-    gw = await make_gateway(config(pair))
-    await both_sampled(gw, pair)
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await sampled_gateway(make_gateway, pair, caplog)
     async with gw.client() as c:
         for tenant, turn in (("billing", "a"), ("billing", "b"), ("shipping", "a")):
             r = await c.post("/v1/chat/completions", json=chat(tenant, turn))
@@ -160,9 +168,7 @@ async def test_a_full_cache_alone_does_not_move_a_prefix_off_its_engine(
     """The margin counts requests: a holder with two running and its KV cache full (load 2 + 8
     for the cache) keeps its prefix against an idle engine under the default margin of 4; the
     least loaded choice for a new prompt still weighs the full cache."""
-    gw = await make_gateway(config(pair))
-    await both_sampled(gw, pair)
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await sampled_gateway(make_gateway, pair, caplog)
     async with gw.client() as c:
         assert (await c.post("/v1/chat/completions", json=chat("legal", "a"))).status_code == 200
         holder = selections(caplog)[-1]["instance"]
@@ -178,9 +184,7 @@ async def test_a_full_cache_alone_does_not_move_a_prefix_off_its_engine(
 async def test_one_salts_prefix_never_draws_anothers_request(
     pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
-    gw = await make_gateway(config(pair))
-    await both_sampled(gw, pair)
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await sampled_gateway(make_gateway, pair, caplog)
     async with gw.client() as c:
         for salt in ("tenant-a", "tenant-b", "tenant-a"):
             body = chat("legal", "same words", cache_salt=salt)
@@ -221,9 +225,7 @@ async def test_an_instance_without_a_fresh_sample_is_passed_over_only_while_one_
 async def test_least_load_routing_weighs_no_prefix(
     pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
-    gw = await make_gateway(config(pair, routing={"policy": "least_load"}))
-    await both_sampled(gw, pair)
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await sampled_gateway(make_gateway, pair, caplog, routing={"policy": "least_load"})
     async with gw.client() as c:
         for turn in range(4):
             r = await c.post("/v1/chat/completions", json=chat("billing", f"q{turn}"))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,16 @@ from capyctl_gateway._lifecycle.rest import quiesce
 from tests.gateway.conftest import WORKERS, Gw
 from tests.gateway.fake_runner import FakeEngines
 from tests.gateway.test_lifecycle import launched, management
-from tests.gateway.test_lifecycle_model import SEED, Ask, Command, Run, command, judge, summary
+from tests.gateway.test_lifecycle_model import (
+    SEED,
+    Ask,
+    Command,
+    Run,
+    ask,
+    judge,
+    play,
+    summary,
+)
 
 pytestmark = pytest.mark.anyio
 workers = WORKERS
@@ -58,8 +66,8 @@ class Turn(Ask):
     tenant: str = "t0"
 
 
-def schedule(rng: random.Random) -> list[tuple[float, Turn | Command]]:
-    steps: list[tuple[float, Turn | Command]] = []
+def schedule(rng: random.Random) -> list[tuple[float, Ask | Command]]:
+    steps: list[tuple[float, Ask | Command]] = []
     for _ in range(STEPS):
         gap = rng.uniform(0.0, 0.3) * PACE
         roll = rng.random()
@@ -75,7 +83,8 @@ def schedule(rng: random.Random) -> list[tuple[float, Turn | Command]]:
     return steps
 
 
-async def ask(c: httpx.AsyncClient, a: Turn) -> None:
+async def turn(c: httpx.AsyncClient, a: Turn) -> None:
+    """The lifecycle model's request, its tenant's system prompt (and salt) before it."""
     said = "crash" if a.crash else f"take:{a.take}"
     body: dict[str, Any] = {
         "model": "p",
@@ -86,31 +95,7 @@ async def ask(c: httpx.AsyncClient, a: Turn) -> None:
     }
     if SALTS[a.tenant] is not None:
         body["cache_salt"] = SALTS[a.tenant]
-    if a.stream:
-        body["stream"] = True
-    a.began = time.monotonic()
-    try:
-        if a.hang == "head":
-            with anyio.move_on_after(0.05):
-                await c.post("/v1/chat/completions", json=body)
-            return
-        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            a.status = r.status_code
-            text = ""
-            async for line in r.aiter_lines():
-                text += line + "\n"
-                if a.hang == "mid" and line.startswith("data:"):
-                    return
-        if a.status != 200:
-            a.code = httpx.Response(a.status, content=text).json().get("code")
-        elif a.stream:
-            a.complete = text.rstrip().endswith("data: [DONE]") and '"error"' not in text
-        else:
-            a.complete = bool(httpx.Response(200, content=text).json().get("choices"))
-    except httpx.HTTPError:
-        a.complete = False
-    finally:
-        a.ended = time.monotonic()
+    await ask(c, a, body)
 
 
 async def test_prefix_routing_under_a_random_schedule_loses_nothing_and_forgets_what_went(
@@ -139,19 +124,7 @@ async def test_prefix_routing_under_a_random_schedule_loses_nothing_and_forgets_
     auth = {"Authorization": f"Bearer {gw.key}"}
     rng = random.Random(SEED)
     try:
-        async with (
-            gw.client(timeout=60) as c,
-            httpx.AsyncClient(headers=auth, timeout=60) as m,
-            anyio.create_task_group() as tg,
-        ):
-            for gap, step in schedule(rng):
-                await anyio.sleep(gap)  # the schedule's own pace, not synchronisation
-                if isinstance(step, Turn):
-                    run.asks.append(step)
-                    tg.start_soon(ask, c, step)
-                else:
-                    run.commands.append(step)
-                    tg.start_soon(command, m, base, step)
+        await play(gw, base, schedule(rng), run, turn)
         with anyio.fail_after(30):
             await quiesce(fleet.lifecycle.lives["p"])
         print(summary(run))  # noqa: T201
