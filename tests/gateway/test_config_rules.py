@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from capyctl_gateway import GatewayConfig, load_config
+from capyctl_gateway import ConfigError, GatewayConfig, load_config
 from capyctl_gateway._lifecycle.operator import deployments_list
 from capyctl_gateway._management.status import deployment_status
 from tests.gateway.conftest import Gw, deployments
@@ -121,3 +121,58 @@ async def test_list_and_status_agree_on_an_engine_someone_else_runs(
     assert collector.status("down/0").state.value != "ready"
     assert _said(gw, "up") == ("ready", "ready", 1)
     assert _said(gw, "down") == ("unavailable", "unavailable", 0)
+
+
+def test_a_section_written_with_nothing_under_it_means_its_defaults(tmp_path: Path) -> None:
+    """``resources:`` alone (YAML's null) and its kind were a library's "Input should be a
+    valid dictionary"; they mean what leaving them out means."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        "queue:\nlimits:\nresources:\ndeployments:\n"
+        "  - name: m\n    engine: vllm\n    engine_version: '0.31.0'\n"
+        "    lifecycle:\n    routing:\n"
+        "    instances:\n      - launch:\n          command: [vllm, serve, m]\n"
+        "          env:\n          logs:\n",
+        encoding="utf-8",
+    )
+    config = load_config(path)
+    launch = {"command": ["vllm", "serve", "m"]}
+    dep = {"name": "m", "engine": "vllm", "engine_version": "0.31.0"}
+    plain = GatewayConfig.model_validate(
+        {"deployments": [{**dep, "instances": [{"launch": launch}]}]}
+    )
+    assert config == plain
+    path.write_text("resources: 7\ndeployments: []\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="resources"):  # a wrong value is still refused
+        load_config(path)
+
+
+def test_memory_is_shown_in_the_units_it_is_configured_in() -> None:
+    """``list`` and ``status`` printed raw bytes (4294967296) for a ``4GiB`` deployment."""
+    from rich.console import Console
+
+    from capyctl_gateway._management.render import print_list, size
+
+    assert [size(n) for n in (0, 512, 2048, 3 * 2**29, 4 * 2**30, 2**40 + 2**39)] == [
+        "0 B",
+        "512 B",
+        "2 KiB",
+        "1.5 GiB",
+        "4 GiB",
+        "1.5 TiB",
+    ]
+    row = {
+        "name": "m",
+        "id": "01ABCDEFGHJK",
+        "api": "chat",
+        "engine": "vllm",
+        "run_by": "the gateway (launch)",
+        "state": "ready",
+        "ready": 1,
+        "instances": 1,
+        "memory_held": 4 * 2**30,
+    }
+    text = Console(width=120, record=True)
+    print_list(text, {"deployments": [row], "memory_held": 4 * 2**30, "memory_budget": 6 * 2**30})
+    out = text.export_text()
+    assert "4 GiB" in out and "of a budget of 6 GiB" in out and "bytes" not in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import select
 import sys
 from collections.abc import Awaitable, Callable
@@ -227,6 +228,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def test_a_lifecycle_line_says_which_state_its_time_was_spent_in(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ready -> stopping (idle; 157.3 s)`` read as the stop's duration: the time is the one
+    spent in the state before, and the line now names it."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway({"deployments": [launched()]})
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "lifecycle"]
+    assert any(
+        re.fullmatch(r".*: stopped -> starting \(.*; [0-9.]+ s stopped\)", line) for line in lines
+    ), lines
+    assert any(
+        re.fullmatch(r".*: starting -> ready \(.*; [0-9.]+ s starting\)", line) for line in lines
+    ), lines
 
 
 # -- operator commands ------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from .parts import (
     Routing,
     Seconds,
 )
-from .rules import budget_problem, kept_ready_problem, url_only_problem
+from .rules import budget_problem, empty_sections_dropped, kept_ready_problem, url_only_problem
 
 __all__ = [
     "Api",
@@ -274,7 +274,7 @@ def load_config(path: Path) -> GatewayConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping with a 'deployments' list")
     try:
-        config = GatewayConfig.model_validate(raw)
+        config = GatewayConfig.model_validate(empty_sections_dropped(raw))
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {_describe(e)}"

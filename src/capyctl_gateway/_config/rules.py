@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import Deployment
@@ -90,3 +90,35 @@ def size(n: int) -> str:
         if n >= factor:
             return f"{n / factor:.4g}{unit}"
     return f"{n}B"
+
+
+_SECTIONS = {"queue", "limits", "resources"}
+_DEPLOYMENT_SECTIONS = {"lifecycle", "routing"}
+_LAUNCH_SECTIONS = {"env", "logs"}
+
+
+def empty_sections_dropped(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` without the sections written with nothing under them (``resources:`` alone is
+    YAML's null): such a section means its defaults, as if it were not written."""
+
+    def drop(d: Any, keys: set[str]) -> Any:
+        if not isinstance(d, dict):
+            return d
+        return {k: v for k, v in d.items() if not (k in keys and v is None)}
+
+    out: dict[str, Any] = drop(raw, _SECTIONS)
+    deployments = out.get("deployments")
+    if not isinstance(deployments, list):
+        return out
+    out["deployments"] = [drop(d, _DEPLOYMENT_SECTIONS) for d in deployments]
+    for d in out["deployments"]:
+        instances = d.get("instances") if isinstance(d, dict) else None
+        if not isinstance(instances, list):
+            continue
+        d["instances"] = [
+            {**i, "launch": drop(i["launch"], _LAUNCH_SECTIONS)}
+            if isinstance(i, dict) and isinstance(i.get("launch"), dict)
+            else i
+            for i in instances
+        ]
+    return out

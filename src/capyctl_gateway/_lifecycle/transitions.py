@@ -128,12 +128,13 @@ class Transitions:
         inst = lc.inst
         event(
             "lifecycle",
-            "%s: %s -> %s (%s; %.1f s)",
+            "%s: %s -> %s (%s; %.1f s %s)",
             inst.where,
             before.value,
             to.value,
             reason,
             took,
+            before.value,
             deployment=inst.deployment,
             instance=inst.index,
             **{"from": before.value},

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["print_list", "print_status"]
+__all__ = ["print_list", "print_status", "size"]
 
 
 def _cell(value: Any) -> str:
@@ -29,7 +29,7 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
         console.print(
             f"launched by the gateway: {d['lifecycle']}; "
             + ("a park is a stop" if d["park"] == "stop" else f"a park keeps it up ({d['park']})")
-            + ("" if held is None else f"; memory held {held} bytes"),
+            + ("" if held is None else f"; memory held {size(held)}"),
             soft_wrap=True,
         )
     rows = doc["instances"]
@@ -104,7 +104,7 @@ def print_list(console: Console, doc: dict[str, Any]) -> None:
             d["run_by"],
             d["state"],
             f"{d['ready']}/{d['instances']}",
-            _cell(d.get("memory_held")),
+            "—" if d.get("memory_held") is None else size(d["memory_held"]),
         )
     console.print(table)
     for d in doc["deployments"]:
@@ -118,8 +118,8 @@ def print_list(console: Console, doc: dict[str, Any]) -> None:
             )
     budget = doc["memory_budget"]
     console.print(
-        f"memory held by launched deployments: {doc['memory_held']} bytes"
-        + ("" if budget is None else f" of a budget of {budget}")
+        f"memory held by launched deployments: {size(doc['memory_held'])}"
+        + ("" if budget is None else f" of a budget of {size(budget)}")
         + (
             " (OVER BUDGET: an engine's stop was not confirmed; its memory stays counted)"
             if doc.get("over_budget")
@@ -127,3 +127,11 @@ def print_list(console: Console, doc: dict[str, Any]) -> None:
         ),
         soft_wrap=True,
     )
+
+
+def size(n: int) -> str:
+    """``n`` bytes as an operator writes sizes in the configuration: 4 GiB, 1.5 GiB, 512 MiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{n} B"
