@@ -76,7 +76,7 @@ async def engine_gone(gw: Gw, pid: int) -> None:
     if gw.fakes is not None:
         assert pid not in gw.fakes.live
         return
-    await engine_gone(gw, pid)
+    await anyio.to_thread.run_sync(wait_gone, pid)
 
 
 def wait_gone(pid: int, within: float = 15) -> None:

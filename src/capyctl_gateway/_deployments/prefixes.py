@@ -23,13 +23,11 @@ class PrefixIndex:
     """At most ``max_entries`` fingerprints, each with the instances (a bit mask of their
     indexes) that recently served a prefix ending with it."""
 
-    __slots__ = ("_entries", "_held", "_rooted", "_roots", "max_entries")
+    __slots__ = ("_entries", "_rooted", "_roots", "max_entries")
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[int, int] = OrderedDict()
-        self._held: dict[int, int] = {}
-        """Fingerprints each instance holds, kept as entries change."""
         self._roots: set[int] = set()
         """The entries that are a chain's first block: one per distinct prompt start."""
         self._rooted: dict[int, int] = {}
@@ -58,7 +56,7 @@ class PrefixIndex:
         """``instance`` was sent a request whose prefix is ``chain``."""
         if not chain:
             return
-        entries, held, rooted, roots = self._entries, self._held, self._rooted, self._roots
+        entries, rooted, roots = self._entries, self._rooted, self._roots
         bit = 1 << instance
         if chain[0] not in roots:  # a prompt start from now on, for all who hold it
             roots.add(chain[0])
@@ -66,19 +64,15 @@ class PrefixIndex:
                 rooted[index] = rooted.get(index, 0) + 1
         for fp in reversed(chain):
             mask = entries.get(fp, 0)
-            if not mask & bit:
-                held[instance] = held.get(instance, 0) + 1
-                if fp in roots:
-                    rooted[instance] = rooted.get(instance, 0) + 1
+            if not mask & bit and fp in roots:
+                rooted[instance] = rooted.get(instance, 0) + 1
             entries[fp] = mask | bit
             entries.move_to_end(fp)
         while len(entries) > self.max_entries:
             fp, mask = entries.popitem(last=False)
-            was_root = fp in self._roots
-            self._roots.discard(fp)
-            for index in _bits(mask):
-                held[index] -= 1
-                if was_root:
+            if fp in roots:
+                roots.discard(fp)
+                for index in _bits(mask):
                     rooted[index] -= 1
 
     def forget(self, instance: int) -> None:
@@ -91,12 +85,13 @@ class PrefixIndex:
             else:
                 del entries[fp]
                 self._roots.discard(fp)
-        self._held.pop(instance, None)
         self._rooted.pop(instance, None)
 
     def held(self, instance: int) -> int:
-        """How many fingerprints ``instance`` holds: how much of the index's prompts it caches."""
-        return self._held.get(instance, 0)
+        """How many fingerprints ``instance`` holds (a scan: for ``status`` and tests, never
+        per request)."""
+        bit = 1 << instance
+        return sum(1 for mask in self._entries.values() if mask & bit)
 
     def starts(self, instance: int) -> int:
         """How many distinct prompt starts (chains' first blocks) ``instance`` holds: roughly,

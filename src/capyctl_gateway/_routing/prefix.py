@@ -61,8 +61,7 @@ def _canonical(body: dict[str, Any], chat: bool) -> bytes:
     else:
         tools = body.get("tools")
         parts = [{"tools": tools}] if tools is not None else []
-        messages = body.get("messages")
-        parts.extend(messages if isinstance(messages, list) else [messages])
+        parts.extend(body["messages"])  # checked already: a list
     out = bytearray()
     for part in parts:
         left = WINDOW_BYTES - len(out)
