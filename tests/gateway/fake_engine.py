@@ -87,6 +87,8 @@ class FakeEngine:
     waiting: int = 0
     process_start: float = 1796000000.0
     healthy: bool = True
+    health_hold: asyncio.Event | None = None
+    """Set: /health answers only once it is set (the collector's first look stays open)."""
     metrics_served: bool = True
     """False: /metrics answers 503, so the collector has no fresh load sample of it."""
     kv_usage: float = 0.0
@@ -95,6 +97,8 @@ class FakeEngine:
     """vLLM's prefix-cache counters (queried and hit tokens) when set; absent otherwise."""
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.health_hold is not None:
+            await self.health_hold.wait()
         return web.Response(status=200 if self.healthy else 503)
 
     async def version(self, request: web.Request) -> web.Response:

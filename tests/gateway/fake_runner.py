@@ -124,6 +124,9 @@ class FakeRunner:
     def sample(self) -> LoadSample | None:
         return self.seen.sample()
 
+    def stale(self) -> bool:
+        return self.seen.stale()
+
     def process(self) -> ProcessView | None:
         """The fake engine as ``status`` shows a process: its fake pid (an identity a restart
         changes, as a real pid) and its port."""

@@ -164,8 +164,9 @@ HOT_PATH_CLASSES = {
 ONE_CONCEPT_CLASSES = {
     # the seam's every member for an engine on this machine, each a line or two over helpers
     "_local/runner.py:LocalRunner": 135,
-    # the same for an engine on a host, with the reports it takes and what status shows of them
-    "_machines/runner.py:HostRunner": 145,
+    # the same for an engine on a host, with the reports it takes, their age (fresh, stale) and
+    # what status shows of them
+    "_machines/runner.py:HostRunner": 155,
     # every launched deployment's state, its activations (one per wave) and closings
     "_lifecycle/controller.py:Lifecycle": 175,
     # cut requests: recording, the evidence of each collector event, settling

@@ -6,6 +6,7 @@ instance whose cache went is forgotten."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -14,6 +15,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from canopyx_provider import ProviderOptions
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, WORKERS, Gw, _serve, deployments
 from tests.gateway.fake_engine import FakeEngine, vllm_stream
@@ -195,31 +197,63 @@ async def test_one_salts_prefix_never_draws_anothers_request(
     assert (again["why"], again["instance"]) == ("prefix", first["instance"])
 
 
-async def test_an_instance_without_a_fresh_sample_is_passed_over_only_while_one_has_one(
+QUICK_STALE = ProviderOptions(
+    poll_interval_ms=50, request_timeout_ms=2000, connect_attempts=1, max_metrics_age_ms=400
+)
+"""The tests' collector, with samples old after 0.4 s: an engine goes quiet quickly."""
+
+
+def plain(text: str) -> dict[str, Any]:
+    return {"model": "my-model", "messages": [{"role": "user", "content": text}]}
+
+
+async def test_an_instance_whose_samples_went_quiet_is_passed_over_only_while_one_has_one(
     pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pair[0].metrics_served = False
-    gw = await make_gateway(config(pair))
+    gw = await make_gateway(config(pair), collector=QUICK_STALE)
+    await both_sampled(gw, pair)
+    route = gw.gateway.fleet.routes["my-model"]
+    pair[0].metrics_served = False  # sampled since it started, then quiet
+    await eventually(lambda: route.instances[0].runner.stale())
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    async with gw.client() as c:
+        for turn in range(4):  # a prefix sent to neither: the fresh one takes every one
+            assert (await c.post("/v1/chat/completions", json=plain(f"t{turn}"))).status_code == 200
+        pair[1].metrics_served = False  # now neither has a fresh sample: neither is blocked
+        await eventually(lambda: route.instances[1].runner.stale())
+        for turn in range(4):
+            assert (await c.post("/v1/chat/completions", json=plain(f"u{turn}"))).status_code == 200
+    picks = selections(caplog)
+    assert [p["instance"] for p in picks[:4]] == [1, 1, 1, 1]
+    for p in picks[:4]:
+        assert [(s["instance"], s["reason"]) for s in p["skipped"]] == [(0, "stale_sample")]
+    assert {p["instance"] for p in picks[4:]} == {0, 1}  # the turn rotates over both
+    assert all(p["skipped"] == [] for p in picks[4:])
+    assert len(pair[0].received) == 2 and len(pair[1].received) == 6
+
+
+async def test_an_engine_not_sampled_yet_is_not_passed_over(
+    pair: list[FakeEngine], make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose first look by the collector is still under way has no sample yet: it is
+    not suspect, so requests do not all pile onto the one already sampled (the several-machines
+    test saw four streams sent to one host that way). Once the look has failed, it is."""
+    pair[0].health_hold = asyncio.Event()
+    slow = ProviderOptions(poll_interval_ms=50, request_timeout_ms=30_000, connect_attempts=1)
+    gw = await make_gateway(config(pair), collector=slow)
     route = gw.gateway.fleet.routes["my-model"]
     await eventually(lambda: route.instances[1].runner.sample() is not None)
     caplog.set_level(logging.INFO, logger="capyctl_gateway")
     async with gw.client() as c:
-        for turn in range(4):  # a prefix sent to neither: the fresh one takes every one
-            body = {"model": "my-model", "messages": [{"role": "user", "content": f"t{turn}"}]}
-            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
-        pair[1].metrics_served = False  # now neither has a fresh sample: neither is blocked
-        await eventually(lambda: route.instances[1].runner.sample() is None)
         for turn in range(4):
-            body = {"model": "my-model", "messages": [{"role": "user", "content": f"u{turn}"}]}
-            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+            assert (await c.post("/v1/chat/completions", json=plain(f"t{turn}"))).status_code == 200
     picks = selections(caplog)
-    assert [p["instance"] for p in picks[:4]] == [1, 1, 1, 1]
-    for p in picks[:4]:
-        assert p["skipped"] == [{"instance": 0, "host": p["skipped"][0]["host"],
-                                 "reason": "stale_sample"}]  # fmt: skip
-    assert {p["instance"] for p in picks[4:]} == {0, 1}  # the turn rotates over both
-    assert all(p["skipped"] == [] for p in picks[4:])
-    assert len(pair[0].received) == 2 and len(pair[1].received) == 6
+    assert {p["instance"] for p in picks} == {0, 1}
+    assert all(p["skipped"] == [] for p in picks)
+    assert not route.instances[0].runner.stale()
+    pair[0].healthy = False  # its first look ends, failed: now it is suspect
+    pair[0].health_hold.set()
+    await eventually(lambda: route.instances[0].runner.stale())
 
 
 async def test_least_load_routing_weighs_no_prefix(

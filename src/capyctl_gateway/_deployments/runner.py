@@ -126,6 +126,12 @@ class View(Protocol):
         """The engine's load from a fresh sample; None without one."""
         ...
 
+    def stale(self) -> bool:
+        """Whether the engine has no fresh sample once its first look since it started is over
+        (its samples aged, its polls failed). False while that first look runs: an engine
+        just started is not suspect."""
+        ...
+
     def process(self) -> ProcessView | None:
         """The running engine process, when the gateway runs it."""
         ...

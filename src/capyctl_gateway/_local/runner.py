@@ -74,6 +74,9 @@ class LocalRunner:
     def sample(self) -> LoadSample | None:
         return self.seen.sample()
 
+    def stale(self) -> bool:
+        return self.seen.stale()
+
     def process(self) -> ProcessView | None:
         proc = self._proc
         if proc is None or proc.reaper_pid is None:

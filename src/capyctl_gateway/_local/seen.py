@@ -23,11 +23,13 @@ class Seen:
         self._collector, self._key, self._clock = collector, key, clock
         self.watched = False
         self._heard_at = 0.0
+        self._judged = False
+        """The collector has finished its first look since the engine was watched."""
 
     def watch(self, adapter: EngineAdapter, model_id: str) -> None:
         """Have the collector poll the engine, which has just answered."""
         self._collector.add(self._key, adapter, model_id=model_id)
-        self.watched, self._heard_at = True, self._clock()
+        self.watched, self._heard_at, self._judged = True, self._clock(), False
 
     def unwatch(self) -> None:
         if self.watched:
@@ -44,6 +46,18 @@ class Seen:
         usage = usage if usage is not None else m.slot_usage_ratio
         age = max(self._clock() - snap.requested_at, 0.0)
         return LoadSample(m.running_requests, m.waiting_requests, usage, age, "collector")
+
+    def stale(self) -> bool:
+        """No fresh sample, once the collector's first look since the engine was watched (its
+        start) is over: its samples aged, or its polls or checks failed. Not while that first
+        look runs (an engine just started is not suspect)."""
+        if not self.watched:
+            return False
+        if not self._judged:
+            if self._collector.status(self._key).state is TargetState.CONNECTING:
+                return False
+            self._judged = True
+        return self._collector.snapshot(self._key) is None
 
     def row(self) -> dict[str, Any]:
         """What ``status`` shows of the engine: the collector's state, its latest load and the

@@ -124,12 +124,24 @@ class HostRunner(Reported):
 
     # -- what it reads ------------------------------------------------------------------------
     def fresh(self) -> tuple[InstanceReport, float] | None:
-        """The latest report while it is fresh, with its sample's age now."""
+        """The latest report while its sample is fresh, with the sample's age now."""
+        s, age = self.latest, self._age()
+        if s is None or age is None or age > STALE_AFTER_S:
+            return None
+        return s.report, age
+
+    def stale(self) -> bool:
+        """The host reported a sample of its engine that has since gone old (not: it has not
+        sampled it yet, nor: the session is lost, which takes the instance out)."""
+        age = self._age()
+        return age is not None and age > STALE_AFTER_S
+
+    def _age(self) -> float | None:
         s = self.latest
         if s is None or not self._link.live or s.report.age_s is None:
             return None
-        age = self._time() - s.received_at + s.report.age_s
-        return None if age > STALE_AFTER_S else (s.report, age)
+        age: float = self._time() - s.received_at + s.report.age_s
+        return age
 
     def sample(self) -> LoadSample | None:
         fresh = self.fresh()

@@ -5,10 +5,12 @@ The policy, in order:
 
 1. The instances that may take the request now, in this request's turn (`Route.in_turn`:
    ties rotate; resting instances only when no other can take it).
-2. Staleness: an instance without a fresh load sample is passed over only while one with a
-   fresh sample can take the request. A lone instance, or a set of instances that all went
-   quiet, is never blocked for it (their load is then the gateway's own requests in flight
-   there, never a zero read as idle).
+2. Staleness: an instance whose samples went quiet (`View.stale`: sampled since its engine
+   started, no fresh sample now) is passed over only while one with a fresh sample can take
+   the request. A lone instance, or a set of instances that all went quiet, is never blocked
+   for it; an engine not sampled yet since it started is not suspect. Without a fresh sample
+   an instance's load is the gateway's own requests in flight there, never a zero read as
+   idle.
 3. Load is `load_of`: the engine's running and waiting requests, never under the gateway's
    own in flight there, plus up to 8 for a nearly full KV cache or slot set.
 4. Among the instances whose requests (`requests_of`: the load without the cache's penalty)
@@ -60,11 +62,10 @@ def choose(route: Route, facts: Facts, exclude: set[int] | frozenset[int]) -> Ch
         return Choice(only, "least_load", {}, frozenset()) if offerable(only, exclude) else None
     ordered = route.in_turn(exclude)
     samples = {i.index: i.runner.sample() for i in ordered}
-    fresh = [i for i in ordered if samples[i.index] is not None]
     stale: frozenset[int] = frozenset()
-    if fresh and len(fresh) < len(ordered):
-        stale = frozenset(i.index for i in ordered) - {i.index for i in fresh}
-        ordered = fresh
+    if any(s is not None for s in samples.values()):
+        stale = frozenset(i.index for i in ordered if samples[i.index] is None and i.runner.stale())
+        ordered = [i for i in ordered if i.index not in stale]
     if not ordered:
         return None
     loads = {i.index: load_of(i, samples[i.index]) for i in ordered}
