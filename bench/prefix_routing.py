@@ -1,5 +1,5 @@
 """Prefix routing on real engines: capyctl-gateway with prefix routing and with least load, beside
-vllm-router with ``cache_aware`` and ``round_robin``, in front of the same llama-server
+vllm-router with ``cache_aware`` and ``round_robin``, in front of the same llama-server (or vLLM)
 instances, on a workload of tenants with long system prompts and growing multi-turn chats.
 
 Each target gets freshly started engines (cold caches) and the same seeded schedule, sent open
@@ -15,9 +15,15 @@ host RAM) it also keeps prompts it evicted from a slot, which serves every tenan
 instance whatever the routing. Both are run. A second workload with no shared prefix (every
 prompt unique) checks that prefix routing loses nothing where there is nothing to win.
 
-Run: .venv/bin/python -m bench.prefix_routing [--instances 2] [--rate 4] [--duration 30]
-[--out FILE]. vllm-router is looked up as bench.perf does (``$VLLM_ROUTER_BIN``, PATH, or
-/tmp/vllm-router-venv); without it its rows are skipped and the report says so.
+With ``--engine vllm`` the instances are vLLM 0.31.0 CPU servers (the tests' install), each
+bound to its own core, serving the tests' tiny Llama, their KV caches bounded to
+``--kv-blocks`` blocks of 128 tokens (``--num-gpu-blocks-override``; ``all`` for the 1 GiB the
+tests give, which holds every prompt here).
+
+Run: .venv/bin/python -m bench.prefix_routing [--engine vllm] [--instances 2] [--rate 4]
+[--duration 30] [--out FILE]. vllm-router is looked up as bench.perf does
+(``$VLLM_ROUTER_BIN``, PATH, or /tmp/vllm-router-venv); without it its rows are skipped and the
+report says so.
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +46,8 @@ from typing import Any
 import httpx
 from contract.engines.llamacpp import ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
+from contract.engines.tiny_hf_model import write_tiny_llama
+from contract.engines.vllm import VllmServer, engine_dir, ensure_vllm
 
 from bench.perf._procs import ProcessSet, free_port
 from bench.perf.run import _peer_bin, start_gateway, start_peer
@@ -159,7 +170,7 @@ async def drive(
     return res
 
 
-def start_engines(
+def start_llama(
     procs: ProcessSet, binary: Path, model: Path, n: int, cache_ram: str | None
 ) -> list[str]:
     urls = []
@@ -191,20 +202,74 @@ def start_engines(
     return urls
 
 
+def start_vllm(
+    stack: ExitStack, python: Path, model: Path, n: int, blocks: str | None
+) -> list[str]:
+    """``n`` vLLM CPU servers, each bound to its own core (``VLLM_CPU_OMP_THREADS_BIND``; with
+    more servers than cores, none bound and one thread each), with
+    ``blocks`` KV blocks of 128 tokens (``--num-gpu-blocks-override``: a bounded cache, as GPU
+    memory makes it), or with None the 1 GiB the tests give (a million tokens of this model)."""
+    extra = ["--max-num-seqs", "4"]
+    if blocks is not None:
+        extra += ["--num-gpu-blocks-override", blocks]
+    cores = os.cpu_count() or 1
+    servers = [
+        VllmServer(
+            python,
+            model,
+            max_model_len=6144,  # what a prompt here needs; a cache of 49 blocks holds one
+            extra_args=extra,
+            # one core each where there are enough; else unbound, one thread each (as the
+            # llama-servers' -t 1), for the kernel to spread
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(k)}
+            if n <= cores
+            else {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
+        )
+        for k in range(n)
+    ]
+    for server in servers:
+        stack.callback(server.stop)
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(VllmServer.start, servers))
+    return [server.base_url for server in servers]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Which engine the instances run: ``binary`` is llama-server, or vLLM's venv python."""
+
+    kind: str
+    binary: Path
+    model: Path
+
+    @property
+    def version(self) -> str:
+        return "b10798" if self.kind == "llamacpp" else "0.31.0"
+
+    @property
+    def served(self) -> str:
+        return "tiny"
+
+    def start(self, procs: ProcessSet, stack: ExitStack, n: int, cache: str | None) -> list[str]:
+        if self.kind == "llamacpp":
+            return start_llama(procs, self.binary, self.model, n, cache)
+        return start_vllm(stack, self.binary, self.model, n, cache)
+
+
 def run_target(
     name: str,
     args: argparse.Namespace,
     work: list[Any],
-    cache_ram: str | None,
-    binary: Path,
-    model: Path,
+    cache: str | None,
+    engine: Engine,
     tmp: Path,
 ) -> dict[str, Any]:
     procs = ProcessSet(tmp)
-    try:
-        urls = start_engines(procs, binary, model, args.instances, cache_ram)
+    with ExitStack() as stack:
+        stack.callback(procs.stop_all)
+        urls = engine.start(procs, stack, args.instances, cache)
         key: str | None = None
-        served = "tiny"
+        served = engine.served
         if name.startswith("gateway"):
             policy = "prefix" if name.startswith("gateway-prefix") else "least_load"
             extra = "".join(f"      - url: {u}\n" for u in urls[1:])
@@ -212,7 +277,12 @@ def run_target(
             if "-margin" in name:
                 extra += f"      load_margin: {name.rsplit('-margin', 1)[1]}\n"
             _, t = start_gateway(
-                procs, tmp / name, urls[0], engine="llamacpp", engine_version="b10798", extra=extra
+                procs,
+                tmp / name,
+                urls[0],
+                engine=engine.kind,
+                engine_version=engine.version,
+                extra=extra,
             )
             url, key, served = t.url, t.key, t.model
         else:
@@ -222,8 +292,6 @@ def run_target(
             url = start_peer(procs, peer, *urls, policy=policy).url
         res = asyncio.run(drive(name, url, key, served, work, args.rate))
         return res.row()
-    finally:
-        procs.stop_all()
 
 
 def main() -> None:
@@ -250,11 +318,29 @@ def main() -> None:
         default="both",
         help="which llama-server --cache-ram settings to run the shared workload with",
     )
+    p.add_argument(
+        "--kv-blocks",
+        nargs="*",
+        default=["80"],
+        help="vLLM: KV blocks of 128 tokens per instance to run with ('all': its 1 GiB)",
+    )
+    p.add_argument("--engine", choices=["llamacpp", "vllm"], default="llamacpp")
     p.add_argument("--no-unshared", action="store_true", help="skip the no-shared-prefix workload")
     args = p.parse_args()
-    binary = ensure_llama_server()
     tmp = Path(tempfile.mkdtemp(prefix="prefix-bench-"))
-    model = write_tiny_gguf(tmp / "model.gguf", seed=0, context_length=65536, size=MODEL_SIZE)
+    if args.engine == "llamacpp":
+        model = write_tiny_gguf(tmp / "model.gguf", seed=0, context_length=65536, size=MODEL_SIZE)
+        engine = Engine("llamacpp", ensure_llama_server(), model)
+        shared_settings: tuple[str | None, ...] = {
+            "both": ("0", None),
+            "0": ("0",),
+            "default": (None,),
+        }[args.cache_ram]
+    else:
+        python = ensure_vllm()
+        model = write_tiny_llama(engine_dir() / "tiny-llama", python=python)
+        engine = Engine("vllm", python, model)
+        shared_settings = tuple(None if b == "all" else b for b in args.kv_blocks)
     n = int(args.rate * args.duration)
     targets = ["gateway-prefix", "gateway-least_load"]
     targets[1:1] = [f"gateway-prefix-margin{m}" for m in args.margins]
@@ -265,18 +351,21 @@ def main() -> None:
     if args.targets is not None:
         targets = [t for t in targets if t in args.targets]
     rows: list[dict[str, Any]] = []
-    shared_settings = {"both": ("0", None), "0": ("0",), "default": (None,)}[args.cache_ram]
     workloads = [("shared prefixes", True)] + (
         [] if args.no_unshared else [("no shared prefix", False)]
     )
     for workload, shared in workloads:
         work = schedule(args.seed, n, args.tenants, shared)
-        settings = shared_settings if shared else ("0",)
+        settings = shared_settings if shared else shared_settings[:1]
         unshared = [t for t in targets if t in ("gateway-prefix", "gateway-least_load")]
-        for cache_ram in settings:
+        for cache in settings:
             for name in targets if shared else unshared:
-                row = run_target(name, args, work, cache_ram, binary, model, tmp)
-                row |= {"workload": workload, "cache_ram": cache_ram or "default (8 GiB)"}
+                row = run_target(name, args, work, cache, engine, tmp)
+                row |= {
+                    "workload": workload,
+                    "engine": engine.kind,
+                    "cache": describe(engine, cache),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     doc = {
@@ -285,7 +374,8 @@ def main() -> None:
         "rate": args.rate,
         "duration_s": args.duration,
         "seed": args.seed,
-        "model_size": MODEL_SIZE,
+        "engine": args.engine,
+        "model": "tiny GGUF " + str(MODEL_SIZE) if args.engine == "llamacpp" else "tiny HF llama",
         "rows": rows,
     }
     if args.out is not None:
@@ -293,14 +383,21 @@ def main() -> None:
     print(markdown(rows))
 
 
+def describe(engine: Engine, cache: str | None) -> str:
+    if engine.kind == "llamacpp":
+        return "--cache-ram default (8 GiB)" if cache is None else f"--cache-ram {cache}"
+    return "KV 1 GiB" if cache is None else f"KV {cache} x 128 tokens"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| workload | --cache-ram | target | TTFT p50 ms | TTFT p95 ms | req/s | "
+        "| workload | cache | target | TTFT p50 ms | TTFT p95 ms | req/s | "
         "engine hit rate | errors |",
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['workload']} | {r['cache_ram']} | {r['target']} | {r['ttft_p50_ms']} | "
+        f"| {r['workload']} | {r.get('cache', r.get('cache_ram'))} | {r['target']} | "
+        f"{r['ttft_p50_ms']} | "
         f"{r['ttft_p95_ms']} | {r['throughput_rps']} | {r['engine_hit_rate']} | {r['errors']} |"
         for r in rows
     ]

@@ -29,7 +29,14 @@ from aiohttp import web
 from canopyx_provider import Collector, adapter_for
 from capyctl_gateway._config import Deployment, Instance
 from capyctl_gateway._deployments.routes import EngineInstance
-from capyctl_gateway._deployments.runner import HERE, LoadSample, ProcessView, Site, Tracked
+from capyctl_gateway._deployments.runner import (
+    HERE,
+    CacheCounts,
+    LoadSample,
+    ProcessView,
+    Site,
+    Tracked,
+)
 from capyctl_gateway._errors import ParkFailedError, StartFailedError
 from capyctl_gateway._local.seen import Seen
 from capyctl_gateway._runners import KINDS, Opened, RunnerKind
@@ -126,6 +133,9 @@ class FakeRunner:
 
     def stale(self) -> bool:
         return self.seen.stale()
+
+    def prefix_cache(self) -> CacheCounts | None:
+        return self.seen.prefix_cache()
 
     def process(self) -> ProcessView | None:
         """The fake engine as ``status`` shows a process: its fake pid (an identity a restart

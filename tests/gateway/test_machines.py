@@ -468,6 +468,39 @@ async def test_routing_weighs_the_load_each_host_reports_for_its_engine(
     assert not any("who-1" in r.getMessage() + str(getattr(r, "fields", "")) for r in others)
 
 
+async def test_a_hosts_engine_prefix_cache_counts_reach_the_servers_status_and_metrics(
+    cluster: Callable[..., Awaitable[Cluster]],
+    engines: Callable[[], Awaitable[FakeEngine]],
+) -> None:
+    """The counts travel in the host's report: status shows them per instance and their ratio
+    per deployment, the metrics carry them; an engine that publishes none has no series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from capyctl_gateway._management.metrics import exposition
+    from capyctl_gateway._management.status import deployment_status
+
+    c, a, _ = await two_hosts(cluster, engines)
+    a.prefix_cache = (4000.0, 1000.0)
+    await reported(c, lambda i, r: r.prefix_queried == 4000 and r.prefix_hits == 1000)
+    await reported(c, lambda i, r: i.runner.site.machine == "box-b" and r.age_s is not None)
+    doc = deployment_status(c.gateway.fleet, "m")
+    assert doc is not None
+    rows = {i["host"]: i for i in doc["instances"]}
+    assert rows["box-a"]["prefix_cache"] == {"queried_tokens": 4000, "hit_tokens": 1000}
+    assert "prefix_cache" not in rows["box-b"]
+    assert doc["deployment"]["prefix_cache_hit_ratio"] == 0.25
+    got = {
+        (s.name, s.labels.get("instance")): s.value
+        for f in text_string_to_metric_families(exposition(c.gateway).decode())
+        for s in f.samples
+        if s.name.startswith("capyctl_engine_prefix_cache")
+    }
+    assert got == {
+        ("capyctl_engine_prefix_cache_queried_tokens_total", "0"): 4000.0,
+        ("capyctl_engine_prefix_cache_hit_tokens_total", "0"): 1000.0,
+    }
+
+
 async def test_a_host_launches_and_stops_a_deployment_on_the_servers_orders(
     cluster: Callable[..., Awaitable[Cluster]],
 ) -> None:

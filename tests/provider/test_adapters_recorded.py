@@ -118,6 +118,29 @@ def test_sglang_reads_gauges_and_counters() -> None:
     assert m.prompt_tokens_total is None and m.generated_tokens_total is None
 
 
+def test_sglang_prefix_cache_counts_sum_their_splits_and_stay_none_before_a_hit() -> None:
+    """Prompt tokens summed over is_streaming, cached tokens over cache_source; the cached
+    counter has no series before the first hit, and then neither figure is claimed."""
+    text = recorded("sglang/0.5.21/GET_metrics.http").text
+    m = sglang(BASE).parse_metrics(text, "Qwen/Qwen3-8B").metrics
+    assert m.prefix_cache_queried_tokens_total is None and m.prefix_cache_hit_tokens_total is None
+    cached = (
+        "# TYPE sglang:cached_tokens_total counter\n"
+        'sglang:cached_tokens_total{cache_source="device",model_name="Qwen/Qwen3-8B"} 900.0\n'
+        'sglang:cached_tokens_total{cache_source="host",model_name="Qwen/Qwen3-8B"} 100.0\n'
+        'sglang:prompt_tokens_total{is_streaming="false",model_name="Qwen/Qwen3-8B"} 767.0\n'
+    )
+    m = sglang(BASE).parse_metrics(text + cached, "Qwen/Qwen3-8B").metrics
+    assert (m.prefix_cache_queried_tokens_total, m.prefix_cache_hit_tokens_total) == (
+        183000.0,
+        1000.0,
+    )
+    # A second engine's series for the same split value: not one engine's count.
+    twice = cached + cached.replace("900.0", "5.0").replace("# TYPE", "# X")
+    m = sglang(BASE).parse_metrics(text + twice, "Qwen/Qwen3-8B").metrics
+    assert m.prefix_cache_queried_tokens_total is None and m.prefix_cache_hit_tokens_total is None
+
+
 def test_sglang_priority_total_is_the_empty_priority_series_not_a_sum() -> None:
     text = recorded("sglang/0.5.21/GET_metrics_priority.http").text
     m = sglang(BASE).parse_metrics(text, "Qwen/Qwen3-8B").metrics

@@ -13,14 +13,17 @@ from ._base import Discovery, ModelLabelledAdapter, Poll, expect_status, int_or_
 __all__ = ["SglangAdapter"]
 
 RUNNING, WAITING, TOKEN_USAGE = "num_running_reqs", "num_queue_reqs", "token_usage"
+PROMPT, CACHED = "prompt_tokens_total", "cached_tokens_total"
 _GAUGES = (RUNNING, WAITING, TOKEN_USAGE)
-# SGLang's token counters come from its tokenizer processes, split by ``is_streaming`` and without
-# the scheduler labels that select an engine: they cannot be read as one engine's single sample,
-# so prompt_tokens_total and generated_tokens_total stay None rather than summed.
+_NAMES = (*_GAUGES, PROMPT, CACHED)
+# SGLang's token counters come from its tokenizer process, split by ``is_streaming`` (and the
+# cached tokens by ``cache_source``) and without the scheduler labels: prompt_tokens_total and
+# generated_tokens_total stay None rather than summed. Its prefix cache's counts are read as
+# prompt tokens looked up and found (see `_prefix_counts`): counted when a request finishes.
 # SGLang itself writes "sglang:"; its model gateway's aggregator (and name-normalising
 # pipelines) rewrite it to "sglang_". Either is accepted, never both for one model.
 PREFIXES = ("sglang:", "sglang_")
-_ALL = tuple(p + n for p in PREFIXES for n in _GAUGES)
+_ALL = tuple(p + n for p in PREFIXES for n in _NAMES)
 
 
 class SglangAdapter(ModelLabelledAdapter):
@@ -44,13 +47,46 @@ class SglangAdapter(ModelLabelledAdapter):
         def one(name: str) -> Sample:
             return _select_total(samples, prefix + name, selector)
 
+        queried, hits = _prefix_counts(samples, prefix, selector)
         return Poll(
             EngineMetrics(
                 running_requests=int(finite(one(RUNNING))),
                 waiting_requests=int(finite(one(WAITING))),
                 kv_cache_usage_ratio=finite(one(TOKEN_USAGE), high=1.0),
+                prefix_cache_queried_tokens_total=queried,
+                prefix_cache_hit_tokens_total=hits,
             )
         )
+
+
+def _prefix_counts(
+    samples: Mapping[str, list[Sample]], prefix: str, selector: Mapping[str, str]
+) -> tuple[float | None, float | None]:
+    """Prompt tokens (cached ones included) and cached prompt tokens, each the sum of its
+    series for the selected model, one per ``is_streaming`` or ``cache_source`` value.
+
+    The cached counter has no series until a request finds a cached token: till then both stay
+    None (a zero nobody published is not shown). Two series for one split value (two engines
+    behind one exposition) cannot be told apart: both stay None then too."""
+    queried = _split_sum(samples[prefix + PROMPT], selector, "is_streaming")
+    hits = _split_sum(samples[prefix + CACHED], selector, "cache_source")
+    if queried is None or hits is None:
+        return None, None
+    return queried, hits
+
+
+def _split_sum(series: list[Sample], selector: Mapping[str, str], split: str) -> float | None:
+    seen: dict[str, float] = {}
+    for s in series:
+        if any(s.labels.get(k) != v for k, v in selector.items()):
+            continue
+        if set(s.labels) - set(selector) - {split}:  # another label: not one engine's series
+            return None
+        value = s.labels.get(split, "")
+        if value in seen:
+            return None
+        seen[value] = finite(s)
+    return sum(seen.values()) if seen else None
 
 
 def _prefix(samples: Mapping[str, list[Sample]], selector: Mapping[str, str]) -> str:

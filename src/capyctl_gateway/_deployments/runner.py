@@ -28,6 +28,7 @@ from .._errors import EngineControlError
 
 __all__ = [
     "HERE",
+    "CacheCounts",
     "Driver",
     "EngineControlError",
     "LoadSample",
@@ -91,6 +92,18 @@ class LoadSample:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheCounts:
+    """An engine's own prefix-cache counts, since it started: prompt tokens it looked up and,
+    of those, the tokens it found cached."""
+
+    queried_tokens: int
+    hit_tokens: int
+
+    def row(self) -> dict[str, int]:
+        return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens}
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessView:
     """The engine process as ``status`` shows it."""
 
@@ -130,6 +143,11 @@ class View(Protocol):
         """Whether the engine has no fresh sample once its first look since it started is over
         (its samples aged, its polls failed). False while that first look runs: an engine
         just started is not suspect."""
+        ...
+
+    def prefix_cache(self) -> CacheCounts | None:
+        """The engine's own prefix-cache counts as its latest sample has them, however old;
+        None where it publishes none (or not both)."""
         ...
 
     def process(self) -> ProcessView | None:

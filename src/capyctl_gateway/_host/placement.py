@@ -162,6 +162,7 @@ def _report(p: Placed, now: float, pings: Sequence[tuple[int, float]]) -> Instan
     inst, lc = p.inst, p.launched
     s = inst.runner.sample()  # the one sample routing and status read too
     proc = inst.runner.process()
+    cache = inst.runner.prefix_cache()
     requested_at = now - s.age_s if s is not None else None
     quiet = _quiet_ping(p.gate, requested_at, pings)
     return InstanceReport(
@@ -179,6 +180,8 @@ def _report(p: Placed, now: float, pings: Sequence[tuple[int, float]]) -> Instan
         quiet_for_s=None
         if quiet is None or requested_at is None
         else requested_at - p.gate.last_end,
+        prefix_queried=cache.queried_tokens if cache is not None else None,
+        prefix_hits=cache.hit_tokens if cache is not None else None,
         pid=proc.pid if proc is not None else None,
         port=proc.port if proc is not None else None,
         command=proc.argv if proc is not None else None,

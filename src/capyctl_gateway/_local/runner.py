@@ -19,20 +19,31 @@ import aiohttp
 
 from canopyx_provider import Collector, adapter_for
 
-from .._config import Deployment
+from .._config import Deployment, Launch
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import HERE, LoadSample, ProcessView, Site, Tracked, never
+from .._deployments.runner import (
+    HERE,
+    CacheCounts,
+    LoadSample,
+    ProcessView,
+    Site,
+    Tracked,
+    never,
+)
 from .._errors import StartFailedError
 from .._log import masked, secrets_in
 from .._store import Store
 from .enginelog import EngineLog, ShownLog, file_stem
 from .parking import drive
 from .pids import remember
-from .process import EngineProcess, free_port, launch_argv, launch_env
+from .process import EngineProcess, free_port, launch_argv, launch_env, lost_port
 from .seen import Seen
 from .wakecheck import auth_of, check, record
 
-__all__ = ["LocalRunner"]
+__all__ = ["PORT_TRIES", "LocalRunner"]
+
+PORT_TRIES = 3
+"""Starts a start makes when the port it chose is taken before the engine binds it."""
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -76,6 +87,9 @@ class LocalRunner:
 
     def stale(self) -> bool:
         return self.seen.stale()
+
+    def prefix_cache(self) -> CacheCounts | None:
+        return self.seen.prefix_cache()
 
     def process(self) -> ProcessView | None:
         proc = self._proc

@@ -11,7 +11,7 @@ from typing import Any
 
 from canopyx_provider import Collector, EngineAdapter, TargetState
 
-from .._deployments.runner import LoadSample
+from .._deployments.runner import CacheCounts, LoadSample
 
 __all__ = ["Seen"]
 
@@ -47,6 +47,18 @@ class Seen:
         age = max(self._clock() - snap.requested_at, 0.0)
         return LoadSample(m.running_requests, m.waiting_requests, usage, age, "collector")
 
+    def prefix_cache(self) -> CacheCounts | None:
+        """The engine's own prefix-cache counts in its latest snapshot, however old."""
+        status = self._collector.status(self._key) if self.watched else None
+        snap = status.latest if status is not None else None
+        if snap is None:
+            return None
+        queried = snap.metrics.prefix_cache_queried_tokens_total
+        hits = snap.metrics.prefix_cache_hit_tokens_total
+        if queried is None or hits is None:
+            return None
+        return CacheCounts(int(queried), int(hits))
+
     def stale(self) -> bool:
         """No fresh sample, once the collector's first look since the engine was watched (its
         start) is over: its samples aged, or its polls or checks failed. Not while that first
@@ -72,12 +84,9 @@ class Seen:
             row["running"] = snap.metrics.running_requests
             row["waiting"] = snap.metrics.waiting_requests
             row["snapshot_age_s"] = round(snap.age_s(self._clock()), 3)
-            m = snap.metrics
-            if m.prefix_cache_queried_tokens_total is not None:
-                row["prefix_cache"] = {
-                    "queried_tokens": int(m.prefix_cache_queried_tokens_total),
-                    "hit_tokens": int(m.prefix_cache_hit_tokens_total or 0),
-                }
+            counts = self.prefix_cache()
+            if counts is not None:
+                row["prefix_cache"] = counts.row()
         if status.error:
             row["error"] = status.error
         return row

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._config import REMOTE_MAX_BODY_BYTES, Deployment, GatewayConfig
+from .._deployments.runner import CacheCounts
 
 __all__ = [
     "INGRESS_MAX_BODY_BYTES",
@@ -91,10 +92,20 @@ class InstanceReport:
     that settles a cut request (see `Machines`)."""
     quiet_for_s: float | None = None
     """With ``quiet_ping``: how long before the sample was requested that last forward ended."""
+    prefix_queried: int | None = None
+    """The engine's own prefix-cache counts in its latest sample (`CacheCounts`), however old;
+    None where it publishes none."""
+    prefix_hits: int | None = None
     pid: int | None = None
     port: int | None = None
     command: list[str] | None = None
     failure: str | None = None
+
+    def cache_counts(self) -> CacheCounts | None:
+        """The engine's prefix-cache counts, where it reported both."""
+        if self.prefix_queried is None or self.prefix_hits is None:
+            return None
+        return CacheCounts(self.prefix_queried, self.prefix_hits)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,6 +121,8 @@ class InstanceReport:
             "ingress_in_flight": self.ingress_in_flight,
             "quiet_ping": self.quiet_ping,
             "quiet_for_s": self.quiet_for_s,
+            "prefix_queried": self.prefix_queried,
+            "prefix_hits": self.prefix_hits,
             "pid": self.pid,
             "port": self.port,
             "command": self.command,
@@ -142,6 +155,8 @@ class InstanceReport:
             ingress_in_flight=int(doc["ingress_in_flight"]),
             quiet_ping=opt_int("quiet_ping"),
             quiet_for_s=opt_float("quiet_for_s"),
+            prefix_queried=opt_int("prefix_queried"),
+            prefix_hits=opt_int("prefix_hits"),
             pid=opt_int("pid"),
             port=opt_int("port"),
             command=[str(a) for a in command] if isinstance(command, list) else None,

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import LoadSample, ProcessView, Reported, Site, Tracked
+from .._deployments.runner import CacheCounts, LoadSample, ProcessView, Reported, Site, Tracked
 from .._deployments.settle import QUIET_GRACE_S, Settlement, SettleRule, settle_remote
 from .._errors import GatewayError, HostGoneError, OrderRefusedError
 from .._log import shown
@@ -150,6 +150,9 @@ class HostRunner(Reported):
         r, age = fresh
         return LoadSample(r.running, r.waiting, r.usage, age, f"host {self.host}")
 
+    def prefix_cache(self) -> CacheCounts | None:
+        return self.latest.report.cache_counts() if self.latest is not None else None
+
     def process(self) -> ProcessView | None:
         r = self.latest.report if self.latest is not None else None
         if r is None or r.pid is None or r.command is None:
@@ -172,6 +175,8 @@ class HostRunner(Reported):
         if seen is not None:
             row["running"], row["waiting"] = seen[0].running, seen[0].waiting
             row["snapshot_age_s"] = round(seen[1], 3)
+        if (counts := self.prefix_cache()) is not None:
+            row["prefix_cache"] = counts.row()
         row["ingress_in_flight"] = r.ingress_in_flight
         if r.pid is not None and r.command is not None:
             row["process"] = {"pid": r.pid, "port": r.port, "command": shown(r.command)}

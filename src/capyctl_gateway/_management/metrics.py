@@ -40,6 +40,7 @@ class _GatewayCollector:
         yield from _slots(gw)
         yield from _settled(t)
         yield from _collector_state(gw)
+        yield from _prefix_cache(gw)
         yield from _lifecycle(gw)
         yield from _timings(t)
 
@@ -117,17 +118,6 @@ def _collector_state(gw: Gateway) -> Iterator[Metric]:
         "Age of the instance's latest sample (absent when it has none).",
         labels=["deployment", "instance"],
     )
-    queried = CounterMetricFamily(
-        "capyctl_engine_prefix_cache_queried_tokens",
-        "Prompt tokens the engine looked up in its prefix cache, as its own latest sample "
-        "counts them since it started (vLLM, llama.cpp).",
-        labels=["deployment", "instance"],
-    )
-    hits = CounterMetricFamily(
-        "capyctl_engine_prefix_cache_hit_tokens",
-        "Of those, the tokens the engine found cached.",
-        labels=["deployment", "instance"],
-    )
     fleet = gw.fleet
     collector = fleet.collector
     keys = set(collector.keys())
@@ -140,14 +130,31 @@ def _collector_state(gw: Gateway) -> Iterator[Metric]:
             idx = str(inst.index)
             for s in _COLLECTOR_STATES:
                 state.add_metric([name, idx, s], 1.0 if status.state == s else 0.0)
-            if status.latest is None:
-                continue
-            age.add_metric([name, idx], status.latest.age_s(now))
-            m = status.latest.metrics
-            if m.prefix_cache_queried_tokens_total is not None:
-                queried.add_metric([name, idx], m.prefix_cache_queried_tokens_total)
-                hits.add_metric([name, idx], m.prefix_cache_hit_tokens_total or 0.0)
-    yield from (state, age, queried, hits)
+            if status.latest is not None:
+                age.add_metric([name, idx], status.latest.age_s(now))
+    yield from (state, age)
+
+
+def _prefix_cache(gw: Gateway) -> Iterator[Metric]:
+    """The engines' own counts, wherever they run (a host's come in its reports)."""
+    queried = CounterMetricFamily(
+        "capyctl_engine_prefix_cache_queried_tokens",
+        "Prompt tokens the engine looked up in its prefix cache, as its own latest sample "
+        "counts them since it started (vLLM, llama.cpp).",
+        labels=["deployment", "instance"],
+    )
+    hits = CounterMetricFamily(
+        "capyctl_engine_prefix_cache_hit_tokens",
+        "Of those, the tokens the engine found cached.",
+        labels=["deployment", "instance"],
+    )
+    for name, route in gw.fleet.routes.items():
+        for inst in route.instances:
+            counts = inst.runner.prefix_cache()
+            if counts is not None:
+                queried.add_metric([name, str(inst.index)], counts.queried_tokens)
+                hits.add_metric([name, str(inst.index)], counts.hit_tokens)
+    yield from (queried, hits)
 
 
 def _lifecycle(gw: Gateway) -> Iterator[Metric]:
