@@ -168,7 +168,11 @@ def register(
         ] = None,
         replace: Annotated[
             bool,
-            typer.Option("--replace", help="NAME is enrolled: enroll a new machine in its place."),
+            typer.Option(
+                "--replace",
+                help="NAME is enrolled, or has a join file still usable: enroll a new machine "
+                "in its place, voiding that file.",
+            ),
         ] = False,
         state_dir: StateOpt = None,
     ) -> None:
@@ -196,12 +200,12 @@ def register(
                         "(the old one is refused once the new one joins); to cut it off, "
                         f"`capyctl-gateway revoke host {name}`"
                     )
-                token, expires = invites.create(name, seconds)
+                token, expires = invites.create(name, seconds, replace=replace)
             finally:
                 invites.close()
             ca = identity.ca_cert.read_bytes()
             JoinFile(name, control, ca, pki.fingerprint(ca), token, expires).write(output)
-        except (ConfigError, OSError) as exc:
+        except (ConfigError, JoinError, OSError) as exc:
             raise fail(str(exc)) from None
         typer.echo(f"join file for host {name} written to {output} (valid {valid}, used once)")
 

@@ -71,6 +71,12 @@ class EngineFacts:
     cached_only_when_some: bool = False
     """The engine reports ``cached_tokens`` only when some were cached: an answer without it
     says nothing of the cache (not 0)."""
+    chunk_keys: frozenset[str] = frozenset()
+    """A chunk's own fields beside its frame and ``usage`` (the spec's streamed-field table,
+    and what the engine sends at the tested versions): any other ends the stream unverified."""
+    null_chunk_keys: frozenset[str] = frozenset()
+    """Fields the engine writes into every chunk's first one as null (vLLM's token ids, which
+    no request the gateway forwards asks for): relayed only while null."""
 
 
 FACTS: dict[EngineKind, EngineFacts] = {
@@ -86,6 +92,9 @@ FACTS: dict[EngineKind, EngineFacts] = {
         sleep_env=(("VLLM_SERVER_DEV_MODE", "1"),),
         park_by="sleep",
         figures_in="metrics",
+        # system_fingerprint on the usage chunk (captured from 0.31.0; not in the spec's table)
+        chunk_keys=frozenset({"metrics", "system_fingerprint"}),
+        null_chunk_keys=frozenset({"prompt_token_ids", "prompt_text"}),
     ),
     EngineKind.SGLANG: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
@@ -109,12 +118,14 @@ FACTS: dict[EngineKind, EngineFacts] = {
         closes_after_stream=True,
         forced_flags=("--metrics",),
         figures_in="timings",
+        chunk_keys=frozenset({"system_fingerprint", "timings"}),
     ),
     EngineKind.TENSORFOLD: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
         reasoning_key="reasoning_content",
         honours_cache_salt=False,
         figures_in="tensorfold",
+        chunk_keys=frozenset({"exact_mode", "tensorfold", "speculative"}),
     ),
 }
 

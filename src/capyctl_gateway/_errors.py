@@ -22,6 +22,8 @@ Every error the gateway answers a client with:
         └── UnverifiedError       the engine's stream broke a rule (stream_unverified in band)
             └── SSEError          the bytes are not a stream of data events
 
+A request the gateway itself ends hears one by its ender's code (`_relay.ending.ended_by_gateway`).
+
 What an operator must fix before the gateway can run (the CLI catches the root, prints the
 message and exits 1):
 

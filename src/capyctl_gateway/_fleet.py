@@ -89,7 +89,7 @@ class Fleet:
             ended += route.queue.fail_waiters(lambda: UnavailableError(why, code="shutting_down"))
             for inst in route.instances:
                 for ex in list(inst.inflight):
-                    ex.abort(why)
+                    ex.abort(why, "shutting_down")
                     ended += 1
         return ended
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ._clock import stamp
 from ._errors import EngineError, GatewayError
 from ._loop import running_loop
 from ._relay.exchange import Exchange
@@ -80,7 +81,7 @@ class Tally:
                 content = out.first_content_at - arrival
             if out.last_at is not None:
                 last = out.last_at - arrival
-        total = running_loop().time() - arrival
+        total = stamp() - arrival
         return Figures(
             self.deployment,
             self.api,

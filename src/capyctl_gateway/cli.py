@@ -26,6 +26,7 @@ from ._cli_common import (
 )
 from ._cli_serve import run
 from ._config import MAX_WORKERS, ConfigError, load_config
+from ._config.bounds import fit_workers
 from ._errors import OperatorError
 from ._http.app import GATEWAY_KEY, create_app
 from ._identity import (
@@ -153,6 +154,7 @@ def serve(
             application = create_app(cfg, key, state_dir=state)
         enough_files(files_wanted(cfg.limits.max_connections))
         count = workers or cfg.workers
+        fit_workers(cfg.limits, count)  # a body budget set too small to split: refused now
         sock = bind(host, port, reuse_port=count > 1)
         msock = bind(mhost, mport)
         metrics = metrics or os.environ.get("CAPYCTL_METRICS_ADDR")

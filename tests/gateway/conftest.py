@@ -45,7 +45,7 @@ async def _serve(app: web.Application, *, gateway: bool = False) -> tuple[web.Ap
 @pytest.fixture
 async def engine() -> AsyncIterator[FakeEngine]:
     fake = FakeEngine()
-    app = web.Application()
+    app = web.Application(client_max_size=128 * 2**20)  # as an engine: no small body limit
     fake.routes(app)
     runner, fake.url = await _serve(app)
     try:

@@ -145,7 +145,8 @@ async def test_bodies_past_the_bytes_in_flight_are_refused_and_the_count_returns
     engine: FakeEngine, make_gateway: MakeGateway
 ) -> None:
     engine.script = [event(chunk(delta={"role": "assistant", "content": ""})), Hold()]
-    gw = await make_gateway(config(engine, max_body_bytes_in_flight=3000))
+    limits = {"max_body_bytes": 2500, "max_decision_body_bytes": 1024}
+    gw = await make_gateway(config(engine, max_body_bytes_in_flight=3000, **limits))
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}
     async with gw.client() as c, anyio.create_task_group() as tg:
         first: list[Any] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -173,6 +174,9 @@ def test_a_stopping_gateway_ends_an_open_stream_in_band_after_its_shutdown_timeo
             if gateway.poll() is None:
                 gateway.kill()
     assert '"error"' in events[-1] and "[DONE]" not in events[-1], events
+    # what happened, and that a retry (to this gateway once back, or another) may work
+    error = json.loads(events[-1].removeprefix("data:"))["error"]
+    assert (error["code"], error["retryable"]) == ("shutting_down", True), error
     assert "waiting up to 1 s for 1 running" in rest
     assert "ended 1 request(s) still open" in rest
     assert rest.rstrip().endswith("capyctl-gateway: stopped")

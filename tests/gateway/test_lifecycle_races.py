@@ -7,6 +7,7 @@ process, over real sockets): these are the lifecycle's policy, not its processes
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -245,6 +246,32 @@ async def test_a_request_that_meets_an_operators_stop_is_refused_at_once(
             assert not long.done()  # refused at once, not after the drain
             assert "[DONE]" in await long  # the running one finished in the drain
             assert (await stop).status_code == 200
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_stream_an_operators_stop_outlasts_hears_that_it_was_stopped(
+    make_gateway: MakeGateway,
+) -> None:
+    """Past the drain the stop ends what still runs: the streams heard engine_error (the engine
+    connection broke as the engine stopped); now each hears deployment_stopped, not retryable
+    (a retry would be refused until it is started), and the engine connection is closed."""
+    dep = launched(served=served("o"), lifecycle={"drain_timeout": "300ms"})
+    gw = await make_gateway({"deployments": [dep]})
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    try:
+        async with gw.client(timeout=60) as c, httpx.AsyncClient(headers=auth, timeout=60) as m:
+            longs = [await long_stream(c, "my-model", 30) for _ in range(3)]
+            assert (await m.post(f"{base}/deployments/my-model/stop")).status_code == 200
+            for long in longs:
+                text = await long
+                last = [x for x in text.splitlines() if x.startswith("data:")][-1]
+                error = json.loads(last.removeprefix("data:"))["error"]
+                assert (error["code"], error["retryable"]) == ("deployment_stopped", False), error
+                assert "stopped by an operator" in error["message"]
+        assert running(gw, served("o")) == []
+        assert gw.gateway.fleet.routes["my-model"].queue.running == 0
     finally:
         await runner.cleanup()
 

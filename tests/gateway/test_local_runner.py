@@ -192,3 +192,66 @@ def test_a_launched_command_is_shown_without_its_secrets() -> None:
         "--port",
         "1",
     ]
+
+
+def test_under_serve_the_routers_figures_are_timed_below_the_millisecond(tmp_path: Path) -> None:
+    """``serve`` runs uvloop, whose loop time is whole milliseconds: figures stamped with it
+    came out as 1.0 or 2.0. Of six streams, at least one figure has a fractional part."""
+    import orjson
+
+    config = tmp_path / "g.yaml"
+    config.write_text(yaml.safe_dump({"deployments": [launched()]}))
+    state = tmp_path / "state"
+    ports = [_free_port(), _free_port()]
+    argv, env = serve_command(config, state, ports[0], ports[1])
+    figures = []
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, env=env) as gateway:
+        try:
+            key = listening(gateway, state)
+            with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"}) as c:
+                for _ in range(6):
+                    r = c.post(
+                        f"http://127.0.0.1:{ports[0]}/v1/chat/completions",
+                        json={**chat(), "stream": True},
+                    )
+                    line = next(x for x in r.text.split("\n") if x.startswith(": x-capyctl-"))
+                    figures.append(orjson.loads(line.split(" ", 2)[2])["ttft_ms"])
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+    assert all(f["source"] == "router" for f in figures)
+    assert any(f["value"] != int(f["value"]) for f in figures), figures
+
+
+async def test_a_start_whose_port_is_taken_before_the_engine_binds_it_starts_on_another(
+    make_gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The port is chosen, then bound by the engine: another process may take it between.
+    That start answered the request 500 activation_failed; now it starts on another port, and
+    the request never hears of it. (The race is made certain: the first port chosen is one a
+    listener holds.)"""
+    import socket
+
+    from capyctl_gateway._local import runner as local_runner
+
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = iter([busy])
+        real = local_runner.free_port
+        monkeypatch.setattr(local_runner, "free_port", lambda: next(ports, None) or real())
+        gw = await make_gateway({"deployments": [launched()]})
+        async with gw.client() as c:
+            r = await c.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200, r.text
+    doc = deployment_status(gw.gateway.fleet, "my-model")
+    assert doc is not None
+    port = doc["instances"][0]["process"]["port"]
+    assert port != busy
+    assert f"port {busy} was taken before the engine bound it" in caplog.text
+    assert [(t["from"], t["to"]) for t in transitions(caplog)] == [
+        ("stopped", "starting"),
+        ("starting", "ready"),
+    ]

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,11 +110,15 @@ class Cluster:
             base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30, **kw
         )
 
-    def join_file(self, host: str, valid_s: float = 3600, control: str | None = None) -> Path:
+    def join_file(
+        self, host: str, valid_s: float = 3600, control: str | None = None, replace: bool = False
+    ) -> Path:
         identity = ServerIdentity(self.server_state / "identity")
         invites = Invites(self.server_state / "machines.sqlite3")
-        token, expires = invites.create(host, valid_s)
-        invites.close()
+        try:
+            token, expires = invites.create(host, valid_s, replace=replace)
+        finally:
+            invites.close()
         ca = identity.ca_cert.read_bytes()
         path = self.tmp / f"{host}-{token[:6]}.join"
         where = control or self.control
@@ -257,12 +262,38 @@ async def test_a_join_file_is_used_once_and_an_expired_one_is_refused(
     c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
     path = c.join_file("gpu-box")
     await join(path, c.tmp / "first")
-    with pytest.raises(JoinError, match="used already"):
+    with pytest.raises(JoinError, match="used or voided already"):
         await join(path, c.tmp / "second")
     assert not (c.tmp / "second" / "identity" / "host.pem").exists()
     with pytest.raises(JoinError, match="expired"):
         await join(c.join_file("gpu-box", valid_s=-1), c.tmp / "third")
     assert (c.tmp / "first" / "identity" / "host.key").stat().st_mode & 0o777 == 0o600
+
+
+async def test_an_old_join_file_cannot_take_an_enrolled_hosts_name(
+    cluster: Callable[..., Awaitable[Cluster]], engines: Callable[[], Awaitable[FakeEngine]]
+) -> None:
+    """A second invitation for a name with one open was written without a word, and whichever
+    file enrolled last took the name and its traffic. Now a second needs --replace, which voids
+    the first, and an enrollment voids every other open invitation for its name."""
+    engine = await engines()
+    c = await cluster([dep({"host": "gpu-box", "url": engine.url})])
+    first = c.join_file("gpu-box")
+    with pytest.raises(JoinError, match="--replace"):
+        c.join_file("gpu-box")
+    second = c.join_file("gpu-box", replace=True)
+    with pytest.raises(JoinError, match="voided"):
+        await join(first, c.tmp / "old")
+    await join(second, c.tmp / "new")
+    # A database written before the rule may hold two open invitations: enrolling voids the other.
+    db = sqlite3.connect(c.server_state / "machines.sqlite3")
+    with db:
+        db.execute("UPDATE invite SET spent_at = NULL WHERE host = 'gpu-box'")
+    db.close()
+    await join(second, c.tmp / "again")
+    with pytest.raises(JoinError, match="voided"):
+        await join(first, c.tmp / "old")
+    assert not (c.tmp / "old" / "identity" / "host.pem").exists()
 
 
 async def test_the_ingress_refuses_a_request_without_the_gate_key_and_forwards_nothing(
@@ -372,6 +403,10 @@ async def test_a_network_cut_ends_streams_through_the_host_in_band_within_second
         noticed = loop.time() - cut_at
     assert any('"error"' in line for line in rest) and "data: [DONE]" not in rest, rest
     assert noticed < 6, noticed  # the session's silence, then the stream is ended
+    error = json.loads(next(x for x in rest if '"error"' in x).removeprefix("data:"))["error"]
+    # the gateway ended it as its host went away: it says so, and another instance may retry it
+    assert (error["code"], error["retryable"]) == ("engine_error", True), error
+    assert "host gpu-box lost its session" in error["message"]
     # The host, hearing nothing either, closed its forward: the engine connection is closed.
     await asyncio.wait_for(engine.hung_up.wait(), 10)
 

@@ -211,6 +211,10 @@ BROKEN: dict[str, list[Any]] = {
     "event field": [b"event: ping\ndata: {}\n\n"],
     "done before finish": [event(chunk(delta={"content": "a"})), DONE],
     "unknown finish reason": [event(chunk(delta={"content": "a"}, finish="abort"))],
+    # chunk-level fields: only those of the engine's row (llama.cpp's timings are not vLLM's)
+    "timings on vLLM": [event(chunk(delta={"content": "a"}, timings={"prompt_ms": 1.0}))],
+    "invented chunk field": [event(chunk(delta={"content": "a"}, x_debug="10.0.0.7"))],
+    "token ids with a value": [event(chunk(delta={"content": "a"}, prompt_token_ids=[1, 2]))],
 }
 
 
@@ -228,7 +232,9 @@ async def test_a_broken_stream_ends_unverified_without_done(
     assert "x-capyctl-metrics" not in text
 
 
-@pytest.mark.parametrize("case", ["unknown delta key", "duplicate key", "changing id"])
+@pytest.mark.parametrize(
+    "case", ["unknown delta key", "duplicate key", "changing id", "invented chunk field"]
+)
 async def test_a_broken_stream_is_a_502_for_a_non_streaming_client(
     gateway: Gw, engine: FakeEngine, case: str
 ) -> None:
@@ -236,6 +242,23 @@ async def test_a_broken_stream_is_a_502_for_a_non_streaming_client(
     status, body = await collect(gateway)
     assert status == 502
     assert body["code"] == "engine_error"
+
+
+async def test_vllms_own_chunk_fields_are_relayed_as_it_sends_them(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    """As captured from vLLM 0.31.0: null token ids on the opening chunk, a system fingerprint
+    and the metrics object on the usage chunk."""
+    opening = chunk(delta={"role": "assistant", "content": ""})
+    opening |= {"prompt_token_ids": None, "prompt_text": None}
+    tail = chunk(choices=[], usage={"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
+    tail |= {"system_fingerprint": "vllm-0.31.0-b289ab4b", "metrics": {"mean_itl_ms": 10.0}}
+    engine.script = [event(opening), *vllm_stream()[1:-1], event(tail), DONE]
+    status, _, text = await stream(gateway)
+    events = data_events(text)
+    assert status == 200 and events[-1] == "[DONE]", events[-2:]
+    assert events[0]["prompt_token_ids"] is None and "prompt_text" in events[0]
+    assert events[-2]["system_fingerprint"] == "vllm-0.31.0-b289ab4b"
 
 
 async def test_a_truncated_stream_is_unverified(gateway: Gw, engine: FakeEngine) -> None:

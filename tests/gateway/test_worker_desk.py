@@ -91,9 +91,9 @@ async def test_an_abort_that_comes_with_its_offer_sends_nothing_to_the_engine(
         asking = asyncio.ensure_future(c.post(f"{url}/v1/chat/completions", json=CHAT))
         gid = (await authority.next(Admit)).gid
         authority.wire.send(offer(gid, engine.url))
-        authority.wire.send(Abort(gid, "the gateway is stopping"))  # the same write
+        authority.wire.send(Abort(gid, "the gateway is stopping", "shutting_down"))  # one write
         r = await asking
-    assert r.status_code == 502 and r.json()["code"] == "engine_error", r.text
+    assert (r.status_code, r.json()["code"], r.json()["retryable"]) == (503, "shutting_down", True)
     end = await authority.next(End)
     assert (end.gid, end.sent) == (gid, False)  # not sent: nothing to settle
     assert engine.received == []
@@ -113,7 +113,7 @@ async def test_an_abort_for_an_instance_that_never_took_it_does_not_follow_it(
         authority.wire.send(offer(gid, nobody))
         assert (await authority.next(Next)).gid == gid  # never sent there
         # That instance's host is lost just then; the next offer goes elsewhere.
-        authority.wire.send(Abort(gid, "host a lost its session"))
+        authority.wire.send(Abort(gid, "host a lost its session", "engine_error"))
         authority.wire.send(offer(gid, engine.url))
         r = await asking
     assert r.status_code == 200, r.text

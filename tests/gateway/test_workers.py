@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,14 @@ import pytest
 import yaml
 
 from capyctl_gateway import GatewayConfig
-from capyctl_gateway._config.bounds import Limits, shared_bounds
+from capyctl_gateway._config import ConfigError
+from capyctl_gateway._config.bounds import Limits, fit_workers, shared_bounds
 from capyctl_gateway._workers.messages import Gone, Ready
 from capyctl_gateway._workers.wire import MAX_MESSAGE_BYTES, Wire
 from capyctl_gateway._workers.worker import share
 from tests.eventually import eventually
+from tests.gateway.conftest import Gw, deployments
+from tests.gateway.fake_engine import FakeEngine, vllm_stream
 from tests.gateway.serving import listening, serve_command
 from tests.gateway.test_lifecycle import launched
 from tests.gateway.test_lifecycle_races import said, served
@@ -169,6 +173,35 @@ def test_each_worker_holds_its_share_of_the_listeners_bounds() -> None:
     assert GatewayConfig.model_validate({"workers": 64, "deployments": [launched()]}).workers == 64
     with pytest.raises(ValueError, match="workers"):
         GatewayConfig.model_validate({"workers": 65, "deployments": [launched()]})
+
+
+def test_a_body_budget_that_cannot_hold_a_body_within_the_limits_is_refused_at_load() -> None:
+    """Each worker's share of the body budget was the total split evenly, never compared with
+    the largest body: from 5 workers a 52 MiB chat body got a 503 saying to retry, for ever.
+    Left at its default, the budget grows so that a share holds that body; set too small, it
+    is refused when the configuration is read (one process) or by serve (workers)."""
+    mib = 2**20
+    assert fit_workers(Limits(), 4).max_body_bytes_in_flight == 256 * mib  # 64 MiB each
+    assert fit_workers(Limits(), 5).max_body_bytes_in_flight == 5 * 64 * mib
+    assert Limits(max_body_bytes=512 * mib).max_body_bytes_in_flight == 512 * mib
+    with pytest.raises(ConfigError, match="split over 5 workers"):
+        fit_workers(Limits(max_body_bytes_in_flight=256 * mib), 5)
+    with pytest.raises(ValueError, match="could never be read"):
+        Limits(max_body_bytes_in_flight=32 * mib)
+
+
+@pytest.mark.parametrize("workers", [5])
+async def test_with_five_workers_a_body_within_every_limit_is_served(
+    make_gateway: Callable[..., Awaitable[Gw]], engine: FakeEngine, workers: int
+) -> None:
+    engine.script = vllm_stream()
+    gw = await make_gateway({"deployments": [deployments(engine.url)]})
+    text = "x" * (60 * 2**20)  # under the 64 MiB chat limit, over a fifth of 256 MiB
+    body = {"model": "my-model", "messages": [{"role": "user", "content": text}]}
+    async with gw.client(timeout=120) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text[:300]
+    assert len(engine.received) == 1
 
 
 async def test_a_message_past_the_lines_bound_closes_the_line() -> None:

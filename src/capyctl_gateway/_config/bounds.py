@@ -3,12 +3,14 @@ connections it accepts (`Limits`)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Self
+
+from pydantic import BaseModel, Field, model_validator
 from pydantic.config import JsonDict
 
-from .parts import KEEPALIVE_TIMEOUT_S, STRICT, Seconds
+from .parts import KEEPALIVE_TIMEOUT_S, STRICT, ConfigError, Seconds
 
-__all__ = ["SHARED", "Limits", "QueueConfig", "shared_bounds"]
+__all__ = ["SHARED", "Limits", "QueueConfig", "fit_workers", "shared_bounds"]
 
 SHARED: JsonDict = {"per_process": "shared"}
 """The marker of a bound of the whole gateway that its worker processes share (each holds its
@@ -41,7 +43,8 @@ class Limits(BaseModel):
         default=256 * 1024 * 1024, ge=1024, json_schema_extra=SHARED
     )
     """Request bodies being read and held, over all requests at once; a body that would pass
-    it is refused with 503 (retryable)."""
+    it is refused with 503 (retryable). With workers, each holds an equal share, and a share
+    holds at least the largest body a request may have (`fit_workers`)."""
     body_read_timeout: Seconds = 120.0
     """A request body must have arrived whole within this (408 past it)."""
     header_timeout: Seconds = 10.0
@@ -56,7 +59,43 @@ class Limits(BaseModel):
     """An engine answer the gateway assembles or reads whole (non-streamed chat, decisions)
     may be this large; past it, 502 engine_error."""
 
+    @model_validator(mode="after")
+    def _a_body_fits_the_budget(self) -> Self:
+        """A body within the per-request limits must fit the budget, or it would be refused
+        for ever with a 503 that says to retry: the default grows to hold the largest one; a
+        budget set smaller is refused."""
+        largest = max(self.max_body_bytes, self.max_decision_body_bytes)
+        if self.max_body_bytes_in_flight < largest:
+            if "max_body_bytes_in_flight" in self.model_fields_set:
+                raise ValueError(
+                    f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) is less than "
+                    f"the largest body a request may have ({largest}: max_body_bytes or "
+                    "max_decision_body_bytes), which could never be read: raise it or lower those"
+                )
+            object.__setattr__(self, "max_body_bytes_in_flight", largest)  # not set: a default
+        return self
+
 
 def shared_bounds(model: type[BaseModel]) -> tuple[str, ...]:
     """The fields of ``model`` marked `SHARED`: what each of N workers holds a part of."""
     return tuple(name for name, f in model.model_fields.items() if f.json_schema_extra == SHARED)
+
+
+def fit_workers(limits: Limits, workers: int) -> Limits:
+    """``limits`` for a gateway of ``workers`` processes, each holding an equal share of the
+    body budget (rounded up). A share smaller than the largest body a request may have would
+    refuse such a request for ever, with a 503 that says to retry: left at its default, the
+    budget grows to ``workers`` times that body; set in the configuration, it is refused."""
+    largest = max(limits.max_body_bytes, limits.max_decision_body_bytes)
+    total = limits.max_body_bytes_in_flight
+    if workers <= 1 or -(-total // workers) >= largest:
+        return limits
+    if "max_body_bytes_in_flight" in limits.model_fields_set:
+        raise ConfigError(
+            f"limits.max_body_bytes_in_flight ({total} bytes) split over {workers} workers "
+            f"leaves each less than the largest body a request may have ({largest} bytes, "
+            "limits.max_body_bytes or max_decision_body_bytes), which would be refused for "
+            f"ever: set it to at least {workers * largest}, lower those limits, or run fewer "
+            "workers"
+        )
+    return limits.model_copy(update={"max_body_bytes_in_flight": workers * largest})

@@ -120,7 +120,9 @@ class Tracked(Protocol):
 
     def abortable(self) -> None: ...
 
-    def abort(self, why: str) -> None: ...
+    def abort(self, why: str, code: str = "engine_error") -> None:
+        """End it now; its client hears ``why`` with ``code`` (`ended_by_gateway`)."""
+        ...
 
 
 class LogLines(Protocol):

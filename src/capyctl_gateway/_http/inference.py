@@ -19,11 +19,11 @@ from typing import Any
 from aiohttp import web
 from yarl import URL
 
+from .._clock import stamp
 from .._config import REMOTE_MAX_BODY_BYTES, Api, Deployment, GatewayConfig
 from .._deployments.routes import EngineInstance, Facts
 from .._errors import GatewayError, TooLargeError, UnknownModelError
 from .._gateway import Gateway
-from .._loop import running_loop
 from .._machines.protocol import INGRESS_MAX_BODY_BYTES
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
@@ -125,8 +125,7 @@ class Inference:
         return web.Response(body=document, headers=headers, content_type="application/json")
 
     async def _serve(self, request: web.Request, surface: Surface) -> web.StreamResponse:
-        loop = running_loop()
-        tally = Tally(surface.api.value, loop.time())
+        tally = Tally(surface.api.value, stamp())
         rid = new_ulid()
         headers = {REQUEST_ID: rid}
         config = self.gw.config

@@ -47,6 +47,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_IN_USE = ("address already in use", "couldn't bind", "could not bind", "errno 98")
+
+
+def lost_port(exc: StartFailedError) -> bool:
+    """Whether a start failed because its port was taken before the engine bound it: it
+    exited while starting, its last words saying so (vLLM's and aiohttp's errno 98, llama.cpp's
+    "couldn't bind HTTP server socket")."""
+    tail = exc.log_tail[-4096:].lower()
+    return "exited" in exc.message and any(words in tail for words in _IN_USE)
+
+
 def launch_argv(kind: EngineKind, launch: Launch, port: int, *, sleep: bool = False) -> list[str]:
     """The command line: the operator's, placed on loopback, with the forced flags (and what
     parking needs, with ``sleep``)."""

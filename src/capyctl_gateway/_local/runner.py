@@ -120,39 +120,35 @@ class LocalRunner:
         launch = inst.launch
         if launch is None:
             raise StartFailedError(f"{inst.where} is an engine someone else runs")
-        port = free_port()
-        log = EngineLog(self._log_dir, file_stem(d.name, inst.index), launch.logs)
-        sleep = d.parks and not d.router  # a router parks by unloading: no flags
-        argv = launch_argv(d.engine, launch, port, sleep=sleep)
-        env = launch_env(d.engine, launch, sleep=sleep)
-        proc = EngineProcess(argv, env, log, port)
-        self._proc = proc
-        # The engine's output may carry its keys (vLLM prints its arguments): masked as
-        # ``status`` masks a command line, and the engine's own key wherever it appears.
-        self._log = ShownLog(log, [s for s in (inst.engine_key, *secrets_in(argv, env)) if s])
-        try:
-            await proc.start(self._session, launch.startup_timeout)
-        except StartFailedError as exc:
-            self._proc = None
-            tail = masked(exc.log_tail.rstrip(), self._log.secrets)
-            logger.error(
-                "%s did not start: %s; its log %s ends:\n%s",
-                inst.where,
-                exc.message,
-                log.path,
-                tail,
-            )
-            raise
-        except BaseException:
-            await proc.stop()
-            self._proc = None
-            raise
+        for _ in range(PORT_TRIES):
+            proc, self._log = _process(inst, d, launch, self._log_dir)
+            self._proc = proc
+            try:
+                await proc.start(self._session, launch.startup_timeout)
+                break
+            except StartFailedError as exc:
+                self._proc = None
+                if not lost_port(exc):
+                    _failed(inst, exc, self._log, proc.log)
+                    raise
+                # taken between our look and its bind: another, unseen by the requests
+                logger.warning(
+                    "%s: port %d was taken before the engine bound it: it starts on another",
+                    inst.where,
+                    proc.port,
+                )
+            except BaseException:
+                await proc.stop()
+                self._proc = None
+                raise
+        else:
+            raise StartFailedError(f"the engine lost its port {PORT_TRIES} times as it started")
         inst.bind(proc.url)
         self.watch()
         remember(self._store, inst.key, proc.pid)
         if d.parks and not d.router:  # what its wake checks will be compared with
             self._recorded = await record(self._session, inst, d)
-        return f"answered on port {port}"
+        return f"answered on port {proc.port}"
 
     async def park(self, reason: str) -> None:
         await _drive(self._session, self._inst, self._dep, park=True)
@@ -182,6 +178,28 @@ class LocalRunner:
             return None
         code = proc.proc.returncode if proc.proc is not None else None
         return f"the engine exited with status {code}"
+
+
+def _process(
+    inst: EngineInstance, d: Deployment, launch: Launch, log_dir: Path
+) -> tuple[EngineProcess, ShownLog]:
+    """The engine's process on a free port (not started), and its log as the gateway shows it:
+    the engine's output may carry its keys (vLLM prints its arguments), masked as ``status``
+    masks a command line, and the engine's own key wherever it appears."""
+    port = free_port()
+    log = EngineLog(log_dir, file_stem(d.name, inst.index), launch.logs)
+    sleep = d.parks and not d.router  # a router parks by unloading: no flags
+    argv = launch_argv(d.engine, launch, port, sleep=sleep)
+    env = launch_env(d.engine, launch, sleep=sleep)
+    secrets = [s for s in (inst.engine_key, *secrets_in(argv, env)) if s]
+    return EngineProcess(argv, env, log, port), ShownLog(log, secrets)
+
+
+def _failed(inst: EngineInstance, exc: StartFailedError, shown: ShownLog, log: EngineLog) -> None:
+    tail = masked(exc.log_tail.rstrip(), shown.secrets)
+    logger.error(
+        "%s did not start: %s; its log %s ends:\n%s", inst.where, exc.message, log.path, tail
+    )
 
 
 async def _drive(

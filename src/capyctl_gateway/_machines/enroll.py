@@ -1,13 +1,11 @@
 """Enrolling hosts: the server's control identity, single-use join files, and a host's identity.
 
-The server keeps a certificate authority of its own for the control channel (created on its
-first start under ``<state>/identity/``). ``invite host NAME`` writes a join file: the server's
-control address, its CA certificate and the CA's fingerprint, the host's name, a random token
-and when it expires. The server keeps only the token's SHA-256, spent at first use. ``host join``
-checks the CA against the fingerprint, makes the host's own key (it never leaves the host),
-and sends a certificate request with the token over TLS that trusts only that CA; the server
-answers with the host's certificate. Nothing secret travels in clear, and a copied join file
-is worth nothing once used or expired.
+The server keeps a certificate authority of its own for the control channel (under
+``<state>/identity/``). ``invite host NAME`` writes a join file: the control address, the CA
+certificate and its fingerprint, the host's name, a random token (the server keeps its SHA-256)
+and its expiry; a name has one usable at most. ``host join`` checks the CA against the
+fingerprint, makes the host's key (it never leaves the host) and sends a certificate request
+with the token over TLS that trusts only that CA. A copied file is worth nothing once used.
 """
 
 from __future__ import annotations
@@ -110,21 +108,36 @@ class Invites:
     def close(self) -> None:
         self._db.close()
 
-    def create(self, host: str, valid_s: float, now: float | None = None) -> tuple[str, float]:
-        """A new token for ``host``; returns (token, expires_at)."""
-        token = secrets.token_urlsafe(32)
-        now = time.time() if now is None else now
+    def create(
+        self, host: str, valid_s: float, now: float | None = None, *, replace: bool = False
+    ) -> tuple[str, float]:
+        """A new token for ``host``; returns (token, expires_at). A host has one open
+        invitation at most: with one open, JoinError unless ``replace``, which voids it."""
+        token, now = secrets.token_urlsafe(32), time.time() if now is None else now
         expires = now + valid_s
-        # Invitations spent or expired for a day are no use to anyone: the table stays small.
-        self._db.execute("DELETE FROM invite WHERE expires_at < ?", (now - 86400,))
-        self._db.execute(
-            "INSERT INTO invite VALUES (?, ?, ?, NULL)", (_digest(token), host, expires)
-        )
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            # Invitations spent or expired for a day are no use to anyone: the table stays small.
+            self._db.execute("DELETE FROM invite WHERE expires_at < ?", (now - 86400,))
+            open_until = self._db.execute(
+                "SELECT MAX(expires_at) FROM invite "
+                "WHERE host = ? AND spent_at IS NULL AND expires_at >= ?",
+                (host, now),
+            ).fetchone()[0]
+            if open_until is not None and not replace:  # the second would take the name
+                raise JoinError(
+                    f"host {host} has a join file still usable for "
+                    f"{max(1, round((open_until - now) / 60))} min; --replace voids it"
+                )
+            self._void(host, now)
+            self._db.execute(
+                "INSERT INTO invite VALUES (?, ?, ?, NULL)", (_digest(token), host, expires)
+            )
         return token, expires
 
     def spend(self, token: str, host: str, now: float | None = None) -> None:
-        """Use ``token`` for ``host`` once. Raises JoinError (unknown, spent, expired, another
-        host's)."""
+        """Use ``token`` for ``host`` once, voiding every other open invitation for ``host``.
+        Raises JoinError (unknown, spent or voided, expired, another host's)."""
         now = time.time() if now is None else now
         with self._db:  # one transaction: two joins racing with one token, one wins
             self._db.execute("BEGIN IMMEDIATE")
@@ -136,14 +149,17 @@ class Invites:
                 raise JoinError("this join file is not one the server issued")
             invited, expires, spent = row
             if spent is not None:
-                raise JoinError("this join file was used already; ask for a new one")
+                raise JoinError("this join file was used or voided already; ask for a new one")
             if now > expires:
                 raise JoinError("this join file has expired; ask for a new one")
             if invited != host:
                 raise JoinError(f"this join file is for host {invited!r}, not {host!r}")
-            self._db.execute(
-                "UPDATE invite SET spent_at = ? WHERE token_sha256 = ?", (now, _digest(token))
-            )
+            self._void(host, now)  # this one with the others: an old file cannot follow it
+
+    def _void(self, host: str, now: float) -> None:
+        self._db.execute(
+            "UPDATE invite SET spent_at = ? WHERE host = ? AND spent_at IS NULL", (now, host)
+        )
 
 
 def _digest(token: str) -> str:

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from .._aiohttp import HeadWithFirstWrite
+from .._clock import stamp
 from .._config import Deployment
 from .._errors import (
     ClientGoneError,
@@ -24,7 +25,6 @@ from .._errors import (
     UnverifiedError,
     error_event,
 )
-from .._loop import running_loop
 from .assemble import Assembler
 from .blocks import BlockReader
 from .exchange import Exchange
@@ -48,18 +48,17 @@ async def relay_chat(
     headers: dict[str, str],
 ) -> web.StreamResponse:
     """Relay the engine's stream to a streaming client, chunk by verified chunk."""
-    loop = running_loop()
     verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
     reader = BlockReader(verifier)
     out: web.StreamResponse | None = None
-    sent_at = loop.time()
+    sent_at = stamp()
     try:
         async with ex:
             content = await ex.open_stream(payload)
             done = False
             last: list[bytes] = []
             while not done and (block := await content.readany()):
-                now = loop.time()
+                now = stamp()
                 parts, done = reader.relay(block, now)
                 if parts:
                     if verifier.first_output_at is not None:
@@ -111,11 +110,10 @@ async def relay_chat(
 async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_bytes: int) -> bytes:
     """Collect the engine's stream into one chat answer for a client that asked for none;
     returns the answer's JSON bytes. An answer whose chunks pass ``max_bytes`` is refused."""
-    loop = running_loop()
     verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
     reader = BlockReader(verifier)
     assembler = Assembler()
-    sent_at = loop.time()
+    sent_at = stamp()
     try:
         async with ex:
             content = await ex.open_stream(payload)

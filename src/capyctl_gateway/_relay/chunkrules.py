@@ -12,6 +12,7 @@ from .._errors import UnverifiedError
 
 __all__ = [
     "check_choice",
+    "check_fields",
     "check_frame",
     "check_tool_calls",
     "client_bytes",
@@ -109,6 +110,16 @@ def check_frame(chunk: dict[str, Any], known_id: str | None, served: str) -> str
     if type(chunk.get("choices")) is not list:
         raise UnverifiedError("a chunk has no choices list")
     return cid
+
+
+def check_fields(chunk: dict[str, Any], allowed: frozenset[str], nulls: frozenset[str]) -> None:
+    """A chunk's own fields must be its engine's (``allowed``, or one of ``nulls`` while null):
+    an untested field never reaches a client or an assembled answer."""
+    for key, value in chunk.items():
+        if key not in allowed and (value is not None or key not in nulls):
+            raise UnverifiedError(
+                f"the chunk carries {key[:64]!r}, which is not verified for this engine"
+            )
 
 
 def check_choice(

@@ -6,8 +6,8 @@ from typing import Any
 
 import orjson
 
+from .._clock import stamp
 from .._errors import EngineError
-from .._loop import running_loop
 from .exchange import Exchange
 from .figures import Figures, num, put
 from .refusal import forwarded, refusal
@@ -56,19 +56,18 @@ async def relay_decision(
     ex: Exchange, payload: bytes, *, public: str, arrival: float, max_bytes: int
 ) -> bytes:
     """Forward ``payload`` (addressed to the engine); return the client's answer's bytes."""
-    loop = running_loop()
-    sent_at = loop.time()
+    sent_at = stamp()
     async with ex:  # what the engine answered, refusals included, is judged inside it
         resp = await ex.post(payload)
         if resp.status != 200:
             forwarded(ex, resp)
         raw = await resp.content.read(max_bytes + 1)
         ex.complete()
-        ex.outcome.last_at = loop.time()
+        ex.outcome.last_at = stamp()
         if resp.status != 200:
             raise await refusal(resp, ex.where, raw)
         answer = _answer(raw, ex.where, max_bytes)
     answer["model"] = public
-    figures = decision_figures(answer, arrival=arrival, sent_at=sent_at, now=loop.time())
+    figures = decision_figures(answer, arrival=arrival, sent_at=sent_at, now=stamp())
     answer["capyctl"] = {"metrics": figures}
     return orjson.dumps(answer)

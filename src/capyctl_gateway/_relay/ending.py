@@ -2,6 +2,7 @@
 
 * `_failure`: the one mapping of what went wrong to the error tree, noting the `Ending` on the
   exchange's `Outcome` (see the exchange's docstring for the mapping itself);
+* `ended_by_gateway`: what a request the gateway itself ended (`Exchange.abort`) hears;
 * `_finish`: the engine connection's fate: pooled after a whole answer (after waiting up to
   `DRAIN_S` for the chunked body's end), closed otherwise, the close being what tells the engine
   to stop.
@@ -19,6 +20,7 @@ import aiohttp
 from .._engine_client import EngineConnectError, EngineConnectionError
 from .._errors import (
     ClientGoneError,
+    DeploymentStoppedError,
     EngineError,
     EngineRejectedError,
     GatewayError,
@@ -33,7 +35,7 @@ from .deadline import Deadline
 if TYPE_CHECKING:
     from .exchange import Answer, Exchange
 
-__all__ = ["DRAIN_S"]
+__all__ = ["DRAIN_S", "ended_by_gateway"]
 
 DRAIN_S = 1.0
 """How long a finished exchange waits for the end of the engine's body to pool its connection."""
@@ -43,6 +45,19 @@ _NEVER_CONNECTED = (
     EngineConnectError,
 )
 _BROKEN = (aiohttp.ClientError, EngineConnectionError)
+
+
+def ended_by_gateway(code: str, why: str) -> GatewayError:
+    """What a request the gateway itself ended hears (`Tracked.abort`), by ``code``: the gateway
+    stopping, 503 ``shutting_down`` (retryable: another gateway, or this one once it is back,
+    takes it); an operator's stop past the drain, 409 ``deployment_stopped`` (not until it is
+    started again); its engine's host lost, 502 ``engine_error`` (retryable: another instance
+    may take it)."""
+    if code == "shutting_down":
+        return UnavailableError(why, code="shutting_down")
+    if code == "deployment_stopped":
+        return DeploymentStoppedError(why)
+    return EngineError(why, retryable=True)
 
 
 def _failure(ex: Exchange, exc: BaseException) -> BaseException:
@@ -63,6 +78,9 @@ def _mapped(ex: Exchange, exc: BaseException) -> tuple[Ending, BaseException]:
         return Ending.ENGINE_ERROR, NotAcceptedError(
             f"{ex.where} could not be reached", detail=str(exc)
         )
+    if ex._aborted is not None:  # the gateway ended it: say so, not an engine failure
+        out.error = ex._aborted
+        return Ending.ENGINE_ERROR, ended_by_gateway(ex._abort_code, ex._aborted)
     if isinstance(exc, _BROKEN):
         out.error = str(exc) or type(exc).__name__
         return Ending.ENGINE_ERROR, EngineError(

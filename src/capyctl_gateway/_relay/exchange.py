@@ -31,6 +31,7 @@ from types import TracebackType
 import aiohttp
 from yarl import URL
 
+from .._clock import stamp
 from .._engine_client import Body, EngineClient, EngineResponse
 from .._errors import EngineError
 from .._loop import running_loop
@@ -78,6 +79,7 @@ class Exchange:
 
     __slots__ = (
         "_abortable",
+        "_abort_code",
         "_aborted",
         "_bound",
         "_clean",
@@ -125,13 +127,15 @@ class Exchange:
         # client stopped reading (a write that cannot drain), which is a hang-up.
         self.writing = False
         self._aborted: str | None = None
+        self._abort_code = "engine_error"
         self._abortable = False
         self._posting: asyncio.Task[Answer] | None = None
 
-    def abort(self, why: str) -> None:
-        """End the exchange now from outside (its engine's host went away): the engine
-        connection is closed, and the caller sees an engine failure."""
-        self._aborted = why
+    def abort(self, why: str, code: str = "engine_error") -> None:
+        """End the exchange now from outside (the gateway stopping, an operator's stop, its
+        engine's host gone): the engine connection is closed, and the caller hears ``why``
+        with ``code`` (`ended_by_gateway`)."""
+        self._aborted, self._abort_code = why, code
         if self.response is not None:
             self.response.close()  # the read in progress fails
         elif self._posting is not None:
@@ -152,7 +156,7 @@ class Exchange:
             if self._aborted is not None:  # aborted as the head arrived: too late to cancel
                 self.response.close()
                 raise aiohttp.ServerDisconnectedError(self._aborted)
-        self.outcome.head_at = running_loop().time()
+        self.outcome.head_at = stamp()
         return self.response
 
     def abortable(self) -> None:

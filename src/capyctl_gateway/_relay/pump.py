@@ -30,9 +30,9 @@ import asyncio
 from aiohttp import web
 
 from .._aiohttp import StreamWriter, chunk, chunk_writer
+from .._clock import stamp
 from .._engine_answer import Body
 from .._errors import EngineError
-from .._loop import running_loop
 from .assemble import Assembler
 from .blocks import BlockReader
 from .exchange import Exchange
@@ -84,7 +84,6 @@ class Pump:
     __slots__ = (
         "_body",
         "_ex",
-        "_loop",
         "_reader",
         "_transport",
         "_writer",
@@ -100,7 +99,6 @@ class Pump:
         self._ex = ex
         self._writer = writer
         self._transport: asyncio.Transport = writer.transport
-        self._loop = running_loop()
         self.pending: list[bytes] = []
         """Verified events for the client that the task is to write."""
         self.done = False
@@ -116,7 +114,7 @@ class Pump:
         if self.done or self.error is not None:
             return  # read after the end, or after a fault: the task reads no further
         block = parts[0] if len(parts) == 1 else b"".join(parts)
-        now = self._loop.time()
+        now = stamp()
         try:
             events, done = self._reader.relay(block, now)
         except Exception as exc:  # the task raises it, as its own read would
@@ -152,7 +150,7 @@ class Fold:
     """Folds an engine's stream into one answer read by read, for a client that asked for no
     stream; `read` is the whole of it. Over ``max_bytes`` of stream, the answer is refused."""
 
-    __slots__ = ("_assembler", "_ex", "_loop", "_max", "_reader", "_size", "_wake", "done", "error")
+    __slots__ = ("_assembler", "_ex", "_max", "_reader", "_size", "_wake", "done", "error")
 
     def __init__(
         self, reader: BlockReader, ex: Exchange, assembler: Assembler, max_bytes: int
@@ -162,7 +160,6 @@ class Fold:
         self._assembler = assembler
         self._max = max_bytes
         self._size = 0
-        self._loop = running_loop()
         self._wake = _nothing
         self.done = False
         self.error: Exception | None = None
@@ -187,7 +184,7 @@ class Fold:
 
     def take(self, block: bytes) -> None:
         """Fold one read of the stream."""
-        now = self._loop.time()
+        now = stamp()
         self._size += len(block)
         verifier = self._reader.verifier
         chunks = verifier.chunks

@@ -21,7 +21,7 @@ import orjson
 
 from .._engines import EngineKind, facts
 from .._errors import EngineRejectedError, UnverifiedError
-from .chunkrules import check_choice, check_frame, client_bytes
+from .chunkrules import check_choice, check_fields, check_frame, client_bytes
 from .template import CHUNK_FRAME, ENGINE_OBJECTS, TEXT_KEYS, Template, TemplateText
 
 __all__ = ["ChunkVerifier", "EngineRejectedError", "TemplateText", "UnverifiedError"]
@@ -31,6 +31,7 @@ class ChunkVerifier:
     """Checks one engine stream chunk by chunk and keeps what the answer's metrics need."""
 
     __slots__ = (
+        "_chunk_keys",
         "_delta_keys",
         "answered",
         "chunks",
@@ -53,6 +54,7 @@ class ChunkVerifier:
         self._delta_keys, self._text_keys, self._public_json, self._model_raw = _fixed(
             kind, served, public
         )
+        self._chunk_keys = _chunk_keys(kind)
         self.served = served
         self.public = public
         self.id: str | None = None
@@ -141,6 +143,7 @@ class ChunkVerifier:
             self.usage = usage
             output = True
         if len(chunk) > len(CHUNK_FRAME):  # more than the frame, all of which it has
+            check_fields(chunk, *self._chunk_keys)
             for key in ENGINE_OBJECTS:
                 value = chunk.get(key)
                 if value is not None:
@@ -181,6 +184,13 @@ class ChunkVerifier:
             raise UnverifiedError("the engine stream ended without [DONE]")
         if not self.finished:
             raise UnverifiedError("the engine said [DONE] before any finish_reason")
+
+
+@functools.lru_cache(maxsize=8)
+def _chunk_keys(kind: EngineKind) -> tuple[frozenset[str], frozenset[str]]:
+    """A chunk's fields beside its frame that ``kind`` may send, and those only as null."""
+    f = facts(kind)
+    return CHUNK_FRAME | {"usage"} | f.chunk_keys, f.null_chunk_keys
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from .._clock import stamp
 from .._deployments.routes import EngineInstance, Facts, Route
 from .._errors import EngineError, NotAcceptedError, UnavailableError
 from .._fleet import Fleet
@@ -56,7 +57,7 @@ async def place(
         tally.launched, tally.gated = True, not route.queue.open
         fleet.lifecycle.want(name)  # refused now, or waits in the queue for its start
     async with route.queue.slot(deadline):
-        tally.slot = running_loop().time()
+        tally.slot = stamp()
         return await _offer(route, asked, deadline, attempt)
 
 

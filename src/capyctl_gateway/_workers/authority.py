@@ -16,7 +16,8 @@ import logging
 import socket
 from dataclasses import dataclass
 
-from .._config import Api, Deployment
+from .._config import Api, Deployment, GatewayConfig
+from .._config.bounds import fit_workers
 from .._deployments.charge import Charge
 from .._deployments.routes import EngineInstance, Facts, Route
 from .._errors import EngineError, GatewayError, NotAcceptedError
@@ -97,8 +98,8 @@ class Grant:
             return None, False
         return t.slot - t.arrival, t.gated
 
-    def abort(self, why: str) -> None:
-        self.line.wire.send(Abort(self.gid, why))
+    def abort(self, why: str, code: str = "engine_error") -> None:
+        self.line.wire.send(Abort(self.gid, why, code))
 
     async def attempt(self, instance: EngineInstance, route: Route, api: Api) -> None:
         """Offer the request to ``instance`` and wait for the worker's word on it."""
@@ -247,7 +248,7 @@ class Authority:
         self.lines.add(line)
         gateway = self.gateway
         hello = {
-            "config": gateway.config.model_dump(mode="json"),
+            "config": _fitted(gateway.config, workers).model_dump(mode="json"),
             "key": gateway.key_to_share(),
             "workers": workers,
             "index": index,
@@ -260,3 +261,9 @@ class Authority:
     def broadcast(self, message: Message) -> None:
         for line in self.lines:
             line.wire.send(message)
+
+
+def _fitted(config: GatewayConfig, workers: int) -> GatewayConfig:
+    """The configuration as ``workers`` workers take it: each share of the body budget holds
+    the largest body (`fit_workers`; ``serve`` refused a configuration that set it too small)."""
+    return config.model_copy(update={"limits": fit_workers(config.limits, workers)})

@@ -18,9 +18,15 @@ from yarl import URL
 
 from .._config import GatewayConfig
 from .._engine_client import EngineClient
-from .._errors import EngineError, GatewayError, NotAcceptedError, UnavailableError
+from .._errors import (
+    EngineError,
+    GatewayError,
+    NotAcceptedError,
+    UnavailableError,
+)
 from .._http.calls import Call
 from .._loop import running_loop
+from .._relay.ending import ended_by_gateway
 from .._relay.exchange import Exchange
 from .._tally import Tally
 from .messages import Admit, Counts, End, Gone, Next, Offer, Refused
@@ -46,7 +52,7 @@ class RemoteDesk:
         self._asking: dict[int, asyncio.Future[Offer | Refused]] = {}
         self._live: dict[int, Exchange | None] = {}
         """Every request asked about and not ended, with its exchange once it has one."""
-        self._aborts: dict[int, str] = {}
+        self._aborts: dict[int, tuple[str, str]] = {}
         """Aborts that came for a live request before its exchange was made."""
         self._gid = itertools.count()
         self._urls: dict[str, URL] = {}
@@ -60,14 +66,14 @@ class RemoteDesk:
         if waiting is not None and not waiting.done():
             waiting.set_result(m)
 
-    def abort(self, gid: int, why: str) -> None:
+    def abort(self, gid: int, why: str, code: str) -> None:
         if gid not in self._live:
             return  # it ended already
         ex = self._live[gid]
         if ex is None:
-            self._aborts[gid] = why  # its offer is on its way to the task: abort it on arrival
+            self._aborts[gid] = (why, code)  # its offer is on its way: abort it on arrival
         else:
-            ex.abort(why)
+            ex.abort(why, code)
 
     def lost(self) -> None:
         """The line ended: requests waiting for an offer are refused, running ones ended."""
@@ -78,7 +84,7 @@ class RemoteDesk:
         self._asking.clear()
         for ex in self._live.values():
             if ex is not None:
-                ex.abort("the gateway's authority ended")
+                ex.abort("the gateway is stopping (its authority ended)", "shutting_down")
 
     async def serve(self, call: Call, surface: Surface, deadline: float) -> web.StreamResponse:
         loop = running_loop()
@@ -105,7 +111,8 @@ class RemoteDesk:
                 tally.ex, tally.instance = ex, m.instance
                 try:
                     if gid in self._aborts:  # ended before it began: nothing is sent
-                        raise EngineError(f"{m.where}: {self._aborts.pop(gid)}")
+                        why, code = self._aborts.pop(gid)
+                        raise ended_by_gateway(code, f"{m.where}: {why}")
                     return await surface.run(call, ex, self.config.limits.max_answer_bytes)
                 except NotAcceptedError as exc:
                     wire.send(Next(gid, exc.detail or exc.message))

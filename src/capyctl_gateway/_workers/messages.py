@@ -114,19 +114,22 @@ class Refused:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """End request ``gid``'s exchange now (a host lost, the gateway stopping)."""
+    """End request ``gid``'s exchange now (a host lost, the gateway stopping, an operator's
+    stop)."""
 
     TAG: ClassVar[str] = "K"
     gid: int
     why: str
+    code: str
+    """What its client hears (`ended_by_gateway`)."""
 
     def encode(self) -> list[Any]:
-        return [self.TAG, self.gid, self.why]
+        return [self.TAG, self.gid, self.why, self.code]
 
     @classmethod
     def decode(cls, m: list[Any]) -> Abort:
-        _, gid, why = m
-        return cls(gid, why)
+        _, gid, why, code = m
+        return cls(gid, why, code)
 
 
 @dataclass(frozen=True, slots=True)

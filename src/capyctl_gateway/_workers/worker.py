@@ -64,7 +64,7 @@ class Worker:
                 desk.answer(m)
         elif isinstance(m, Abort):
             if desk is not None:
-                desk.abort(m.gid, m.why)
+                desk.abort(m.gid, m.why, m.code)
         elif isinstance(m, Hello | Stop | Quit):
             self.orders.put_nowait(m)
 
