@@ -37,7 +37,7 @@ from ._identity import (
     server_credentials_path,
 )
 from ._log import configure_logging
-from ._management.render import print_list, print_status
+from ._management.render import acted, print_list, print_status
 
 app = typer.Typer(
     name="capyctl-gateway",
@@ -254,7 +254,7 @@ def list_deployments(
 
 def _act(action: str, name: str, state_dir: Path | None, management: str | None) -> None:
     doc = _call("POST", f"deployments/{path_segment(name)}/{action}", state_dir, management)
-    typer.echo(f"{name}: {doc['deployment'].get('lifecycle', doc['deployment']['state'])}")
+    typer.echo(f"{name}: {acted(action, doc)}")
 
 
 @app.command("start")

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from capyctl_gateway import ConfigError, GatewayConfig, load_config
+from capyctl_gateway._management.render import acted
 from capyctl_gateway._management.status import deployment_status
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, WORKERS, Gw
@@ -327,11 +328,18 @@ async def test_operator_stop_start_and_park(
             listing = (await m.get(f"{base}/deployments")).json()
             row = next(d for d in listing["deployments"] if d["name"] == "my-model")
             assert row["state"] == "stopped by an operator" and row["ready"] == 0
+            # status said unavailable for a parked model too; now only where no request starts it
+            doc = (await m.get(f"{base}/deployments/my-model")).json()
+            assert doc["deployment"]["state"] == "unavailable"
             started = await m.post(f"{base}/deployments/my-model/start")
             assert started.json()["deployment"]["lifecycle"] == "ready"
             assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
             parked = await m.post(f"{base}/deployments/my-model/park")
             assert parked.json()["deployment"]["lifecycle"] == "stopped"
+            assert parked.json()["deployment"]["state"] == "standby"
+            # the CLI printed "stopped" for a park that had to stop the engine
+            said = acted("park", parked.json())
+            assert said.startswith("parked") and "the next request starts it" in said
             # A park is not an operator stop: the next request starts it again.
             assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
             unknown = await m.post(f"{base}/deployments/nope/start")

@@ -232,7 +232,7 @@ async def test_a_start_whose_port_is_taken_before_the_engine_binds_it_starts_on_
     listener holds.)"""
     import socket
 
-    from capyctl_gateway._local import runner as local_runner
+    from capyctl_gateway._local.process import free_port
 
     caplog.set_level(logging.INFO, logger="capyctl_gateway")
     with socket.socket() as taken:
@@ -240,8 +240,9 @@ async def test_a_start_whose_port_is_taken_before_the_engine_binds_it_starts_on_
         taken.listen()
         busy = taken.getsockname()[1]
         ports = iter([busy])
-        real = local_runner.free_port
-        monkeypatch.setattr(local_runner, "free_port", lambda: next(ports, None) or real())
+        monkeypatch.setattr(
+            "capyctl_gateway._local.runner.free_port", lambda: next(ports, None) or free_port()
+        )
         gw = await make_gateway({"deployments": [launched()]})
         async with gw.client() as c:
             r = await c.post("/v1/chat/completions", json=chat())

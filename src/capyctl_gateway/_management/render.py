@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["print_list", "print_status", "size"]
+__all__ = ["acted", "print_list", "print_status", "size"]
 
 
 def _cell(value: Any) -> str:
@@ -135,3 +135,14 @@ def size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{n} B"
+
+
+def acted(action: str, doc: dict[str, Any]) -> str:
+    """What ``start``, ``stop`` or ``park`` prints of the deployment it answered with: its
+    lifecycle state, and for a park that had to stop the engine, that it is parked all the
+    same (the next request starts it)."""
+    d = doc["deployment"]
+    state = str(d.get("lifecycle", d["state"]))
+    if action == "park" and state == "stopped":
+        return "parked (stopped: it cannot sleep here); the next request starts it"
+    return state

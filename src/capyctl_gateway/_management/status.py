@@ -8,6 +8,7 @@ from typing import Any
 
 from .._fleet import Fleet
 from .._lifecycle.crash import backoff_left
+from .._lifecycle.states import DeploymentLife
 from .._log import shown
 
 __all__ = ["deployment_status", "instance_hosts", "shown"]
@@ -78,7 +79,7 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
             "engine": d.engine.value,
             "engine_version": d.engine_version,
             "served_model": d.engine_model,
-            "state": "ready" if ready else "unavailable",
+            "state": _state(ready, life),
             "running": route.queue.running,
             "waiting": route.queue.waiting,
         },
@@ -112,3 +113,12 @@ def instance_hosts(fleet: Fleet, name: str) -> list[dict[str, Any]]:
         session = inst.runner.describe().get("session", "lost")
         out.append({"instance": inst.index, "host": host, "session": session, "sample_age_s": age})
     return out
+
+
+def _state(ready: bool, life: DeploymentLife | None) -> str:
+    """``ready`` while an instance takes requests; ``standby`` for a deployment the gateway runs
+    that nothing runs of now but the next request starts or wakes (parked, stopped when idle);
+    ``unavailable`` otherwise (an operator stopped it, an engine someone else runs is down)."""
+    if ready:
+        return "ready"
+    return "standby" if life is not None and life.refusal() is None else "unavailable"
