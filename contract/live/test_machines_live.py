@@ -239,7 +239,7 @@ def test_a_spent_join_file_and_a_request_without_the_gate_key_are_refused(
     assert again.returncode == 0, again.stderr
     spent = cluster.net.run(cluster.net.hosts["box-b"], [GATEWAY, "host", "join", "--join-file",
                             str(join_file), "--state-dir", str(cluster.tmp / "c2")])  # fmt: skip
-    assert spent.returncode != 0 and "used already" in spent.stderr
+    assert spent.returncode != 0 and "used or voided already" in spent.stderr
     ingress = f"http://{cluster.net.hosts['box-a'].address}:8444"
     path = cluster.status()["instances"][0]["url"].split(":8444", 1)[1]
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]})

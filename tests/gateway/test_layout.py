@@ -153,8 +153,9 @@ MAX_CLASS_LINES = 120
 HOT_PATH_CLASSES = {
     # decodes and verifies each engine read in one pass: a helper object is one more hop per read
     "_relay/blocks.py:BlockReader": 150,
-    # checks each chunk against the rules inline: splitting adds an attribute hop per chunk
-    "_relay/verify.py:ChunkVerifier": 155,
+    # checks each chunk against the rules inline (its chunk-level fields too): splitting adds
+    # an attribute hop per chunk
+    "_relay/verify.py:ChunkVerifier": 160,
     # moves the deadline on every relayed chunk: a second object is one more hop per chunk
     "_relay/exchange.py:Exchange": 145,
 }
@@ -165,8 +166,8 @@ ONE_CONCEPT_CLASSES = {
     # the seam's every member for an engine on this machine, each a line or two over helpers
     "_local/runner.py:LocalRunner": 135,
     # the same for an engine on a host, with the reports it takes, their age (fresh, stale) and
-    # what status shows of them
-    "_machines/runner.py:HostRunner": 155,
+    # what status shows of them (the engine's cache counts among them)
+    "_machines/runner.py:HostRunner": 160,
     # every launched deployment's state, its activations (one per wave) and closings
     "_lifecycle/controller.py:Lifecycle": 175,
     # cut requests: recording, the evidence of each collector event, settling

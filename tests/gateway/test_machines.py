@@ -125,7 +125,9 @@ class Cluster:
         JoinFile(host, where, ca, pki.fingerprint(ca), token, expires).write(path)
         return path
 
-    async def start_host(self, name: str, links: list[Freezer] | None = None) -> Host:
+    async def start_host(
+        self, name: str, links: list[Freezer] | None = None, *, replace: bool = False
+    ) -> Host:
         """Enroll and run host ``name``; with ``links``, its control session and its ingress
         are reached through two `Freezer` proxies appended to it (control, then ingress)."""
         state = self.tmp / f"host-{name}"
@@ -134,7 +136,7 @@ class Cluster:
             chost, cport = self.control.rsplit(":", 1)
             links.append(await self._stack.enter_async_context(Freezer(chost, int(cport))))
             control = f"127.0.0.1:{links[-1].port}"
-        await join(self.join_file(name, control=control), state)
+        await join(self.join_file(name, control=control, replace=replace), state)
         holder: list[Host] = []
         # A short shutdown: stopping it ends its forwards at once, as a killed process would.
         runner = ingress_runner(

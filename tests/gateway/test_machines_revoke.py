@@ -55,7 +55,9 @@ async def test_an_enrolled_name_is_invited_again_only_with_replace(
     code, said = await _invoke(*invite, "--state-dir", state)
     assert code == 0, said  # not enrolled yet: a join file
     out.unlink()
-    await c.start_host("gpu-box")
+    code, said = await _invoke(*invite, "--state-dir", state)
+    assert code != 0 and "still usable" in said and "--replace" in said  # that file is open
+    await c.start_host("gpu-box", replace=True)  # a new file, voiding the first
     code, said = await _invoke(*invite, "--state-dir", state)
     assert code != 0 and "enrolled already" in said and "--replace" in said
     assert not out.exists()

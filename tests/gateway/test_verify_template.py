@@ -217,11 +217,11 @@ def test_known_hard_cases(assemble: bool) -> None:
     same_as_full_check(llama, raws, assemble=assemble)
     # A chunk whose text also appears, spelled another way, in a field before it: its
     # re-serialised bytes hold the text twice.
-    spaced = b'{"x":{"content" :"a"},' + orjson.dumps(vllm_chunk("a"))[1:]
-    nxt = b'{"x":{"content" :"a"},' + orjson.dumps(vllm_chunk("b"))[1:]
+    spaced = b'{"metrics":{"content" :"a"},' + orjson.dumps(vllm_chunk("a"))[1:]
+    nxt = b'{"metrics":{"content" :"a"},' + orjson.dumps(vllm_chunk("b"))[1:]
     same_as_full_check(vllm, [spaced, nxt], assemble=assemble)
     # A repeated key that the chunk's length would not show (1e3 re-serialises as 1000.0).
-    hidden = b'"created":1796000000,"y":1e3,"z":1e5,"z":1e5'
+    hidden = b'"created":1796000000,"metrics":1e3,"system_fingerprint":1e5,"system_fingerprint":1e5'
     raws = [
         orjson.dumps(vllm_chunk(t)).replace(b'"created":1796000000', hidden) for t in ("a", "b")
     ]
