@@ -10,7 +10,7 @@ import anyio
 import httpx
 
 from ._collector import Collector, EngineStatus
-from ._events import EventHook
+from ._events import ChecksCompleted, Event, EventHook, ScrapeFailed
 from ._link import CanopyLink, PricePublication, QuoteAnswer, StatusReport
 from ._options import ProviderOptions
 from ._pricing import Decline, Price, PricingStrategy, QuoteContext, QuoteRequest
@@ -50,17 +50,24 @@ class Provider:
         self.link = link
         self.options = options or ProviderOptions()
         self._clock = clock
-        self.collector = Collector(options=self.options, client=client, clock=clock, hooks=hooks)
+        self.collector = Collector(
+            options=self.options, client=client, clock=clock, hooks=(*hooks, self._heard)
+        )
         self.model_id: str | None = None
+        self._reported: StatusReport | None = None
+        self._changed: anyio.Event | None = None
+        """Set by the collector's events once serving: the checks' status may have changed."""
 
     async def run(self) -> None:
         """Serve until cancelled."""
         grant = await self.link.connect()
         self.model_id = grant.engine_model_id
-        async with self.collector:
+        async with self.collector, anyio.create_task_group() as tg:
             self.collector.add(ENGINE, self.adapter, model_id=grant.engine_model_id, poll=False)
             report = await self._until_ready()
             logger.info("engine ready: %s %s", self.adapter.kind.value, report.engine_version)
+            self._changed = anyio.Event()
+            tg.start_soon(self._report_changes)
             self.collector.start_polling(ENGINE)  # from here on, on its own schedule
             await self.link.publish(
                 PricePublication(grant.engine_model_id, self.strategy.list_price)
@@ -72,10 +79,30 @@ class Provider:
     async def _until_ready(self) -> CheckReport:
         while True:
             report = await self.collector.check(ENGINE)
-            await self.link.report(StatusReport.from_report(report))
+            self._reported = StatusReport.from_report(report)
+            await self.link.report(self._reported)
             if report.ok:
                 return report
             await anyio.sleep(self.options.poll_interval_s)
+
+    def _heard(self, event: Event) -> None:
+        """The collector's hook (no I/O): a poll failed or the checks ran again."""
+        if isinstance(event, ScrapeFailed | ChecksCompleted) and self._changed is not None:
+            self._changed.set()
+
+    async def _report_changes(self) -> None:
+        """While serving, report each change of the checks' status (a poll that fails, the
+        checks that run after it, their passing again), so that Canopy shows which check
+        failed; changes faster than a report is sent go as the latest status."""
+        while True:
+            assert self._changed is not None
+            await self._changed.wait()
+            self._changed = anyio.Event()
+            checks = self.collector.status(ENGINE).checks
+            report = StatusReport.from_report(CheckReport(checks=checks))
+            if report != self._reported:
+                self._reported = report
+                await self.link.report(report)
 
     def context(self) -> QuoteContext:
         """What a quote callback sees now: no I/O."""

@@ -176,3 +176,19 @@ def test_memory_is_shown_in_the_units_it_is_configured_in() -> None:
     print_list(text, {"deployments": [row], "memory_held": 4 * 2**30, "memory_budget": 6 * 2**30})
     out = text.export_text()
     assert "4 GiB" in out and "of a budget of 6 GiB" in out and "bytes" not in out
+
+
+def test_list_keeps_the_engine_name_whole_in_80_columns() -> None:
+    """In a terminal of 80 columns ``list`` printed the engine as ``tensorf…``."""
+    from rich.console import Console
+
+    from capyctl_gateway._management.render import print_list
+
+    row = {"name": "Qwen/Qwen3-4B-Instruct", "id": "01ABCDEFGHJK", "api": "decisions"}
+    row |= {"run_by": "the gateway (launch)", "state": "stopped by an operator", "ready": 0}
+    row |= {"instances": 2, "memory_held": 4 * 2**30}
+    rows = [{**row, "engine": engine} for engine in ("tensorfold", "llamacpp")]
+    text = Console(width=80, record=True)
+    print_list(text, {"deployments": rows, "memory_held": 0, "memory_budget": None})
+    out = text.export_text()
+    assert "tensorfold" in out and "llamacpp" in out and "Qwen/Qwen3-4B-Instruct" in out

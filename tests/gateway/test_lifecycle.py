@@ -325,6 +325,8 @@ async def test_operator_stop_start_and_park(
             await engine_gone(gw, pid)
             refused = await c.post("/v1/chat/completions", json=chat())
             assert (refused.status_code, refused.json()["code"]) == (409, "deployment_stopped")
+            # the log said requests "wait" while they were refused
+            assert "my-model: admits none; requests get deployment_stopped" in caplog.text
             listing = (await m.get(f"{base}/deployments")).json()
             row = next(d for d in listing["deployments"] if d["name"] == "my-model")
             assert row["state"] == "stopped by an operator" and row["ready"] == 0

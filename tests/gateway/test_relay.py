@@ -191,7 +191,55 @@ async def test_llamacpp_timings_give_engine_figures(gateway: Gw, engine: FakeEng
     assert figures["prefill_ms"] == {"value": 1.5, "source": "engine"}
     assert figures["decode_tokens_per_second"] == {"value": 2000.0, "source": "engine"}
     assert figures["ttft_ms"]["source"] == "router"
-    assert "queue_ms" not in figures and "cached_tokens" not in figures
+    assert "queue_ms" not in figures and "cached_tokens" not in figures  # no cache_n sent
+
+
+async def test_llamacpps_cached_tokens_come_from_its_timings_without_usage(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    """A llama.cpp stream without include_usage still says what it took from its cache
+    (``timings.cache_n``): the figure was left out although the engine reported it."""
+    timings = {"cache_n": 23, "prompt_n": 5, "prompt_ms": 1.5, "predicted_per_second": 900.0}
+    engine.script = [
+        event(chunk(delta={"role": "assistant", "content": None})),
+        event(chunk(delta={"content": "ab"})),
+        event(chunk(delta={}, finish="stop", timings=timings)),
+        DONE,
+    ]
+    status, _, text = await stream(gateway, {**CHAT, "model": "llama", "stream": True})
+    comment = next(x for x in text.split("\n") if x.startswith(": x-capyctl-metrics "))
+    figures = orjson.loads(comment.removeprefix(": x-capyctl-metrics "))
+    assert status == 200 and figures["cached_tokens"] == {"value": 23, "source": "engine"}
+
+
+async def test_tensorfolds_cuda_qwen_figures_are_its_prefill_and_the_routers_timing(
+    make_gateway: Callable[..., Awaitable[Gw]], engine: FakeEngine
+) -> None:
+    """The guide's CUDA Qwen row: prefill from ``prefill_s``, time to first token and decode
+    speed the router's (they were left out, or taken from fields that object does not mean)."""
+    stats = {"prefill_s": 0.25, "time_to_first_token": 9.0, "tokens_per_second": 1.0}
+    engine.script = [
+        event(chunk(delta={"role": "assistant", "content": ""})),
+        event(chunk(delta={"content": "ab"})),
+        event(chunk(delta={"content": "cd"})),
+        event(
+            chunk(
+                delta={},
+                finish="stop",
+                tensorfold=stats,
+                usage={"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            )
+        ),
+        DONE,
+    ]
+    tf = deployments(engine.url, name="tf-chat", engine="tensorfold", engine_version="0.6.1")
+    gw = await make_gateway({"deployments": [tf]})
+    status, body = await collect(gw, {**CHAT, "model": "tf-chat"})
+    figures = body["capyctl"]["metrics"]
+    assert status == 200 and figures["prefill_ms"] == {"value": 250.0, "source": "engine"}
+    assert figures["ttft_ms"]["source"] == "router"
+    # not the object's tokens_per_second (the router's, where it timed one)
+    assert figures.get("decode_tokens_per_second", {"source": "router"})["source"] == "router"
 
 
 # -- verification -----------------------------------------------------------------------------

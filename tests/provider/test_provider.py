@@ -31,6 +31,7 @@ from canopyx_provider import (
     vllm,
 )
 from tests.conftest import recorded
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.anyio
 LIST = Price(Decimal("0.20"), Decimal("0.60"))
@@ -118,6 +119,38 @@ async def test_connect_report_publish_and_quote_without_metrics_crossing_the_lin
         rendered = repr(message) + str(dataclasses.asdict(message))
         for value in ("0.4242", DISTINCT["prompt"], DISTINCT["generated"], "running"):
             assert value not in rendered
+
+
+async def test_a_check_that_fails_while_serving_is_reported_and_so_is_its_recovery(
+    engine: HTTPServer,
+) -> None:
+    """Canopy heard of the checks at startup only: a metrics check failing later was logged
+    here and never reported. Now each change is, and only changes."""
+    good = recorded("vllm/0.31.0/GET_metrics_idle.http").text
+    serve_engine(engine, good)
+    link = InProcessLink("tiny")
+    provider = Provider(vllm(engine.url_for("/")), LoadAndAdmission(LIST), link, options=OPTIONS)
+
+    def reports() -> list[StatusReport]:
+        return [m for m in link.sent if isinstance(m, StatusReport)]
+
+    with link:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(provider.run)
+            with anyio.fail_after(10):
+                await link.ready.wait()
+            engine.clear()
+            serve_engine(engine, recorded("vllm/0.17.1/GET_metrics.http").text)  # another model
+            await eventually(lambda: len(reports()) >= 2)
+            engine.clear()
+            serve_engine(engine, good)
+            await eventually(lambda: len(reports()) >= 3 and reports()[-1].ready)
+            tg.cancel_scope.cancel()
+    sent = reports()
+    assert sent[0].ready and not sent[1].ready and sent[-1].ready
+    failed = [c for c in sent[1].checks if not c.ok]
+    assert [(c.name, c.code) for c in failed] == [("metrics", "missing_metric")]
+    assert all(a != b for a, b in zip(sent, sent[1:], strict=False))  # changes only
 
 
 async def test_failed_startup_reports_but_publishes_no_price(engine: HTTPServer) -> None:

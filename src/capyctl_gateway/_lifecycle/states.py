@@ -127,11 +127,16 @@ class DeploymentLife:
         if queue.open is now:
             return
         queue.set_open(now)
+        refused = self.refusal()  # an operator's stop: requests get 409, they do not wait
         event(
             "dispatch",
             "deployment %s: %s (%s)",
             self.deployment.name,
-            "admits requests" if now else "admits none; requests wait",
+            "admits requests"
+            if now
+            else f"admits none; requests get {refused.code}"
+            if refused is not None
+            else "admits none; requests wait",
             why,
             deployment=self.deployment.name,
             state="open" if now else "closed",

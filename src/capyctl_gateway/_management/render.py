@@ -89,11 +89,14 @@ def print_list(console: Console, doc: dict[str, Any]) -> None:
     """``capyctl-gateway list``: a table of every deployment, then the memory budget."""
     rows = doc["deployments"]
     table = Table()
-    # The name and the ID whole, however narrow the terminal: the other columns give way.
+    # The name, the ID and the engine whole, however narrow the terminal: the others give way.
     longest = max((len(d["name"]) for d in rows), default=10)
     table.add_column("deployment", no_wrap=True, min_width=longest)
     table.add_column("id", no_wrap=True, min_width=12)
-    for title in ("api", "engine", "run by", "state", "ready", "memory held"):
+    table.add_column("api")
+    engines = max((len(d["engine"]) for d in rows), default=6)
+    table.add_column("engine", no_wrap=True, min_width=engines)  # a cut name says nothing
+    for title in ("run by", "state", "ready", "memory held"):
         table.add_column(title)
     for d in rows:
         table.add_row(

@@ -76,7 +76,14 @@ def _vllm_metrics(m: dict[str, Any], out: Figures) -> None:
 
 
 def _tensorfold(t: dict[str, Any], out: Figures) -> None:
-    """TensorFold's ``tensorfold`` object (seconds)."""
+    """TensorFold's ``tensorfold`` object (seconds). On CUDA Qwen models it carries
+    ``prefill_s`` (from when the engine started the request) and no figure of its own for the
+    time to first token or the decode speed, which the router times (the product guide's
+    table: no recorded answer confirms this shape)."""
+    qwen = num(t.get("prefill_s"))
+    if qwen is not None:
+        put(out, "prefill_ms", qwen * 1000, "engine")
+        return
     ttft, prefill = num(t.get("time_to_first_token")), num(t.get("prefill_seconds"))
     put(out, "ttft_ms", None if ttft is None else ttft * 1000, "engine")
     put(out, "prefill_ms", None if prefill is None else prefill * 1000, "engine")
@@ -85,7 +92,9 @@ def _tensorfold(t: dict[str, Any], out: Figures) -> None:
 
 
 def _llamacpp_timings(t: dict[str, Any], out: Figures) -> None:
-    """llama.cpp's ``timings`` (milliseconds, tokens per second)."""
+    """llama.cpp's ``timings`` (milliseconds, tokens per second; ``cache_n``, the prompt tokens
+    it took from its cache, is there with usage or without)."""
+    put(out, "cached_tokens", num(t.get("cache_n")), "engine")
     put(out, "prefill_ms", num(t.get("prompt_ms")), "engine")
     tps = num(t.get("predicted_per_second"))
     put(out, "decode_tokens_per_second", tps if tps and tps > 0 else None, "engine")
