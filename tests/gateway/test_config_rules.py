@@ -184,7 +184,11 @@ def test_list_keeps_the_engine_name_whole_in_80_columns() -> None:
 
     from capyctl_gateway._management.render import print_list
 
-    row = {"name": "Qwen/Qwen3-4B-Instruct", "id": "01ABCDEFGHJK", "api": "decisions"}
+    row: dict[str, Any] = {
+        "name": "Qwen/Qwen3-4B-Instruct",
+        "id": "01ABCDEFGHJK",
+        "api": "decisions",
+    }
     row |= {"run_by": "the gateway (launch)", "state": "stopped by an operator", "ready": 0}
     row |= {"instances": 2, "memory_held": 4 * 2**30}
     rows = [{**row, "engine": engine} for engine in ("tensorfold", "llamacpp")]
