@@ -280,6 +280,23 @@ async def test_a_broken_stream_ends_unverified_without_done(
     assert "x-capyctl-metrics" not in text
 
 
+async def test_an_unverified_field_is_named_in_the_log_not_to_the_client(
+    gateway: Gw, engine: FakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine chose the name: it may say anything (an address), so only the log has it."""
+    opening = event(chunk(delta={"role": "assistant", "content": ""}))
+    odd: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({"content": "a"}, {"10.0.0.7:8000": 1}),  # a chunk field
+        ({"content": "a", "gpu-3.internal": 1}, {}),  # a delta key
+    ]
+    for delta, extra in odd:
+        engine.script = [opening, event(chunk(delta=delta, **extra)), *vllm_stream()[1:]]
+        _, _, text = await stream(gateway)
+        assert data_events(text)[-1]["error"]["code"] == "stream_unverified"
+        assert "10.0.0.7" not in text and "gpu-3.internal" not in text
+    assert "10.0.0.7:8000" in caplog.text and "gpu-3.internal" in caplog.text
+
+
 @pytest.mark.parametrize(
     "case", ["unknown delta key", "duplicate key", "changing id", "invented chunk field"]
 )

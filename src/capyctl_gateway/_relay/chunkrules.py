@@ -117,8 +117,9 @@ def check_fields(chunk: dict[str, Any], allowed: frozenset[str], nulls: frozense
     an untested field never reaches a client or an assembled answer."""
     for key, value in chunk.items():
         if key not in allowed and (value is not None or key not in nulls):
-            raise UnverifiedError(
-                f"the chunk carries {key[:64]!r}, which is not verified for this engine"
+            raise UnverifiedError(  # the engine's words name the field: the log's only
+                "a chunk carries a field this engine is not verified to send",
+                detail=f"the field {key[:64]!r}",
             )
 
 
@@ -137,7 +138,10 @@ def check_choice(
         raise UnverifiedError("the choice has no delta")
     if not delta_keys.issuperset(delta):
         key = next(k for k in delta if k not in delta_keys)
-        raise UnverifiedError(f"the delta carries {key!r}, which is not verified for this engine")
+        raise UnverifiedError(  # the engine's words name the key: the log's only
+            "the delta carries a key this engine is not verified to send",
+            detail=f"the key {key[:64]!r}",
+        )
     role = delta.get("role")
     if role is not None and role != "assistant":
         raise UnverifiedError("the delta names a role other than assistant")
