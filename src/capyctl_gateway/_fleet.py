@@ -87,10 +87,7 @@ class Fleet:
         ended = 0
         for route in self.routes.values():
             ended += route.queue.fail_waiters(lambda: UnavailableError(why, code="shutting_down"))
-            for inst in route.instances:
-                for ex in list(inst.inflight):
-                    ex.abort(why, "shutting_down")
-                    ended += 1
+            ended += route.abort_running(why, "shutting_down")
         return ended
 
 

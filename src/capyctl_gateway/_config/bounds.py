@@ -59,12 +59,17 @@ class Limits(BaseModel):
     """An engine answer the gateway assembles or reads whole (non-streamed chat, decisions)
     may be this large; past it, 502 engine_error."""
 
+    @property
+    def largest_body(self) -> int:
+        """The largest body a request may have, of either API."""
+        return max(self.max_body_bytes, self.max_decision_body_bytes)
+
     @model_validator(mode="after")
     def _a_body_fits_the_budget(self) -> Self:
         """A body within the per-request limits must fit the budget, or it would be refused
         for ever with a 503 that says to retry: the default grows to hold the largest one; a
         budget set smaller is refused."""
-        largest = max(self.max_body_bytes, self.max_decision_body_bytes)
+        largest = self.largest_body
         if self.max_body_bytes_in_flight < largest:
             if "max_body_bytes_in_flight" in self.model_fields_set:
                 raise ValueError(
@@ -86,9 +91,8 @@ def fit_workers(limits: Limits, workers: int) -> Limits:
     body budget (rounded up). A share smaller than the largest body a request may have would
     refuse such a request for ever, with a 503 that says to retry: left at its default, the
     budget grows to ``workers`` times that body; set in the configuration, it is refused."""
-    largest = max(limits.max_body_bytes, limits.max_decision_body_bytes)
-    total = limits.max_body_bytes_in_flight
-    if workers <= 1 or -(-total // workers) >= largest:
+    largest, total = limits.largest_body, limits.max_body_bytes_in_flight
+    if -(-total // workers) >= largest:  # one process: the validator made it so
         return limits
     if "max_body_bytes_in_flight" in limits.model_fields_set:
         raise ConfigError(

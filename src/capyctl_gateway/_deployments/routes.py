@@ -261,6 +261,13 @@ class Route:
             self.resting.pop(inst.index, None)
         return max(left, 0.0)
 
+    def abort_running(self, why: str, code: str) -> int:
+        """End every exchange in flight on the instances now (`Tracked.abort`); how many."""
+        running = [ex for inst in self.instances for ex in inst.inflight]
+        for ex in running:
+            ex.abort(why, code)
+        return len(running)
+
     def in_turn(self, exclude: set[int] | frozenset[int]) -> list[EngineInstance]:
         """The instances a request may be offered to now, in this request's turn: ties rotate,
         once per request (a failover keeps its turn); resting ones only when no other can

@@ -84,9 +84,7 @@ async def closing(
             return False
         if not drained:  # an operator's stop: what still runs ends now, and hears why
             why = f"deployment {life.deployment.name}: {reason} (past lifecycle.drain_timeout)"
-            for inst in life.route.instances:
-                for ex in list(inst.inflight):
-                    ex.abort(why, "deployment_stopped")
+            life.route.abort_running(why, "deployment_stopped")
         # A second turn for a deployment already parked: parking did not free enough.
         at_rest = all(lc.state is not InstanceState.READY for lc in life.launched)
         await put_to_rest(lifecycle.engines, life, reason, may_park=may_park and not at_rest)

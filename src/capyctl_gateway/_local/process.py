@@ -28,6 +28,7 @@ from .enginelog import EngineLog
 
 __all__ = [
     "EngineProcess",
+    "PortLostError",
     "StartFailedError",
     "free_port",
     "gone_within",
@@ -50,12 +51,10 @@ def free_port() -> int:
 _IN_USE = ("address already in use", "couldn't bind", "could not bind", "errno 98")
 
 
-def lost_port(exc: StartFailedError) -> bool:
-    """Whether a start failed because its port was taken before the engine bound it: it
-    exited while starting, its last words saying so (vLLM's and aiohttp's errno 98, llama.cpp's
-    "couldn't bind HTTP server socket")."""
-    tail = exc.log_tail[-4096:].lower()
-    return "exited" in exc.message and any(words in tail for words in _IN_USE)
+class PortLostError(StartFailedError):
+    """The engine exited while starting because its port was taken before it bound it: its
+    last words say so (vLLM's and aiohttp's errno 98, llama.cpp's "couldn't bind HTTP server
+    socket")."""
 
 
 def launch_argv(kind: EngineKind, launch: Launch, port: int, *, sleep: bool = False) -> list[str]:
@@ -143,9 +142,11 @@ class EngineProcess:
         while True:
             if self.proc.returncode is not None:
                 await self.log.drained()
-                raise StartFailedError(
+                tail = self.log.tail()
+                lost = any(words in tail[-4096:].lower() for words in _IN_USE)
+                raise (PortLostError if lost else StartFailedError)(
                     f"the engine exited with status {self.proc.returncode} while starting",
-                    log_tail=self.log.tail(),
+                    log_tail=tail,
                 )
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with session.get(health, timeout=aiohttp.ClientTimeout(total=2)) as resp:

@@ -36,7 +36,7 @@ from .._store import Store
 from .enginelog import EngineLog, ShownLog, file_stem
 from .parking import drive
 from .pids import remember
-from .process import EngineProcess, free_port, launch_argv, launch_env, lost_port
+from .process import EngineProcess, PortLostError, free_port, launch_argv, launch_env
 from .seen import Seen
 from .wakecheck import auth_of, check, record
 
@@ -126,17 +126,17 @@ class LocalRunner:
             try:
                 await proc.start(self._session, launch.startup_timeout)
                 break
-            except StartFailedError as exc:
+            except PortLostError:  # taken between our look and its bind: another, unseen
                 self._proc = None
-                if not lost_port(exc):
-                    _failed(inst, exc, self._log, proc.log)
-                    raise
-                # taken between our look and its bind: another, unseen by the requests
                 logger.warning(
                     "%s: port %d was taken before the engine bound it: it starts on another",
                     inst.where,
                     proc.port,
                 )
+            except StartFailedError as exc:
+                self._proc = None
+                _failed(inst, exc, self._log, proc.log)
+                raise
             except BaseException:
                 await proc.stop()
                 self._proc = None
