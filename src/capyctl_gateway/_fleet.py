@@ -142,6 +142,8 @@ async def open_fleet(
             clock=clock,
             loop_time=running_loop().time,
             store=store,
+            env=env,
+            stack=stack,
         )
         names = [d.name for d in config.deployments]
         ids = store.deployment_ids(names) if store is not None else new_short_ids(names)
@@ -159,6 +161,7 @@ async def open_fleet(
         lifecycle.engines.observers.append(_transitions(telemetry))
         lifecycle.engines.observers.append(_left_ready(routes))
         settlement.observers.append(_restarted(routes))
+        opened.hooks.found = lifecycle.found
         await prepare(opened, runners)  # a previous run's engines go before this one starts any
         if store is not None:  # the collector polls: a restored cut is polled fast at once
             restore(store, routes, settlement, lifecycle)

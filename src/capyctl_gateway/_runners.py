@@ -3,12 +3,14 @@
 Each configured instance names its kind (`Instance.runner_kind`); `KINDS` maps the kind to a
 `RunnerKind`: the factory that makes the instance's `Runner` from what the fleet opened
 (`Opened`), and what must happen once before any engine of that kind starts (a previous run's
-local engines outlasted). Adding a kind (a pod, say) is one room, one line here and one
-configuration model; nothing else in the gateway asks where an engine runs.
+local engines outlasted; a cluster connected and a previous run's pods taken up). A kind is
+one room, one line here and one configuration model; nothing else in the gateway asks where an
+engine runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +27,19 @@ from ._deployments.settle import Settlement
 from ._local.pids import outlast
 from ._local.runner import LocalRunner
 from ._machines.runner import HostLink, HostRunner
+from ._pods.cluster import Cluster
+from ._pods.runner import PodRunner
 from ._store import Store
 
-__all__ = ["KINDS", "Opened", "RunnerKind", "host_links", "prepare", "runner_for"]
+__all__ = ["KINDS", "Hooks", "Opened", "RunnerKind", "host_links", "prepare", "runner_for"]
+
+
+@dataclass(slots=True)
+class Hooks:
+    """What runners may tell the lifecycle, once it exists (set before `prepare`)."""
+
+    found: Callable[[EngineInstance, str, str | None], None] | None = None
+    """An engine found running without this gateway starting it (a previous run's pod)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +55,15 @@ class Opened:
     """The settlement's and the collector's clock (wall time)."""
     loop_time: Callable[[], float]
     store: Store | None
+    env: Mapping[str, str] = field(default_factory=dict)
+    """The gateway's environment (where the cluster's credentials may be named)."""
+    stack: contextlib.AsyncExitStack | None = None
+    """Where a kind closes what it opened, after the lifecycle has stopped its engines."""
+    hooks: Hooks = field(default_factory=Hooks)
     links: dict[str, HostLink] = field(default_factory=dict)
     """The server role's links to its hosts, one per host (empty elsewhere)."""
+    clusters: dict[str, Cluster] = field(default_factory=dict)
+    """The cluster of the pods (one at most, under ``kubernetes``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +97,39 @@ def _host(inst: EngineInstance, configured: Instance, o: Opened) -> Runner:
     return HostRunner(inst, link, o.settlement, loop_time=o.loop_time)
 
 
+def _pod(inst: EngineInstance, configured: Instance, o: Opened) -> Runner:
+    dep = next(d for d in o.config.deployments if d.name == inst.deployment)
+    cluster = o.clusters.setdefault("kubernetes", Cluster(o.config.kubernetes))
+    if configured.pod is None:
+        raise AssertionError("a pod instance without its pod")
+    return PodRunner(
+        inst,
+        dep,
+        configured.pod,
+        cluster,
+        collector=o.collector,
+        session=o.session,
+        clock=o.clock,
+    )
+
+
+async def _open_cluster(o: Opened) -> None:
+    cluster = o.clusters.get("kubernetes")
+    if cluster is None:
+        return
+    found = o.hooks.found
+    if found is not None:
+        cluster.found = lambda r: found(r.instance, "ready", None)
+    if o.stack is not None:
+        o.stack.push_async_callback(cluster.close)
+    await cluster.open(o.env)
+
+
 KINDS: MappingProxyType[str, RunnerKind] = MappingProxyType(
     {
         "local": RunnerKind(_local, prepare=_outlast),
         "host": RunnerKind(_host),
+        "pod": RunnerKind(_pod, prepare=_open_cluster),
     }
 )
 

@@ -151,6 +151,9 @@ class FakeRunner:
     def log(self) -> None:
         return None
 
+    def holdup(self) -> str | None:
+        return None
+
     def why_unreachable(self) -> str:
         return "dispatch_closed"
 

@@ -53,7 +53,7 @@ def test_a_deployment_larger_than_the_whole_budget_is_refused(tmp_path: Path) ->
     two = launched(memory={"ready": "10GiB"})
     two["instances"] *= 2
     said = refused(tmp_path, {"resources": {"memory_budget": "15GiB"}, "deployments": [two]})
-    assert "memory.ready 10GiB x 2 launched instances on one machine = 20GiB" in said
+    assert "memory.ready 10GiB x 2 launched instances in one memory pool = 20GiB" in said
     assert "15GiB" in said
 
 

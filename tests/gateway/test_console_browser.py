@@ -15,6 +15,13 @@ from bench.browser import Browser, chromium
 from tests.gateway.conftest import Gw
 from tests.gateway.test_console import Console, console_of, launched_console  # noqa: F401
 from tests.gateway.test_lifecycle import chat
+from tests.gateway.test_pods import (
+    NS,
+    cluster,  # noqa: F401
+    config,
+    pod_deployment,
+)
+from tests.gateway.test_pods import Cluster as PodCluster
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]
@@ -135,3 +142,41 @@ async def test_a_ticket_opens_the_console_once(
     assert await browser.js("document.querySelector('#keyform').hidden") is False
     assert await browser.js("sessionStorage.getItem('capyctl-key')") is None
     assert await browser.js("location.hash") == ""
+
+
+async def test_a_pods_row_shows_its_node_and_why_it_waits_and_its_log_comes_from_the_api(
+    browser: Browser,
+    console_of: Callable[[Gw], Awaitable[Console]],  # noqa: F811
+    cluster: PodCluster,  # noqa: F811
+    make_gateway: MakeGateway,
+) -> None:
+    running = pod_deployment()
+    inst = running["instances"][0]  # the engine prints its key (as its own key: masked)
+    inst["launch"]["command"] += ["--echo-env", "SHOWN"]
+    inst["launch"]["env"] = {"SHOWN": "SeCrEt-FlAg-99"}
+    inst["api_key_env"] = "ENGINE_KEY"
+    waiting = pod_deployment("big")
+    waiting["instances"][0]["pod"]["resources"] = {"limits": {"nvidia.com/gpu": 3}}
+    gw = await make_gateway(
+        config(running, waiting), env=cluster.env | {"ENGINE_KEY": "SeCrEt-FlAg-99"}
+    )
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    gw.gateway.fleet.lifecycle.want("big")  # its pod waits for a node that has 3 GPUs
+    con = await console_of(gw)
+    async with con.client() as c:
+        ticket = (await c.post("/management/v1/console/tickets")).json()["ticket"]
+    await browser.goto(f"{con.url}/#ticket={ticket}")
+    (pod,) = cluster.pods("my-model")
+    row = f'{CARD} [data-pod-of="0"]'
+    text = await browser.until(f"document.querySelector({json.dumps(row)})?.textContent")
+    assert text == f"pod {NS}/{pod['metadata']['name']} on node gpu-1: Running"
+    big = '[data-deployment="big"] [data-pod-of="0"]'
+    text = await browser.until(
+        f"document.querySelector({json.dumps(big)})?.textContent?.includes('it waits')"
+        f" && document.querySelector({json.dumps(big)}).textContent"
+    )
+    assert "Insufficient nvidia.com/gpu" in text
+    await browser.click(f'{CARD} button[data-log="0"]')
+    text = await browser.until(f"document.querySelector('{CARD} pre.log')?.textContent")
+    assert "fake engine: loaded ***" in text and "SeCrEt-FlAg-99" not in text

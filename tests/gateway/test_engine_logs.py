@@ -150,7 +150,7 @@ async def test_the_log_view_and_the_excerpt_show_whole_lines_only(
     # the middle of one would show part of the key, which no mask recognises.
     written = [f"{i:04d} args: --api-key {SECRET} {'p' * (i % 13)}" for i in range(line_count)]
     log = await logged(tmp_path, "".join(line + "\n" for line in written).encode())
-    shown = ShownLog(log, [SECRET]).lines(1000, 64 * 1024)
+    shown = await ShownLog(log, [SECRET]).lines(1000, 64 * 1024)
     assert shown and all(line in {masked(w, [SECRET]) for w in written} for line in shown)
     assert shown[-1].startswith(f"{line_count - 1:04d} ")
     excerpt = log.tail(500).splitlines()

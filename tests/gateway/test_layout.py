@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "src" / "capyctl_gateway"
-RUNNER_ROOMS = {"_local", "_machines"}
+RUNNER_ROOMS = {"_local", "_machines", "_pods"}
 """The rooms of the kinds of runners (``_runners.py`` is their registry)."""
 # room -> the rooms of the gateway it must never import
 FORBIDDEN = {
@@ -27,9 +27,19 @@ FORBIDDEN = {
     "_tally": {"_http", "_management", "cli", "_workers", "_lifecycle", "_fleet", "_gateway"},
     "_http": {"_management", "cli"},
     "_management": {"cli"},
-    "_machines": {"_http", "_management", "_lifecycle", "_gateway", "cli", "_local", "_runners"},
-    # a runner room: drives one kind of engine through the seam, never the policy
-    "_local": {
+    "_machines": {
+        "_http",
+        "_management",
+        "_lifecycle",
+        "_gateway",
+        "cli",
+        "_local",
+        "_pods",
+        "_runners",
+    },
+    # pods: reach their engines as one machine does (``_local``'s seen, parking and wake
+    # check); the reverse never
+    "_pods": {
         "_http",
         "_relay",
         "_management",
@@ -42,6 +52,21 @@ FORBIDDEN = {
         "_workers",
         "_host",
     },
+    # a runner room: drives one kind of engine through the seam, never the policy
+    "_local": {
+        "_http",
+        "_relay",
+        "_management",
+        "_gateway",
+        "cli",
+        "_lifecycle",
+        "_fleet",
+        "_machines",
+        "_pods",
+        "_runners",
+        "_workers",
+        "_host",
+    },
     "_runners": {"_http", "_relay", "_management", "_gateway", "cli", "_lifecycle", "_fleet"},
     "_host": {"_http", "_management", "cli"},
     "_workers": {"_management", "_lifecycle", "_machines", "cli"},
@@ -49,7 +74,7 @@ FORBIDDEN = {
 _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
-    "_fleet", "_workers", "_local", "_runners", "_tasks", "_tally",
+    "_fleet", "_workers", "_local", "_pods", "_runners", "_tasks", "_tally",
 }  # fmt: skip
 for _leaf in ("_loop", "_ulid", "_log", "_events", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM
@@ -167,7 +192,10 @@ ONE_CONCEPT_CLASSES = {
     "_local/runner.py:LocalRunner": 135,
     # the same for an engine on a host, with the reports it takes, their age (fresh, stale) and
     # what status shows of them (the engine's cache counts among them)
-    "_machines/runner.py:HostRunner": 160,
+    "_machines/runner.py:HostRunner": 165,
+    # the same for a pod: a start creates it, waits on the watch and asks the engine itself;
+    # a previous run's pod taken up; one run's pod and its deletion are `PodRun`'s
+    "_pods/runner.py:PodRunner": 175,
     # every launched deployment's state, its activations (one per wave) and closings
     "_lifecycle/controller.py:Lifecycle": 175,
     # cut requests: recording, the evidence of each collector event, settling

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
@@ -19,11 +18,12 @@ from pydantic import (
     model_validator,
 )
 
-from canopyx_provider import CanopyxError, EngineKind
-from canopyx_provider.adapters import origin
+from canopyx_provider import EngineKind
 
 from .._engines import DEVICES, FACTS, gpu_present, launch_problem
+from .._log import secrets_in
 from .bounds import Limits, QueueConfig
+from .instance import HOST_NAME, Instance
 from .parts import (
     STRICT,
     ConfigError,
@@ -34,6 +34,7 @@ from .parts import (
     Routing,
     Seconds,
 )
+from .pods import KUBERNETES_POOL, Kubernetes, Pod
 from .rules import budget_problem, empty_sections_dropped, kept_ready_problem, url_only_problem
 
 __all__ = [
@@ -45,13 +46,15 @@ __all__ = [
     "Deployment",
     "GatewayConfig",
     "Instance",
+    "KUBERNETES_POOL",
+    "Kubernetes",
     "Launch",
+    "Pod",
     "QueueConfig",
     "Seconds",
     "load_config",
 ]
 
-HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 REMOTE_MAX_BODY_BYTES = 8 * 1024 * 1024
 """A request for a deployment on another machine must fit in this (413 otherwise)."""
 
@@ -59,55 +62,6 @@ REMOTE_MAX_BODY_BYTES = 8 * 1024 * 1024
 class Api(StrEnum):
     CHAT = "chat"
     DECISIONS = "decisions"
-
-
-class Instance(BaseModel):
-    model_config = STRICT
-
-    url: str | None = None
-    """An engine someone else runs (never launched, parked or stopped by the gateway)."""
-    launch: Launch | None = None
-    """An engine the gateway runs."""
-    api_key_env: str | None = None
-    """The engine's key is read from this environment variable (on the instance's host)."""
-    host: str | None = None
-    """The host machine that runs it (``capyctl-gateway serve --role server``); ``url`` and
-    ``launch`` are then read on that host."""
-
-    @property
-    def runner_kind(self) -> str:
-        """Which kind of runner runs its engine (a key of ``_runners.KINDS``): ``host`` for
-        one on a host, ``local`` for one on this machine."""
-        return "host" if self.host is not None else "local"
-
-    @field_validator("host")
-    @classmethod
-    def _host_name(cls, v: str | None) -> str | None:
-        if v is not None and not HOST_NAME.fullmatch(v):
-            raise ValueError(
-                f"{v!r} is not a host name: 1 to 63 of a-z, 0-9 and '-', not at either end"
-            )
-        return v
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> Self:
-        if (self.url is None) == (self.launch is None):
-            raise ValueError("an instance has either url (an engine someone runs) or launch")
-        return self
-
-    @field_validator("url")
-    @classmethod
-    def _origin(cls, v: str | None) -> str | None:
-        if v is None:
-            return None
-        try:
-            found = origin(v, what="url")
-        except CanopyxError as exc:
-            raise ValueError(str(exc)) from None
-        if found != v.rstrip("/").lower():
-            shown = re.sub(r"//[^/?#]*@", "//***@", v)  # credentials stay out of messages
-            raise ValueError(f"{shown!r} is not an engine origin such as http://127.0.0.1:8000")
-        return found
 
 
 class Deployment(BaseModel):
@@ -141,6 +95,11 @@ class Deployment(BaseModel):
                 problem = launch_problem(self.engine, inst.launch.command, inst.launch.env)
                 if problem is not None:
                     raise ValueError(f"instances.{i}.launch.command: {problem}")
+                if inst.pod is not None and secrets_in(inst.launch.command, inst.launch.env):
+                    raise ValueError(
+                        f"instances.{i}.launch: a pod's spec is no place for a secret (anyone "
+                        "who can read pods reads it); give it with pod.secret_env"
+                    )
         if self.lifecycle.park == "sleep" and not self.can_park:
             raise ValueError(
                 f"lifecycle.park: {self.engine.value} cannot park here; use auto or stop"
@@ -168,7 +127,14 @@ class Deployment(BaseModel):
         """A park keeps the process up: asked (sleep), or under auto where it works (a
         llama.cpp router; vLLM's sleep and SGLang's release where this machine has a GPU)."""
         park = self.lifecycle.park
+        if self.on_pods:  # a parked pod keeps its GPU in the scheduler's books: auto stops
+            return park == "sleep"
         return park == "sleep" or (park == "auto" and (self.router or self.can_park and self._gpu))
+
+    @cached_property
+    def on_pods(self) -> bool:
+        """Its engines run as Kubernetes pods."""
+        return any(i.pod is not None for i in self.instances)
 
     @cached_property
     def launched(self) -> bool:
@@ -216,6 +182,8 @@ class GatewayConfig(BaseModel):
     workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """Processes that serve the public listener (``serve --workers`` overrides it): with more
     than one, an authority process decides for all of them (``_workers/``)."""
+    kubernetes: Kubernetes = Kubernetes()
+    """The cluster that runs the instances configured with ``pod:``."""
     deployments: list[Deployment] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .pods import KUBERNETES_POOL
+
 if TYPE_CHECKING:
     from . import Deployment
 
@@ -51,12 +53,12 @@ def budget_problem(d: Deployment, budget: int | None) -> str | None:
             f"deployment {d.name!r}: memory is required when resources.memory_budget is set "
             "(what one instance holds ready and parked)"
         )
-    per_machine = Counter(i.host for i in d.instances if i.launch is not None)
+    per_machine = Counter(i.pool for i in d.instances if i.launch is not None)
     most = max(per_machine.values(), default=0)
     need = d.memory.ready * most
     if need <= budget:
         return None
-    times = f" x {most} launched instances on one machine = {size(need)}" if most > 1 else ""
+    times = f" x {most} launched instances in one memory pool = {size(need)}" if most > 1 else ""
     return (
         f"deployment {d.name!r}: memory.ready {size(d.memory.ready)}{times} is more than the "
         f"whole resources.memory_budget {size(budget)}; it could never start"
@@ -72,16 +74,20 @@ def kept_ready_problem(deployments: Sequence[Deployment], budget: int | None) ->
         if d.lifecycle.activation == "always" and d.memory is not None:
             for i in d.instances:
                 if i.launch is not None:
-                    held[i.host] += d.memory.ready
+                    held[i.pool] += d.memory.ready
     for host, need in held.items():
         if need > budget:
-            where = "this machine" if host is None else f"host {host}"
+            where = "this machine" if host is None else _pool_name(host)
             return (
                 f"the deployments with lifecycle.activation: always hold {size(need)} ready on "
                 f"{where}, more than resources.memory_budget {size(budget)}: they cannot all "
                 "be kept ready"
             )
     return None
+
+
+def _pool_name(pool: str) -> str:
+    return "Kubernetes" if pool == KUBERNETES_POOL else f"host {pool}"
 
 
 def size(n: int) -> str:

@@ -81,10 +81,18 @@ def build_routes(
             max_waiting=config.queue.max_waiting_per_deployment,
             gated=d.launched,
         )
+        queue.holdup = _holdup(instances)
         route = routes[d.name] = Route(d, instances, queue, waiters, ids[d.name])
         if d.routing.policy == "prefix" and len(instances) > 1:
             route.prefixes = PrefixIndex(d.routing.prefix_entries)
     return routes
+
+
+def _holdup(instances: list[EngineInstance]) -> Callable[[], str | None]:
+    def why() -> str | None:
+        return next((w for i in instances if (w := i.runner.holdup()) is not None), None)
+
+    return why
 
 
 def check_engine_keys(config: GatewayConfig, env: Mapping[str, str]) -> None:

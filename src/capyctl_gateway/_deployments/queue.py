@@ -38,6 +38,8 @@ class DeploymentQueue:
         self, admission: Admission, *, max_running: int, max_waiting: int, gated: bool = False
     ) -> None:
         self._admission = admission
+        self.holdup: Callable[[], str | None] = _nothing
+        """Why it is not up yet, where a runner says more than "starting" (`Runner.holdup`)."""
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.running = 0
@@ -76,9 +78,9 @@ class DeploymentQueue:
             if _granted(waiter):
                 return  # the slot arrived together with the deadline: keep it
             if not self.open:
+                why = self.holdup() or "it goes on starting"
                 raise UnavailableError(
-                    "the deployment was not ready within queue.request_deadline; "
-                    "it goes on starting"
+                    f"the deployment was not ready within queue.request_deadline; {why}"
                 ) from None
             raise UnavailableError("no running slot within queue.request_deadline") from None
         except BaseException:
@@ -146,6 +148,10 @@ class DeploymentQueue:
         finally:
             self._drained = None
         return True
+
+
+def _nothing() -> None:
+    return None
 
 
 def _granted(waiter: asyncio.Future[None]) -> bool:

@@ -128,7 +128,9 @@ class Tracked(Protocol):
 class LogLines(Protocol):
     """An engine's own log as the gateway shows it (masked)."""
 
-    def lines(self, count: int, max_bytes: int) -> list[str]: ...
+    async def lines(self, count: int, max_bytes: int) -> list[str]:
+        """Its last ``count`` lines, within ``max_bytes``."""
+        ...
 
 
 class View(Protocol):
@@ -159,6 +161,11 @@ class View(Protocol):
     def describe(self) -> dict[str, Any]:
         """What ``status`` shows of the engine as this runner sees it (its state, load and
         their ages; a host's session and ingress)."""
+        ...
+
+    def holdup(self) -> str | None:
+        """Why its engine is not up yet, where its runner knows more than "starting" (a pod the
+        scheduler cannot place); None otherwise. Requests that waited for it in vain hear it."""
         ...
 
     def why_unreachable(self) -> str:

@@ -195,8 +195,9 @@ class ShownLog:
     log: EngineLog
     secrets: list[str]
 
-    def lines(self, count: int, max_bytes: int) -> list[str]:
-        return [masked(line, self.secrets) for line in self.log.lines(count, max_bytes)]
+    async def lines(self, count: int, max_bytes: int) -> list[str]:
+        read = await asyncio.to_thread(self.log.lines, count, max_bytes)  # files: off the loop
+        return [masked(line, self.secrets) for line in read]
 
 
 def _create(path: Path) -> int:

@@ -106,6 +106,9 @@ class LocalRunner:
     def silent_s(self) -> float | None:
         return self.seen.silent_s()
 
+    def holdup(self) -> str | None:
+        return None
+
     def why_unreachable(self) -> str:
         return "dispatch_closed"  # never: this machine is always reached
 

@@ -193,6 +193,9 @@ class HostRunner(Reported):
             code="log_on_host",
         )
 
+    def holdup(self) -> str | None:
+        return None
+
     def why_unreachable(self) -> str:
         return "dispatch_closed" if self._link.live else "host_session_lost"
 

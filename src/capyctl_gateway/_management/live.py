@@ -159,7 +159,7 @@ async def _log_lines(gateway: Gateway, request: web.Request) -> dict[str, Any]:
     log = runner.log()  # raises where the log is kept elsewhere (log_on_host)
     if log is None:
         return {"deployment": name, "instance": index, "lines": [], "never_ran": True}
-    lines = await asyncio.to_thread(log.lines, count, LOG_MAX_BYTES)
+    lines = await log.lines(count, LOG_MAX_BYTES)
     return {"deployment": name, "instance": index, "lines": lines}
 
 

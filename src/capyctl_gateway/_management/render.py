@@ -63,6 +63,16 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
             console.print(f"  not routed: {i['not_routed']}", soft_wrap=True)
         if "lifecycle" in i:
             console.print(f"  {i['lifecycle']}", soft_wrap=True)
+        if "pod" in i:
+            pod = i["pod"]
+            on = f" on node {pod['node']}" if pod.get("node") else ""
+            console.print(
+                f"  pod {pod['namespace']}/{pod['name']}{on}: {pod['phase']}", soft_wrap=True
+            )
+            if pod.get("waiting"):
+                console.print(f"  it waits: {pod['waiting']}", soft_wrap=True)
+        if i.get("pod_watch"):
+            console.print(f"  the pod watch is {i['pod_watch']}", soft_wrap=True)
         if "process" in i:
             proc = i["process"]
             keeper = f" (its reaper: {proc['reaper_pid']})" if proc.get("reaper_pid") else ""

@@ -1,0 +1,221 @@
+"""An engine run as a Kubernetes pod (a `Runner`): its ``launch:`` command in the pod its
+``pod:`` describes (``manifest.py``), on the cluster the gateway's ``kubernetes:`` names.
+
+- **start** creates a new bare Pod and waits, on the namespace's watch, for its Ready condition;
+  then the gateway checks the engine's ``/health`` at the pod's address itself, and the
+  collector polls it from there. A pod the scheduler cannot place waits, its reason shown; a
+  pod that fails, or is not ready within ``launch.startup_timeout``, fails the start (the
+  latter is deleted).
+- **stop** deletes it with its grace period; the stop is proven once the watch no longer has
+  that pod (its DELETED event, a list without it, or a 404).
+- **exits**: its container ended, the pod failed or was evicted, or Kubernetes deleted it
+  (its node lost): `gone` says so at once.
+- **park / wake** are the engine's own routes, as on one machine.
+
+The engine outlives the gateway (a restarted gateway takes its pods up: ``cluster.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from canopyx_provider import Collector, adapter_for
+
+from .._config import KUBERNETES_POOL, Deployment, Pod
+from .._deployments.routes import EngineInstance
+from .._deployments.runner import CacheCounts, LoadSample, ProcessView, Site, Tracked, never
+from .._errors import StartFailedError
+from .._local.parking import drive
+from .._local.seen import Seen
+from .._local.wakecheck import auth_of, check, record
+from .cluster import Cluster
+from .kube import KubeError
+from .manifest import manifest, named
+from .podlog import PodLog
+from .podrun import PodRun
+from .podstate import ended, node_of, pending, pod_url, ready, shown, terminating
+from .starting import healthy, until_ready
+from .watch import PodWatch, uid_of
+
+__all__ = ["PodRunner"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+
+class PodRunner:
+    """One instance's engine as a pod."""
+
+    def __init__(
+        self,
+        inst: EngineInstance,
+        deployment: Deployment,
+        pod: Pod,
+        cluster: Cluster,
+        *,
+        collector: Collector,
+        session: aiohttp.ClientSession,
+        clock: Callable[[], float],
+    ) -> None:
+        if inst.launch is None:
+            raise StartFailedError(f"{inst.where}: a pod runs a launch: command")
+        self.instance, self._dep, self._pod, self._cluster = inst, deployment, pod, cluster
+        self._launch, self._session = inst.launch, session
+        self.namespace = pod.namespace or cluster.kube.namespace
+        self._body, self.spec_hash = manifest(
+            cluster.kube, deployment, inst.index, inst.launch, pod
+        )
+        self.site = Site(
+            pool=KUBERNETES_POOL,
+            machine=None,
+            on=f"on Kubernetes, namespace {self.namespace}",
+            stopper="Kubernetes",
+            outlives_gateway=True,
+        )
+        self.seen = Seen(collector, inst.key, clock)
+        self._run: PodRun | None = None
+        self._recorded: str | None = None
+        self._log: PodLog | None = None
+        labels = self._body["metadata"]["labels"]
+        cluster.runners[(labels["capyctl.dev/deployment"], str(inst.index))] = self
+
+    # -- what it reads ------------------------------------------------------------------------
+    def _watch(self) -> PodWatch:
+        w = self._cluster.watch(self.namespace)
+        if w is None:
+            raise StartFailedError("the Kubernetes API was not reached when the gateway started")
+        return w
+
+    def _current(self) -> dict[str, Any] | None:
+        return self._run.pod() if self._run is not None else None
+
+    def sample(self) -> LoadSample | None:
+        return self.seen.sample()
+
+    def stale(self) -> bool:
+        return self.seen.stale()
+
+    def prefix_cache(self) -> CacheCounts | None:
+        return self.seen.prefix_cache()
+
+    def process(self) -> ProcessView | None:
+        return None  # its process is the kubelet's, on its node
+
+    def describe(self) -> dict[str, Any]:
+        row = self.seen.row()
+        if (pod := self._current()) is not None:
+            row["pod"] = shown(pod)
+        w = self._cluster.watch(self.namespace)
+        if w is not None and w.broken is not None:
+            row["pod_watch"] = f"down: {w.broken}"
+        return row
+
+    def holdup(self) -> str | None:
+        """Why its engine is not up yet where Kubernetes says (a pod nothing can place)."""
+        pod = self._current()
+        return f"its pod waits: {why}" if pod is not None and (why := pending(pod)) else None
+
+    def log(self) -> PodLog | None:
+        return self._log
+
+    def silent_s(self) -> float | None:
+        return self.seen.silent_s()
+
+    def why_unreachable(self) -> str:
+        return "dispatch_closed"
+
+    def begin(self, exchange: Tracked) -> None:
+        """Nothing ends an exchange with a pod from outside (its exit is `gone`'s)."""
+
+    def end(self, exchange: Tracked) -> None:
+        """See `begin`."""
+
+    # -- what it does -------------------------------------------------------------------------
+    def adopt(self, pod: dict[str, Any]) -> None:
+        """Take up a ready pod a previous run of the gateway left (``cluster.py``)."""
+        name = str(pod["metadata"]["name"])
+        self._run = PodRun(self._cluster, self.namespace, name, uid_of(pod))
+        self._log = PodLog.of(self._cluster, self.namespace, name, self.instance)
+        url = pod_url(pod, self._pod.port)
+        if url is not None:
+            self.instance.bind(url)
+            self._watch_engine()
+
+    async def start(self, reason: str) -> str:
+        w = self._watch()
+        api = self._cluster.api
+        if api is None:
+            raise StartFailedError("the Kubernetes API was not reached when the gateway started")
+        pod = self._current()
+        if pod is not None and ready(pod) and not terminating(pod) and ended(pod) is None:
+            return "its pod was running already"  # taken up from a previous run
+        body = named(self._body, self._dep, self.instance.index)
+        try:
+            made = await api.create(self.namespace, body)
+        except KubeError as exc:
+            logger.error("%s: Kubernetes refused its pod: %s", self.instance.where, exc)
+            raise StartFailedError(f"Kubernetes refused its pod ({exc.reason})") from None
+        name = str(body["metadata"]["name"])
+        self._run = PodRun(self._cluster, self.namespace, name, uid_of(made))
+        self._log = PodLog.of(self._cluster, self.namespace, name, self.instance)
+        try:
+            pod = await until_ready(w, self._current, name, self._launch.startup_timeout)
+            url = pod_url(pod, self._pod.port)
+            if url is None:
+                raise StartFailedError(f"its pod {name} is ready but has no address")
+            await healthy(self._session, url, auth_of(self.instance), name)
+        except BaseException:
+            await self._delete()
+            raise
+        self.instance.bind(url)
+        self._watch_engine()
+        d = self._dep
+        if d.parks and not d.router:
+            self._recorded = await record(self._session, self.instance, d)
+        return f"its pod {name} is ready on node {node_of(pod) or '(unknown)'}"
+
+    def _watch_engine(self) -> None:
+        inst, d = self.instance, self._dep
+        if not self.seen.watched and inst.url is not None:
+            adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key, router=d.router)
+            self.seen.watch(adapter, d.engine_model)
+
+    async def park(self, reason: str) -> None:
+        await self._drive(park=True)
+
+    async def wake(self, reason: str) -> None:
+        await self._drive(park=False)
+        if self._recorded is not None:
+            await check(self._session, self.instance, self._dep, self._recorded)
+
+    async def _drive(self, *, park: bool) -> None:
+        inst, d = self.instance, self._dep
+        if inst.url is None:
+            raise StartFailedError(f"{inst.where} has no engine to drive")
+        model = d.engine_model if d.router else None
+        await drive(self._session, d.engine, inst.url, auth_of(inst), model, park=park)
+
+    async def stop(self, reason: str) -> bool:
+        self.seen.unwatch()
+        return await self._delete()
+
+    async def _delete(self) -> bool:
+        run, self._run = self._run, None
+        return (
+            True if run is None else await run.delete(self._pod.grace_period, self.instance.where)
+        )
+
+    def exited(self) -> str | None:
+        return self._run.exited() if self._run is not None else None
+
+    async def gone(self) -> str:
+        w = self._cluster.watch(self.namespace)
+        if w is None:
+            return await never()
+        while True:
+            if (why := self.exited()) is not None:
+                return why
+            await w.changed()

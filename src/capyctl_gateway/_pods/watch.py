@@ -1,0 +1,143 @@
+"""What the API server says of the gateway's pods in one namespace, kept by one list-then-watch
+(never one watch per pod), as client-go's reflectors keep it:
+
+- list the pods the owner's selector matches, then watch from the list's resourceVersion, with
+  bookmarks (they move the resourceVersion on while nothing of ours changes);
+- a watch the API server ends (``kubernetes.watch_timeout``) is renewed from where it was;
+- a 410 Gone (the version was compacted away) lists again: a pod missing from the new list
+  is gone, as a DELETED event would have said;
+- any other failure (a cut connection, a refusal, an unreachable server) waits a jittered
+  backoff, doubling up to `BACKOFF_MAX_S` while failures follow each other (a watch that ran
+  before it failed starts it over), and tries again; ``broken`` says why meanwhile.
+
+Runners read ``pods`` and wait on `changed`; nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+from .kube import ExpiredError, KubeApi, KubeError
+
+__all__ = ["BACKOFF_MAX_S", "PodWatch", "uid_of"]
+
+logger = logging.getLogger("capyctl_gateway")
+
+BACKOFF_FIRST_S = 0.2
+BACKOFF_MAX_S = 30.0
+QUICK_END_S = 1.0
+"""A watch that ends sooner than this without an event counts as a failure (no busy loop
+against a server that closes every watch at once)."""
+
+
+def uid_of(pod: dict[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("uid") or "")
+
+
+def _name(pod: dict[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("name") or "")
+
+
+class PodWatch:
+    """The gateway's pods in one namespace, as last heard."""
+
+    def __init__(self, api: KubeApi, namespace: str, selector: str, timeout_s: float) -> None:
+        self.api, self.namespace, self.selector, self.timeout_s = (
+            api,
+            namespace,
+            selector,
+            timeout_s,
+        )
+        self.pods: dict[str, dict[str, Any]] = {}
+        """name -> the pod's latest object."""
+        self.rv = ""
+        self.listed = asyncio.Event()
+        """Set once a list has been taken (what ``pods`` says is then the server's)."""
+        self.lists = 0
+        self.renewals = 0
+        """Watches renewed after the API server ended them."""
+        self.failures = 0
+        """Watches or lists that failed (cut, refused, unreachable), each followed by a wait."""
+        self.broken: str | None = None
+        """Why the watch is down now; None while it runs."""
+        self._changed = asyncio.Event()
+
+    async def changed(self) -> None:
+        """Return at the next change of ``pods`` (or of ``broken``)."""
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def run(self) -> None:
+        """Keep ``pods`` true, for as long as its owner lets it run."""
+        failed = 0
+        while True:
+            began, events = time.monotonic(), 0
+            try:
+                if not self.listed.is_set():
+                    await self._list()
+                async for kind, obj in self.api.watch(
+                    self.namespace, self.selector, self.rv, self.timeout_s
+                ):
+                    events += 1
+                    self._apply(kind, obj)
+                if events == 0 and time.monotonic() - began < QUICK_END_S:
+                    raise KubeError(200, "Ended", "the API server ended the watch at once")
+                self.renewals += 1
+                failed = 0
+            except ExpiredError:
+                logger.info(
+                    "pods in %s: the watch's version expired; listing again", self.namespace
+                )
+                self.listed.clear()
+            except KubeError as exc:
+                if events or time.monotonic() - began >= QUICK_END_S:
+                    failed = 0  # it ran before it failed: the backoff starts over
+                failed += 1
+                self.failures += 1
+                wait = min(BACKOFF_FIRST_S * 2 ** (failed - 1), BACKOFF_MAX_S)
+                wait *= random.uniform(0.5, 1.0)  # noqa: S311 (jitter)
+                if self.broken is None:
+                    logger.warning(
+                        "pods in %s: the watch failed (%s); trying again in %.1f s",
+                        self.namespace,
+                        exc,
+                        wait,
+                    )
+                self.broken = str(exc)
+                self._notify()
+                await asyncio.sleep(wait)
+
+    async def _list(self) -> None:
+        items, rv = await self.api.list(self.namespace, self.selector)
+        self.lists += 1
+        fresh = {_name(p): p for p in items if _name(p)}
+        self.pods = fresh  # one missing from it was deleted meanwhile
+        self.rv = rv
+        self.broken = None
+        self.listed.set()
+        self._notify()
+
+    def _apply(self, kind: str, obj: dict[str, Any]) -> None:
+        rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        if rv:
+            self.rv = rv
+        if self.broken is not None:
+            logger.info("pods in %s: the watch runs again", self.namespace)
+            self.broken = None
+        name = _name(obj)
+        if kind in ("ADDED", "MODIFIED") and name:
+            self.pods[name] = obj
+        elif kind == "DELETED" and name:
+            held = self.pods.get(name)
+            if held is not None and uid_of(held) == uid_of(obj):
+                del self.pods[name]
+        else:
+            return  # a bookmark: only its version counts
+        self._notify()
