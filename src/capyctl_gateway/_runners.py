@@ -119,7 +119,7 @@ async def _open_cluster(o: Opened) -> None:
         return
     found = o.hooks.found
     if found is not None:
-        cluster.found = lambda r: found(r.instance, "ready", None)
+        cluster.found = lambda r, state: found(r.instance, state, None)
     if o.stack is not None:
         o.stack.push_async_callback(cluster.close)
     await cluster.open(o.env)

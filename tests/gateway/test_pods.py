@@ -17,9 +17,10 @@ from rich.console import Console
 
 from capyctl_gateway._config import GatewayConfig
 from capyctl_gateway._http.app import GATEWAY_KEY, create_app
-from capyctl_gateway._lifecycle.operator import operator_stop
-from capyctl_gateway._management.render import print_status
+from capyctl_gateway._lifecycle.operator import deployments_list, operator_stop
+from capyctl_gateway._management.render import print_list, print_status
 from capyctl_gateway._management.status import deployment_status
+from capyctl_gateway._pods import podrun
 from capyctl_gateway._pods.manifest import NAME
 from tests.eventually import eventually
 from tests.gateway.conftest import COLLECTOR, KEY, Gw, _serve
@@ -109,6 +110,13 @@ async def test_the_first_request_starts_a_pod_that_serves_and_a_stop_deletes_it(
     row = pod_row(gw)
     assert row["pod"]["name"] == name and row["pod"]["node"] == "gpu-1"
     assert row["pod"]["phase"] == "Running"
+    fleet = gw.gateway.fleet
+    listing = deployments_list(fleet.lifecycle, fleet.routes, None)
+    text = Console(width=80, record=True)
+    print_list(text, listing)
+    (listed,) = listing["deployments"]
+    assert listed["run_by"] == "the gateway (pods)"
+    assert f"my-model instance 0: pod {NS}/{name} on node gpu-1, Running" in text.export_text()
     await operator_stop(gw.gateway.fleet.lifecycle, "my-model", known=True)
     assert cluster.pods() == []  # the stop returned once the pod was gone: proven
     assert not alive(pid)
@@ -212,3 +220,62 @@ async def test_a_restarted_gateway_takes_up_its_running_pod_and_deletes_stranger
         lambda: [p["metadata"]["uid"] for p in cluster.pods()] == [kept["metadata"]["uid"]]
     )
     assert not alive(stranger_pid)
+
+
+@pytest.fixture
+async def two_nodes(tmp_path: Path) -> AsyncIterator[Cluster]:
+    one = {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
+    nodes = [FakeNode("gpu-1", allocatable=one), FakeNode("gpu-2", allocatable=one)]
+    async with FakeApiServer() as api, FakeKubelet(api, nodes, time_scale=0.05) as kubelet:
+        yield Cluster(api, kubelet, api.kubeconfig(tmp_path / "kubeconfig", NS))
+
+
+async def test_an_evicted_pod_and_a_lost_node_are_exits_and_the_lost_ones_stop_stays_unproven(
+    two_nodes: Cluster, make_gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(podrun, "STOP_PROOF_MARGIN_S", 0.5)  # a lost node's pod never goes
+    cluster = two_nodes
+    gw = await make_gateway(config(pod_deployment()), env=cluster.env)
+    life = gw.gateway.fleet.lifecycle.lives["my-model"]
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        (first,) = cluster.pods()
+        await cluster.kubelet.evict(first["metadata"]["name"], NS)
+        await eventually(lambda: cluster.pods() == [])  # an exit: the failed pod deleted
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        (second,) = cluster.pods()
+        lost_node = second["spec"]["nodeName"]
+        await cluster.kubelet.lose_node(lost_node)
+        # Kubernetes deletes the lost node's pod, which stays Terminating: the gateway hears an
+        # exit, and its own delete cannot be proven (its memory stays counted: unconfirmed)
+        await eventually(lambda: life.launched[0].unconfirmed)
+        r = await c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 200, r.text
+    pods = {p["metadata"]["name"]: p for p in cluster.pods()}
+    assert second["metadata"]["name"] in pods  # still Terminating on its lost node
+    (third,) = [p for n, p in pods.items() if n != second["metadata"]["name"]]
+    assert third["spec"]["nodeName"] != lost_node
+    await cluster.kubelet.restore_node(lost_node)
+    await eventually(
+        lambda: [p["metadata"]["uid"] for p in cluster.pods()] == [third["metadata"]["uid"]]
+    )
+
+
+async def test_a_lost_nodes_pod_gone_at_last_frees_what_its_unproven_stop_kept_counted(
+    two_nodes: Cluster, make_gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(podrun, "STOP_PROOF_MARGIN_S", 0.5)
+    cluster = two_nodes
+    dep = pod_deployment(memory={"ready": "1GiB"})
+    gw = await make_gateway(config(dep) | {"resources": {"memory_budget": "1GiB"}}, env=cluster.env)
+    lifecycle = gw.gateway.fleet.lifecycle
+    (lc,) = lifecycle.lives["my-model"].launched
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    (pod,) = cluster.pods()
+    await cluster.kubelet.lose_node(pod["spec"]["nodeName"])
+    await eventually(lambda: lc.unconfirmed and lc.state.value in ("stopped", "failed"))
+    assert lifecycle.budget.held() == 2**30  # its stop unproven: its memory stays counted
+    await cluster.kubelet.restore_node(pod["spec"]["nodeName"])  # the pod goes at last
+    await eventually(lambda: not lc.unconfirmed)
+    assert cluster.pods() == [] and lifecycle.budget.held() == 0

@@ -22,6 +22,7 @@ from capyctl_gateway._pods.manifest import (
     manifest,
     named,
 )
+from capyctl_gateway._pods.podstate import pending
 
 K8S_VERSION = "1.37.0"
 
@@ -174,3 +175,22 @@ def test_the_guides_example_loads_with_every_pod_key() -> None:
     assert set(pod.model_fields_set) == set(type(pod).model_fields)  # every key shown
     assert set(c.kubernetes.model_fields_set) == set(type(c.kubernetes).model_fields)
     kubernetes_validate.validate(made(c), K8S_VERSION, strict=True)
+
+
+def test_why_a_pod_waits_names_no_address_where_a_client_hears_it() -> None:
+    message = 'failed to pull "r.example/img": dial tcp 10.1.2.3:443: i/o timeout'
+    waiting = {"state": {"waiting": {"reason": "ErrImagePull", "message": message}}}
+    pod = {"status": {"phase": "Pending", "containerStatuses": [waiting]}}
+    assert pending(pod) == f"ErrImagePull: {message}"  # status: the operator's view
+    assert pending(pod, detail=False) == "ErrImagePull"  # a 503's message and a failed start
+    unschedulable = {
+        "status": {
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}
+            ]
+        }
+    }  # fmt: skip
+    assert pending(unschedulable, detail=False) == (
+        "Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+    )

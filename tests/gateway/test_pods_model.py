@@ -3,7 +3,7 @@ random schedule of concurrent requests (streamed and whole, short and long, clie
 before the head or mid-stream, requests that crash their engine) and operator starts, stops and
 parks, against three deployments whose engines run as pods under a memory budget that holds
 two, on the Kubernetes API fake with its fake kubelet (``tests/kube/``), which runs each pod as
-a real process.
+a real process; in one process, and with two workers behind their authority.
 
 Checked at every transition as on one machine: never more held than the budget, never two
 engines for one instance, never more engines awake than the budget holds. At the end: every
@@ -27,7 +27,7 @@ import pytest
 from capyctl_gateway._lifecycle.rest import quiesce
 from capyctl_gateway._management.status import deployment_status
 from capyctl_gateway._pods.manifest import NAME
-from tests.gateway.conftest import Gw
+from tests.gateway.conftest import WORKERS, Gw
 from tests.gateway.test_lifecycle import ENGINE, management
 from tests.gateway.test_lifecycle_model import (
     BUDGET,
@@ -46,6 +46,7 @@ from tests.kube.kubelet import FakeKubelet
 from tests.kube.scheduler import FakeNode
 
 pytestmark = pytest.mark.anyio
+workers = WORKERS  # one process, and two workers behind their authority
 MakeGateway = Callable[..., Awaitable[Gw]]
 STEPS = 36
 NS = "model"

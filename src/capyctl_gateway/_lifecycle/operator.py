@@ -117,8 +117,11 @@ def deployments_list(
             row["run_by"] = "someone else (url)"
             row["state"] = "ready" if row["ready"] else "unavailable"
         else:
-            row["run_by"] = "the gateway (launch)"
+            row["run_by"] = "the gateway (pods)" if d.on_pods else "the gateway (launch)"
             row["state"] = life.state
+            if d.on_pods:  # each pod that exists now, where it runs
+                seen = [(i.index, i.runner.describe().get("pod")) for i in route.instances]
+                row["pods"] = [{"instance": n, **pod} for n, pod in seen if pod is not None]
             if life.operator_stopped:  # while its stop is under way, the state it is in
                 row["state"] = (
                     "stopped by an operator"

@@ -129,6 +129,13 @@ def print_list(console: Console, doc: dict[str, Any]) -> None:
                 + ("no fresh sample" if age is None else f"sample {age:.1f} s old"),
                 soft_wrap=True,
             )
+        for p in d.get("pods", []):
+            on = f" on node {p['node']}" if p.get("node") else ""
+            console.print(
+                f"{d['name']} instance {p['instance']}: pod {p['namespace']}/{p['name']}{on}, "
+                f"{p['phase']}" + (f"; it waits: {p['waiting']}" if p.get("waiting") else ""),
+                soft_wrap=True,
+            )
     budget = doc["memory_budget"]
     console.print(
         f"memory held by launched deployments: {size(doc['memory_held'])}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._config import Kubernetes
 from .._deployments.routes import EngineInstance
@@ -23,6 +23,9 @@ from .kube import CALL_TIMEOUT_S, KubeApi, KubeError, connect
 from .manifest import DEPLOYMENT, INSTANCE, SPEC, selector
 from .podstate import ended, ready, terminating
 from .watch import PodWatch, uid_of
+
+if TYPE_CHECKING:
+    from .podrun import PodRun
 
 __all__ = ["Adopter", "Cluster"]
 
@@ -36,6 +39,9 @@ class Adopter(Protocol):
     namespace: str
     spec_hash: str
 
+    @property
+    def idle(self) -> bool: ...
+
     def adopt(self, pod: dict[str, Any]) -> None: ...
 
 
@@ -48,8 +54,9 @@ class Cluster:
         self.watches: dict[str, PodWatch] = {}
         self.runners: dict[tuple[str, str], Adopter] = {}
         """(deployment label, instance index) -> its runner."""
-        self.found: Callable[[Adopter], None] | None = None
-        """Told of each pod adopted (the lifecycle takes it up as ready)."""
+        self.found: Callable[[Adopter, str], None] | None = None
+        """Told what became of a runner's engine unasked (``ready``: a pod taken up, which the
+        lifecycle takes up as ready; ``stopped``: an unproven stop's pod gone at last)."""
         self.tasks = Supervisor("the pod watches")
 
     def watch(self, namespace: str) -> PodWatch | None:
@@ -69,6 +76,18 @@ class Cluster:
                 continue
             await self._take_up(api, w)
 
+    def late(self, run: PodRun, runner: Adopter) -> None:
+        """An unproven stop's pod: once it is gone at last (a lost node's comes back, or
+        someone deletes it with force), the lifecycle hears the engine stopped, unless the
+        instance runs again meanwhile (its memory is then counted as running anyway)."""
+
+        async def wait() -> None:
+            await run.gone()
+            if runner.idle and self.found is not None:
+                self.found(runner, "stopped")
+
+        self.tasks.spawn(wait(), what=f"{runner.instance.where}: its pod's end")
+
     async def close(self) -> None:
         await self.tasks.aclose()
         if self.api is not None:
@@ -84,7 +103,7 @@ class Cluster:
                 runner.adopt(pod)
                 logger.info("pod %s in %s: taken up as it runs", name, w.namespace)
                 if self.found is not None:
-                    self.found(runner)
+                    self.found(runner, "ready")
                 continue
             why = "its spec changed" if runner is not None else "no deployment names it"
             if runner is not None and fits:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +146,7 @@ class KubeApi:
 
     async def watch(
         self, namespace: str, selector: str, rv: str, timeout_s: float
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]]]:
         """The pods' changes after ``rv`` as (type, object), bookmarks included, until the API
         server ends the watch (after ``timeout_s``). Raises ExpiredError (410: list again),
         KubeError."""

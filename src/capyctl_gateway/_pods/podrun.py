@@ -7,6 +7,7 @@ import asyncio
 import logging
 from typing import Any
 
+from .._errors import StartFailedError
 from .cluster import Cluster
 from .kube import KubeError
 from .podstate import ended, terminating
@@ -29,6 +30,22 @@ class PodRun:
         self.stopping = False
         """The gateway deletes it: its end is no exit."""
 
+    @classmethod
+    async def create(cls, cluster: Cluster, body: dict[str, Any], where: str) -> PodRun:
+        """Create the pod ``body``; its run. Raises StartFailedError, saying whether the API
+        could not be reached or refused it (its reason; the whole message is logged)."""
+        meta = body["metadata"]
+        if cluster.api is None:
+            raise StartFailedError("the Kubernetes API was not reached when the gateway started")
+        try:
+            made = await cluster.api.create(meta["namespace"], body)
+        except KubeError as exc:
+            logger.error("%s: its pod was not created: %s", where, exc)
+            if exc.status == 0:
+                raise StartFailedError("the Kubernetes API could not be reached") from None
+            raise StartFailedError(f"Kubernetes refused its pod ({exc.reason})") from None
+        return cls(cluster, meta["namespace"], str(meta["name"]), uid_of(made))
+
     def pod(self) -> dict[str, Any] | None:
         """The pod as the watch last said (None once it is gone)."""
         w = self.cluster.watch(self.namespace)
@@ -50,6 +67,12 @@ class PodRun:
             return f"Kubernetes is deleting its pod {self.name} (evicted, or its node lost)"
         return None
 
+    async def gone(self) -> None:
+        """Return once the watch no longer has it."""
+        w = self.cluster.watch(self.namespace)
+        while w is not None and (self.pod() is not None or not w.listed.is_set()):
+            await w.changed()
+
     async def delete(self, grace_s: int, where: str) -> bool:
         """Delete it; whether it is proven gone: a 404, or the watch no longer has it (its
         DELETED event, or a list without it) within its grace period and a margin."""
@@ -66,8 +89,7 @@ class PodRun:
                 return False
         try:
             async with asyncio.timeout(grace_s + STOP_PROOF_MARGIN_S):
-                while self.pod() is not None or not w.listed.is_set():
-                    await w.changed()
+                await self.gone()
         except TimeoutError:
             logger.warning("%s: its pod %s is not gone yet", where, self.name)
             return False

@@ -55,10 +55,11 @@ def pod_url(pod: dict[str, Any], port: int) -> str | None:
     return f"http://{host}:{port}"
 
 
-def pending(pod: dict[str, Any]) -> str | None:
+def pending(pod: dict[str, Any], *, detail: bool = True) -> str | None:
     """Why the pod waits to run, as the scheduler or the kubelet says (None when it runs or
     nothing has been said): the scheduler's message for a pod it cannot place, a container's
-    waiting reason (an image that cannot be pulled)."""
+    waiting reason (an image that cannot be pulled), with the kubelet's message where
+    ``detail`` (it may name a registry's address: not for clients)."""
     c = condition(pod, "PodScheduled")
     if c is not None and c.get("status") == "False":
         return f"{c.get('reason') or 'Unschedulable'}: {c.get('message') or 'no node fits'}"
@@ -66,7 +67,7 @@ def pending(pod: dict[str, Any]) -> str | None:
         waiting = ((cs or {}).get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason")
         if reason and reason not in ("ContainerCreating", "PodInitializing"):
-            message = waiting.get("message")
+            message = waiting.get("message") if detail else None
             return f"{reason}: {message}" if message else str(reason)
     return None
 

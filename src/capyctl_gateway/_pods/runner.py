@@ -33,7 +33,6 @@ from .._local.parking import drive
 from .._local.seen import Seen
 from .._local.wakecheck import auth_of, check, record
 from .cluster import Cluster
-from .kube import KubeError
 from .manifest import manifest, named
 from .podlog import PodLog
 from .podrun import PodRun
@@ -116,7 +115,8 @@ class PodRunner:
     def holdup(self) -> str | None:
         """Why its engine is not up yet where Kubernetes says (a pod nothing can place)."""
         pod = self._current()
-        return f"its pod waits: {why}" if pod is not None and (why := pending(pod)) else None
+        why = pending(pod, detail=False) if pod is not None else None
+        return f"its pod waits: {why}" if why else None
 
     def log(self) -> PodLog | None:
         return self._log
@@ -146,20 +146,13 @@ class PodRunner:
 
     async def start(self, reason: str) -> str:
         w = self._watch()
-        api = self._cluster.api
-        if api is None:
-            raise StartFailedError("the Kubernetes API was not reached when the gateway started")
         pod = self._current()
         if pod is not None and ready(pod) and not terminating(pod) and ended(pod) is None:
             return "its pod was running already"  # taken up from a previous run
+        await self._delete()  # what is left of an earlier run's pod
         body = named(self._body, self._dep, self.instance.index)
-        try:
-            made = await api.create(self.namespace, body)
-        except KubeError as exc:
-            logger.error("%s: Kubernetes refused its pod: %s", self.instance.where, exc)
-            raise StartFailedError(f"Kubernetes refused its pod ({exc.reason})") from None
-        name = str(body["metadata"]["name"])
-        self._run = PodRun(self._cluster, self.namespace, name, uid_of(made))
+        self._run = await PodRun.create(self._cluster, body, self.instance.where)
+        name = self._run.name
         self._log = PodLog.of(self._cluster, self.namespace, name, self.instance)
         try:
             pod = await until_ready(w, self._current, name, self._launch.startup_timeout)
@@ -204,9 +197,15 @@ class PodRunner:
 
     async def _delete(self) -> bool:
         run, self._run = self._run, None
-        return (
-            True if run is None else await run.delete(self._pod.grace_period, self.instance.where)
-        )
+        if run is None or await run.delete(self._pod.grace_period, self.instance.where):
+            return True
+        self._cluster.late(run, self)  # the lifecycle hears when it is gone at last
+        return False
+
+    @property
+    def idle(self) -> bool:
+        """No run of its engine is under way (it is stopped)."""
+        return self._run is None
 
     def exited(self) -> str | None:
         return self._run.exited() if self._run is not None else None

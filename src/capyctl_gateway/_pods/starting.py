@@ -48,9 +48,9 @@ async def until_ready(
                 raise StartFailedError(f"its pod {name} was deleted as it started")
             if ready(pod):
                 return pod
-            why = pending(pod)
+            why = pending(pod, detail=False)  # what a failed start tells clients
             if why is not None and why != said:
-                logger.warning("its pod %s waits: %s", name, why)
+                logger.warning("its pod %s waits: %s", name, pending(pod))
             said = why
         left = deadline - loop.time()
         if left <= 0:

@@ -16,6 +16,7 @@ Runners read ``pods`` and wait on `changed`; nothing here decides anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -82,11 +83,11 @@ class PodWatch:
             try:
                 if not self.listed.is_set():
                     await self._list()
-                async for kind, obj in self.api.watch(
-                    self.namespace, self.selector, self.rv, self.timeout_s
-                ):
-                    events += 1
-                    self._apply(kind, obj)
+                watch = self.api.watch(self.namespace, self.selector, self.rv, self.timeout_s)
+                async with contextlib.aclosing(watch):  # its response released as it ends
+                    async for kind, obj in watch:
+                        events += 1
+                        self._apply(kind, obj)
                 if events == 0 and time.monotonic() - began < QUICK_END_S:
                     raise KubeError(200, "Ended", "the API server ended the watch at once")
                 self.renewals += 1
