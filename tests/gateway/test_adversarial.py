@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capyctl_gateway._http.validate import CHAT_FIELDS
-from tests.gateway.conftest import Gw
+from tests.gateway.conftest import Gw, deployments
 from tests.gateway.fake_engine import DONE, FakeEngine, Item, chunk, event, vllm_stream
 
 pytestmark = pytest.mark.anyio
@@ -193,3 +194,37 @@ async def test_any_engine_stream_is_answered_as_documented(gateway: Gw, engine: 
 
     await anyio.to_thread.run_sync(check)
     settled_counts(gateway)
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one", "workers2"])
+async def test_many_bodies_of_small_values_at_once_are_refused_and_disturb_nobody(
+    engine: FakeEngine, make_gateway: Callable[..., Awaitable[Gw]], workers: int
+) -> None:
+    """Issue 34, item 7, with many connections: bodies past ``max_json_tokens`` from 16
+    connections at once beside 32 small requests; each big one 413 unparsed, each small one
+    served, nothing of the big ones reaches the engine, and every count returns to zero."""
+    engine.script = vllm_stream()
+    config = {"limits": {"max_json_tokens": 20_000}, "deployments": [deployments(engine.url)]}
+    gw = await make_gateway(config)
+    tiny = '{"role": "user", "content": "a"}'
+    big = '{"model": "my-model", "messages": [' + ", ".join([tiny] * 5000) + "]}"
+    small = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
+    answers: list[httpx.Response] = []
+    async with gw.client(limits=httpx.Limits(max_connections=64)) as c:
+
+        async def send(**kw: Any) -> None:
+            answers.append(await c.post("/v1/chat/completions", **kw))
+
+        async with anyio.create_task_group() as tg:
+            for n in range(48):
+                if n % 3 == 0:
+                    tg.start_soon(lambda: send(content=big))
+                else:
+                    tg.start_soon(lambda: send(json=small))
+    refused = [r for r in answers if r.status_code == 413]
+    served = [r for r in answers if r.status_code == 200]
+    assert len(refused) == 16 and len(served) == 32, sorted(r.status_code for r in answers)
+    assert all(r.json()["code"] == "request_too_large" for r in refused)
+    assert len(engine.received) == 32 and all(len(r.body["messages"]) == 1 for r in engine.received)
+    assert gw.gateway.bodies.held == 0
+    assert all(ledger.charged == 0 for ledger in gw.gateway.fleet.settlement.ledgers.values())

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.gateway.conftest import Gw, deployments
@@ -86,6 +88,60 @@ async def test_integers_within_range_reach_the_engine_exactly(
     (received,) = engine.received
     assert received.body["seed"] == 18446744073709551615
     assert received.body["logit_bias"] == {"5": -9223372036854775808}
+
+
+async def test_a_body_with_more_json_values_than_the_limit_is_refused_before_its_parse(
+    engine: FakeEngine, make_gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.script = vllm_stream()
+    gw = await make_gateway(
+        {"limits": {"max_json_tokens": 5000}, "deployments": [deployments(engine.url)]}
+    )
+    parsed: list[int] = []
+    real = orjson.loads
+
+    def counted(raw: bytes | str) -> Any:
+        parsed.append(len(raw))
+        return real(raw)
+
+    monkeypatch.setattr(orjson, "loads", counted)
+    tiny = '{"role": "user", "content": "a"}'  # 4 of , : { each, and a , between
+    many = '{"model": "my-model", "messages": [' + ", ".join([tiny] * 1300) + "]}"
+    async with gw.client() as c:
+        r = await c.post("/v1/chat/completions", content=many)
+        assert (r.status_code, r.json()["code"]) == (413, "request_too_large")
+        assert "limits.max_json_tokens (5000)" in r.json()["message"]
+        assert len(many) not in parsed and engine.received == []  # refused unparsed, unsent
+        fits = '{"model": "my-model", "messages": [' + ", ".join([tiny] * 900) + "]}"
+        assert (await c.post("/v1/chat/completions", content=fits)).status_code == 200
+        # the characters count in strings too: prose with 6,000 commas is over as well
+        prose = {"model": "my-model", "messages": [{"role": "user", "content": "a, " * 6000}]}
+        r = await c.post("/v1/chat/completions", json=prose)
+        assert (r.status_code, r.json()["code"]) == (413, "request_too_large")
+    assert len(engine.received) == 1
+
+
+async def test_a_run_of_digits_in_a_string_costs_no_second_parse(
+    gateway: Gw, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.script = vllm_stream()
+    reparsed: list[int] = []
+    real = json.loads
+
+    def counted(raw: str | bytes, **kw: Any) -> Any:
+        reparsed.append(1)
+        return real(raw, **kw)
+
+    monkeypatch.setattr(json, "loads", counted)
+    digits = "12345678901234567890123 " * 1000
+    body = {"model": "my-model", "messages": [{"role": "user", "content": digits}], "seed": 7}
+    async with gateway.client() as c:
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        assert reparsed == []  # orjson read no float that large: the digits were text
+        body["temperature"] = 1e300  # a float that large: looked at again, and let through
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        assert reparsed == [1]
+    assert [r.body["temperature"] for r in engine.received[1:]] == [1e300]
 
 
 @pytest.mark.parametrize("messages", [None, "hi", {"role": "user"}, 5])

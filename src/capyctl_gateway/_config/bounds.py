@@ -45,6 +45,10 @@ class Limits(BaseModel):
     """Request bodies being read and held, over all requests at once; a body that would pass
     it is refused with 503 (retryable). With workers, each holds an equal share, and a share
     holds at least the largest body a request may have (`fit_workers`)."""
+    max_json_tokens: int = Field(default=1_000_000, ge=1000, le=100_000_000)
+    """A body with more of ``,`` ``:`` ``[`` ``{`` than this (an upper bound of its JSON values,
+    counted in strings too) is refused with 413 before it is parsed: the work and the memory
+    a body's parse costs grow with its values, not its bytes."""
     body_read_timeout: Seconds = 120.0
     """A request body must have arrived whole within this (408 past it)."""
     header_timeout: Seconds = 10.0

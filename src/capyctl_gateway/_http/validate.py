@@ -12,7 +12,7 @@ import orjson
 
 from .._config import Api, Deployment, GatewayConfig
 from .._engines import facts
-from .._errors import RefusedError, UnknownModelError, invalid
+from .._errors import RefusedError, TooLargeError, UnknownModelError, invalid
 
 __all__ = [
     "CHAT_FIELDS",
@@ -77,11 +77,49 @@ class DecisionRequest:
 _LONG_DIGITS = re.compile(rb"\d{20}|-\d{19}")
 """Digits enough for an integer orjson would read as a float (outside -2^63 .. 2^64-1)."""
 _INT_RANGE = range(-(2**63), 2**64)
+_TOKENS = (b",", b":", b"[", b"{")
 
 
-def _exact_integers(raw: bytes) -> None:
+def _tokens_within(raw: bytes, limit: int) -> None:
+    """Refuse a body that may hold more than ``limit`` JSON values, before it is parsed (the
+    parse's time and memory grow with its values): each value past the first follows one of
+    ``,`` ``:`` ``[`` ``{``, so their count bounds them. Counted in strings too: one C pass per
+    character, where telling strings apart would cost a parse."""
+    if len(raw) <= limit:
+        return  # it cannot hold more
+    seen = 0
+    for ch in _TOKENS:
+        seen += raw.count(ch)
+        if seen > limit:
+            raise TooLargeError(
+                f"the body holds more than limits.max_json_tokens ({limit}) of , : [ {{ "
+                "(its JSON values, and these characters in its strings)"
+            )
+
+
+def _out_of_range(body: Any) -> bool:
+    """Whether ``body`` (as orjson read it) holds a float that may have been an integer
+    outside -2^63 .. 2^64-1 (orjson reads one as a float): whole, and that large."""
+    stack = [body]
+    while stack:
+        x = stack.pop()
+        if type(x) is dict:
+            stack.extend(x.values())
+        elif type(x) is list:
+            stack.extend(x)
+        elif type(x) is float and abs(x) >= 2.0**63 and x.is_integer():
+            return True
+    return False
+
+
+def _exact_integers(raw: bytes, body: Any) -> None:
     """Refuse an integer the engine would not receive exactly: orjson reads one outside
-    -2^63 .. 2^64-1 as a float, and the engine would get another number than the one sent."""
+    -2^63 .. 2^64-1 as a float, and the engine would get another number than the one sent.
+    Looked for in three steps, each run only where the one before found something: a run of
+    digits anywhere (one C pass), a float that large in what orjson read (a walk of its values,
+    bounded by ``max_json_tokens``), the standard library's parse of the integers (as bounded)."""
+    if _LONG_DIGITS.search(raw) is None or not _out_of_range(body):
+        return
 
     def exact(text: str) -> int:
         value = int(text)
@@ -101,16 +139,17 @@ _ENDPOINT = {Api.CHAT: "/v1/chat/completions", Api.DECISIONS: "/v1/systemone"}
 
 
 def resolve(raw: bytes, config: GatewayConfig, api: Api) -> tuple[dict[str, Any], Deployment]:
-    """The checks every request shares, in order: a JSON object with a string ``model``
-    (400), a deployment of that name (404), serving this endpoint's API (400 api_mismatch)."""
+    """The checks every request shares, in order: no more JSON values than the limit (413), a
+    JSON object with a string ``model`` (400), a deployment of that name (404), serving this
+    endpoint's API (400 api_mismatch)."""
+    _tokens_within(raw, config.limits.max_json_tokens)
     try:
-        body = orjson.loads(raw)
+        body = orjson.loads(raw)  # its nesting is bounded: orjson refuses past 1024 levels
     except orjson.JSONDecodeError as exc:
         raise invalid(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
-    if _LONG_DIGITS.search(raw) is not None:
-        _exact_integers(raw)
+    _exact_integers(raw, body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required and must be a non-empty string")
