@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -108,27 +110,33 @@ def verbs(api: FakeApiServer, since: int) -> dict[str, int]:
     return dict(seen)
 
 
-async def starts(binary: Path, model: Path, cycles: int, pod: bool) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def served(dep: dict[str, Any]) -> AsyncIterator[tuple[FakeApiServer, str, Any]]:
+    """A gateway serving ``dep`` with a fake cluster beside it: the API, its URL, the gateway."""
     with tempfile.TemporaryDirectory() as tmp:
         nodes = [FakeNode("node-1", allocatable={"cpu": "8", "memory": "16Gi"})]
         async with FakeApiServer() as api, FakeKubelet(api, nodes, time_scale=TIME_SCALE):
             env = {"KUBECONFIG": str(api.kubeconfig(Path(tmp) / "kubeconfig", "bench"))}
-            config = {"kubernetes": {"namespace": "bench"},
-                      "deployments": [deployment(binary, model, pod, idle="0.5s")]}  # fmt: skip
+            config = {"kubernetes": {"namespace": "bench"}, "deployments": [dep]}
             runner, url, gateway = await serve(config, env)
-            ttft, start_calls, stop_calls = [], [], []
-            life = gateway.fleet.lifecycle.lives["m"]
             try:
-                for _ in range(cycles):
-                    mark = len(api.calls)
-                    ttft.append(await first_token(url))
-                    start_calls.append(verbs(api, mark))
-                    mark = len(api.calls)
-                    while life.state != "stopped" or (pod and api.store.list_pods("bench")):  # noqa: ASYNC110
-                        await asyncio.sleep(0.01)  # the idle clock stops it: polled
-                    stop_calls.append(verbs(api, mark))
+                yield api, url, gateway
             finally:
                 await runner.cleanup()
+
+
+async def starts(binary: Path, model: Path, cycles: int, pod: bool) -> dict[str, Any]:
+    async with served(deployment(binary, model, pod, idle="0.5s")) as (api, url, gateway):
+        ttft, start_calls, stop_calls = [], [], []
+        life = gateway.fleet.lifecycle.lives["m"]
+        for _ in range(cycles):
+            mark = len(api.calls)
+            ttft.append(await first_token(url))
+            start_calls.append(verbs(api, mark))
+            mark = len(api.calls)
+            while life.state != "stopped" or (pod and api.store.list_pods("bench")):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)  # the idle clock stops it: polled
+            stop_calls.append(verbs(api, mark))
     return {
         "runner": "pod" if pod else "local",
         "ttft_s": [round(t, 4) for t in ttft],
@@ -139,31 +147,22 @@ async def starts(binary: Path, model: Path, cycles: int, pod: bool) -> dict[str,
 
 
 async def reconnects(binary: Path, model: Path, cuts: int, expire: bool) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        nodes = [FakeNode("node-1", allocatable={"cpu": "8", "memory": "16Gi"})]
-        async with FakeApiServer() as api, FakeKubelet(api, nodes, time_scale=TIME_SCALE):
-            env = {"KUBECONFIG": str(api.kubeconfig(Path(tmp) / "kubeconfig", "bench"))}
-            config = {"kubernetes": {"namespace": "bench"},
-                      "deployments": [deployment(binary, model, True)]}  # fmt: skip
-            runner, url, _ = await serve(config, env)
-            back: list[float] = []
-            try:
-                await first_token(url)
-                mark = len(api.calls)
-                for _ in range(cuts):
-                    if expire:
-                        api.fail_next("GET", "/pods", 410)
-                    await asyncio.sleep(QUIET_S)  # a watch that ran a while: no backoff owed
-                    opened = watches(api) + (2 if expire else 1)  # with 410: a refused one first
-                    began = time.perf_counter()
-                    api.drop_watches()
-                    while watches(api) < opened or api.open_watches == 0:  # noqa: ASYNC110
-                        await asyncio.sleep(0.001)  # another party's state: polled
-                    back.append(time.perf_counter() - began)
-                calls = verbs(api, mark)
-                await first_token(url)  # it still serves
-            finally:
-                await runner.cleanup()
+    async with served(deployment(binary, model, True)) as (api, url, _):
+        back: list[float] = []
+        await first_token(url)
+        mark = len(api.calls)
+        for _ in range(cuts):
+            if expire:
+                api.fail_next("GET", "/pods", 410)
+            await asyncio.sleep(QUIET_S)  # a watch that ran a while: no backoff owed
+            opened = watches(api) + (2 if expire else 1)  # with 410: a refused one first
+            began = time.perf_counter()
+            api.drop_watches()
+            while watches(api) < opened or api.open_watches == 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.001)  # another party's state: polled
+            back.append(time.perf_counter() - began)
+        calls = verbs(api, mark)
+        await first_token(url)  # it still serves
     return {
         "renewal": "410 then list" if expire else "resume",
         "cuts": cuts,

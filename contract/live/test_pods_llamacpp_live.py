@@ -10,17 +10,16 @@ expired mid-way is listed again; a restarted gateway takes the running pod up.""
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from aiohttp import web
 from tests.eventually import eventually
 from tests.kube.apiserver import FakeApiServer
+from tests.kube.conftest import alive
 from tests.kube.kubelet import FakeKubelet
 from tests.kube.scheduler import FakeNode
 
@@ -30,6 +29,7 @@ from capyctl_gateway._http.server import GatewayRunner
 from capyctl_gateway._management.status import deployment_status
 from capyctl_gateway._pods.manifest import NAME
 from contract.conftest import RunningGateway
+from contract.live.test_lifecycle_llamacpp_live import ask
 
 pytestmark = pytest.mark.anyio
 NS = "engines"
@@ -107,26 +107,6 @@ async def served(kube: Kube) -> AsyncIterator[Served]:
     finally:
         for r in s.runners:
             await r.cleanup()
-
-
-async def ask(gw: RunningGateway, model: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=120) as c:
-        r = await c.post(
-            gw.url + "/v1/chat/completions",
-            headers={"Authorization": f"Bearer {gw.key}"},
-            json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
-        )
-    assert r.status_code == 200, r.text
-    doc: dict[str, Any] = r.json()
-    return doc
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_a_llama_server_pod_starts_for_a_request_stops_when_idle_and_switches_in_a_budget(

@@ -187,9 +187,10 @@ async def test_the_8_mib_limit_of_a_deployment_on_a_host_is_measured_on_what_the
     c, _, _ = await gated(cluster, engine)
     compact = remote_chat(REMOTE_MAX_BODY_BYTES)  # the engine's copy is a few bytes longer
     pretty = remote_chat(REMOTE_MAX_BODY_BYTES + 1, tail=b"\n" * 1024)  # its copy is shorter
-    # Under 4 MiB as sent; as the engine would get it (1e5 written 100000.0), over 8 MiB.
+    # Under 4 MiB as sent; as the engine would get it (1e15 written 1000000000000000.0), over
+    # 8 MiB; with fewer values than limits.max_json_tokens.
     shell = b'{"model":"m","messages":[{"role":"user","content":"x"}],"guided_json":'
-    grows = shell + b'{"enum":[' + b",".join([b"1e5"] * 1_000_000) + b"]}}"
+    grows = shell + b'{"enum":[' + b",".join([b"1e15"] * 460_000) + b"]}}"
     assert len(grows) < REMOTE_MAX_BODY_BYTES // 2
     plain = {"Content-Type": "application/json"}
     async with c.client() as client:

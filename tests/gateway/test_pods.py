@@ -6,7 +6,6 @@ checked against Kubernetes' own Pod schema by the fake API server (422 otherwise
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from tests.eventually import eventually
 from tests.gateway.conftest import COLLECTOR, KEY, Gw, _serve
 from tests.gateway.test_lifecycle import ENGINE, chat
 from tests.kube.apiserver import FakeApiServer
+from tests.kube.conftest import alive
 from tests.kube.kubelet import FakeKubelet
 from tests.kube.scheduler import FakeNode
 
@@ -84,14 +84,6 @@ def pod_row(gw: Gw, name: str = "my-model") -> dict[str, Any]:
     assert doc is not None
     row = doc["instances"][0]
     return dict(row)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_the_first_request_starts_a_pod_that_serves_and_a_stop_deletes_it(

@@ -3,6 +3,7 @@ configured from the kubeconfig it writes, raw aiohttp to it, and waiting on a po
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -116,3 +117,12 @@ async def delete_pod(v1: Any, name: str, **options: Any) -> list[tuple[str, Obj]
 
     await watch_pod(v1, name, record, since=before)
     return seen
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts: not yet collected)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

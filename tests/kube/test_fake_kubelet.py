@@ -5,7 +5,6 @@ the real kubernetes_asyncio client (mostly by watch) and, for the processes, the
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from tests.eventually import eventually
 from tests.kube.apiserver import FakeApiServer
 from tests.kube.conftest import (
     ENGINE,
+    alive,
     condition,
     container_state,
     delete_pod,
@@ -38,14 +38,6 @@ SCALE = 0.05  # probe periods of 1 s are 50 ms here
 async def kubelet(api: FakeApiServer) -> AsyncIterator[FakeKubelet]:
     async with FakeKubelet(api, [FakeNode("node-a")], time_scale=SCALE) as k:
         yield k
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def engine_pod(name: str, **spec: Any) -> Obj:
