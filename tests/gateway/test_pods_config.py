@@ -12,7 +12,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from capyctl_gateway._config import KUBERNETES_POOL, GatewayConfig
+from capyctl_gateway._config import KUBERNETES_POOL, GatewayConfig, Kubernetes, load_config
+from capyctl_gateway._errors import OperatorError
+from capyctl_gateway._pods.kube import connect
 from capyctl_gateway._pods.manifest import (
     DEPLOYMENT,
     INSTANCE,
@@ -194,3 +196,23 @@ def test_why_a_pod_waits_names_no_address_where_a_client_hears_it() -> None:
     assert pending(unschedulable, detail=False) == (
         "Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
     )
+
+
+@pytest.mark.anyio
+async def test_pods_without_a_cluster_to_reach_are_told_plainly(tmp_path: Path) -> None:
+    kube = Kubernetes()
+    with pytest.raises(OperatorError, match="pods need a Kubernetes cluster"):
+        await connect(kube, {"HOME": str(tmp_path)})  # no KUBECONFIG, no ~/.kube/config
+    missing = tmp_path / "nowhere"
+    with pytest.raises(OperatorError, match=f"the kubeconfig {missing} cannot be read"):
+        await connect(kube, {"KUBECONFIG": str(missing)})
+    broken = tmp_path / "broken"
+    broken.write_text("apiVersion: v1\nkind: Config\nclusters: []\ncontexts: []\n")
+    with pytest.raises(OperatorError, match="cannot be used"):
+        await connect(kube, {"KUBECONFIG": str(broken)})
+
+
+def test_an_empty_kubernetes_section_means_its_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump({"deployments": [pod_dep()]}) + "kubernetes:\n")
+    assert load_config(path).kubernetes == Kubernetes()

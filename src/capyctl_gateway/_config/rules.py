@@ -98,7 +98,7 @@ def size(n: int) -> str:
     return f"{n}B"
 
 
-_SECTIONS = {"queue", "limits", "resources"}
+_SECTIONS = {"queue", "limits", "resources", "kubernetes"}
 _DEPLOYMENT_SECTIONS = {"lifecycle", "routing"}
 _LAUNCH_SECTIONS = {"env", "logs"}
 

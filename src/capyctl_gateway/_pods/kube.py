@@ -9,6 +9,7 @@ API server). An error names the API server's reason and message, never its addre
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from pathlib import Path
@@ -228,6 +229,8 @@ async def connect(kube: Kubernetes, env: Mapping[str, str]) -> KubeApi:
 
     cfg = k8s.Configuration()
     path = kube.kubeconfig or env.get("KUBECONFIG") or _default_kubeconfig(env)
+    if path and not _any_file(str(path)):
+        raise OperatorError(f"the kubeconfig {path} cannot be read: no such file")
     try:
         if path:
             await k8s_config.load_kube_config(
@@ -246,7 +249,14 @@ async def connect(kube: Kubernetes, env: Mapping[str, str]) -> KubeApi:
             )
     except k8s_config.ConfigException as exc:
         raise OperatorError(f"the Kubernetes configuration cannot be used: {exc}") from None
+    except OSError as exc:  # there, but not readable
+        raise OperatorError(f"the kubeconfig {path} cannot be read: {exc.strerror}") from None
     return KubeApi(k8s.ApiClient(cfg))
+
+
+def _any_file(paths: str) -> bool:
+    """Whether one of ``paths`` (``KUBECONFIG``'s list) is a file (once, as the gateway starts)."""
+    return any(Path(p).is_file() for p in paths.split(os.pathsep) if p)
 
 
 def _default_kubeconfig(env: Mapping[str, str]) -> str | None:
