@@ -23,8 +23,6 @@ from .._config import Deployment, Launch
 from .._deployments.routes import EngineInstance
 from .._deployments.runner import (
     HERE,
-    CacheCounts,
-    LoadSample,
     ProcessView,
     Site,
     Tracked,
@@ -37,7 +35,7 @@ from .enginelog import EngineLog, ShownLog, file_stem
 from .parking import drive
 from .pids import remember
 from .process import EngineProcess, PortLostError, free_port, launch_argv, launch_env
-from .seen import Seen
+from .seen import Seen, SeenBy
 from .wakecheck import auth_of, check, record
 
 __all__ = ["PORT_TRIES", "LocalRunner"]
@@ -48,7 +46,7 @@ PORT_TRIES = 3
 logger = logging.getLogger("capyctl_gateway")
 
 
-class LocalRunner:
+class LocalRunner(SeenBy):
     """One instance's engine on this machine."""
 
     site: Site = HERE
@@ -82,15 +80,6 @@ class LocalRunner:
             adapter = adapter_for(d.engine, inst.url, api_key=inst.engine_key, router=d.router)
             self.seen.watch(adapter, d.engine_model)
 
-    def sample(self) -> LoadSample | None:
-        return self.seen.sample()
-
-    def stale(self) -> bool:
-        return self.seen.stale()
-
-    def prefix_cache(self) -> CacheCounts | None:
-        return self.seen.prefix_cache()
-
     def process(self) -> ProcessView | None:
         proc = self._proc
         if proc is None or proc.reaper_pid is None:
@@ -102,9 +91,6 @@ class LocalRunner:
 
     def log(self) -> ShownLog | None:
         return self._log
-
-    def silent_s(self) -> float | None:
-        return self.seen.silent_s()
 
     def holdup(self) -> str | None:
         return None

@@ -13,7 +13,7 @@ from canopyx_provider import Collector, EngineAdapter, TargetState
 
 from .._deployments.runner import CacheCounts, LoadSample
 
-__all__ = ["Seen"]
+__all__ = ["Seen", "SeenBy"]
 
 
 class Seen:
@@ -100,3 +100,22 @@ class Seen:
             self._heard_at = max(self._heard_at, status.latest.requested_at)
             return None
         return self._clock() - self._heard_at
+
+
+class SeenBy:
+    """For a runner whose engine the collector polls at its address (``self.seen``): the
+    seam's reads of its load, freshness, prefix cache and silence, as the collector says."""
+
+    seen: Seen
+
+    def sample(self) -> LoadSample | None:
+        return self.seen.sample()
+
+    def stale(self) -> bool:
+        return self.seen.stale()
+
+    def prefix_cache(self) -> CacheCounts | None:
+        return self.seen.prefix_cache()
+
+    def silent_s(self) -> float | None:
+        return self.seen.silent_s()

@@ -27,10 +27,10 @@ from canopyx_provider import Collector, adapter_for
 
 from .._config import KUBERNETES_POOL, Deployment, Pod
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import CacheCounts, LoadSample, ProcessView, Site, Tracked, never
+from .._deployments.runner import ProcessView, Site, Tracked, never
 from .._errors import StartFailedError
 from .._local.parking import drive
-from .._local.seen import Seen
+from .._local.seen import Seen, SeenBy
 from .._local.wakecheck import auth_of, check, record
 from .cluster import Cluster
 from .manifest import manifest, named
@@ -45,7 +45,7 @@ __all__ = ["PodRunner"]
 logger = logging.getLogger("capyctl_gateway")
 
 
-class PodRunner:
+class PodRunner(SeenBy):
     """One instance's engine as a pod."""
 
     def __init__(
@@ -91,15 +91,6 @@ class PodRunner:
     def _current(self) -> dict[str, Any] | None:
         return self._run.pod() if self._run is not None else None
 
-    def sample(self) -> LoadSample | None:
-        return self.seen.sample()
-
-    def stale(self) -> bool:
-        return self.seen.stale()
-
-    def prefix_cache(self) -> CacheCounts | None:
-        return self.seen.prefix_cache()
-
     def process(self) -> ProcessView | None:
         return None  # its process is the kubelet's, on its node
 
@@ -120,9 +111,6 @@ class PodRunner:
 
     def log(self) -> PodLog | None:
         return self._log
-
-    def silent_s(self) -> float | None:
-        return self.seen.silent_s()
 
     def why_unreachable(self) -> str:
         return "dispatch_closed"
