@@ -20,7 +20,7 @@ import aiohttp
 
 from canopyx_provider import Collector
 
-from ._config import GatewayConfig, Instance
+from ._config import Deployment, GatewayConfig, Instance
 from ._deployments.routes import EngineInstance
 from ._deployments.runner import Runner
 from ._deployments.settle import Settlement
@@ -73,8 +73,15 @@ class RunnerKind:
     """Once, before any engine of this kind can start."""
 
 
+def _deployment(inst: EngineInstance, o: Opened) -> Deployment:
+    dep = o.config.deployment(inst.deployment)
+    if dep is None:
+        raise AssertionError(f"{inst.where} was built from no deployment")
+    return dep
+
+
 def _local(inst: EngineInstance, configured: Instance, o: Opened) -> Runner:
-    dep = next(d for d in o.config.deployments if d.name == inst.deployment)
+    dep = _deployment(inst, o)
     return LocalRunner(
         inst,
         dep,
@@ -98,7 +105,7 @@ def _host(inst: EngineInstance, configured: Instance, o: Opened) -> Runner:
 
 
 def _pod(inst: EngineInstance, configured: Instance, o: Opened) -> Runner:
-    dep = next(d for d in o.config.deployments if d.name == inst.deployment)
+    dep = _deployment(inst, o)
     cluster = o.clusters.setdefault("kubernetes", Cluster(o.config.kubernetes))
     if configured.pod is None:
         raise AssertionError("a pod instance without its pod")

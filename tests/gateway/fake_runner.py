@@ -31,14 +31,12 @@ from capyctl_gateway._config import Deployment, Instance
 from capyctl_gateway._deployments.routes import EngineInstance
 from capyctl_gateway._deployments.runner import (
     HERE,
-    CacheCounts,
-    LoadSample,
     ProcessView,
     Site,
     Tracked,
 )
 from capyctl_gateway._errors import ParkFailedError, StartFailedError
-from capyctl_gateway._local.seen import Seen
+from capyctl_gateway._local.seen import Seen, SeenBy
 from capyctl_gateway._runners import KINDS, Opened, RunnerKind
 from tests.gateway.launchable_engine import Sleep, build_app, parser
 
@@ -99,7 +97,7 @@ def fake_kinds(engines: FakeEngines) -> Mapping[str, RunnerKind]:
     return {**KINDS, "local": RunnerKind(engines.make)}
 
 
-class FakeRunner:
+class FakeRunner(SeenBy):
     """One instance's fake engine (see the module's docstring)."""
 
     site: Site = HERE
@@ -128,15 +126,6 @@ class FakeRunner:
             self._watch()
 
     # -- the view ---------------------------------------------------------------------------
-    def sample(self) -> LoadSample | None:
-        return self.seen.sample()
-
-    def stale(self) -> bool:
-        return self.seen.stale()
-
-    def prefix_cache(self) -> CacheCounts | None:
-        return self.seen.prefix_cache()
-
     def process(self) -> ProcessView | None:
         """The fake engine as ``status`` shows a process: its fake pid (an identity a restart
         changes, as a real pid) and its port."""
@@ -215,9 +204,6 @@ class FakeRunner:
 
     def exited(self) -> str | None:
         return self._exited
-
-    def silent_s(self) -> float | None:
-        return self.seen.silent_s()
 
     async def gone(self) -> str:
         await self._gone.wait()

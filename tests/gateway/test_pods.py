@@ -6,6 +6,7 @@ checked against Kubernetes' own Pod schema by the fake API server (422 otherwise
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -23,7 +24,7 @@ from capyctl_gateway._pods import podrun
 from capyctl_gateway._pods.manifest import NAME
 from tests.eventually import eventually
 from tests.gateway.conftest import COLLECTOR, KEY, Gw, _serve
-from tests.gateway.test_lifecycle import ENGINE, chat
+from tests.gateway.test_lifecycle import chat, launched
 from tests.kube.apiserver import FakeApiServer
 from tests.kube.conftest import alive
 from tests.kube.kubelet import FakeKubelet
@@ -35,23 +36,13 @@ NS = "serving"
 
 
 def pod_deployment(name: str = "my-model", *, served: str = "tiny", **over: Any) -> dict[str, Any]:
-    dep: dict[str, Any] = {
-        "name": name,
-        "engine": "vllm",
-        "engine_version": "0.31.0",
-        "served_model": served,
-        "instances": [
-            {
-                "launch": {"command": [*ENGINE, "--served", served], "startup_timeout": "60s"},
-                "pod": {
-                    "image": "capyctl/fake-engine:test",
-                    "resources": {"limits": {"nvidia.com/gpu": 1}},
-                    "grace_period": 5,
-                },
-            }
-        ],
+    """The launchable fake engine's deployment (``launched``), its instance run as a pod."""
+    dep = launched(name, served=served, **over)
+    dep["instances"][0]["pod"] = {
+        "image": "capyctl/fake-engine:test",
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "grace_period": 5,
     }
-    dep.update(over)
     return dep
 
 
@@ -68,11 +59,17 @@ class Cluster:
         return [p for p in found if name is None or p["metadata"]["annotations"][NAME] == name]
 
 
+@contextlib.asynccontextmanager
+async def fake_cluster(tmp_path: Path, *nodes: FakeNode) -> AsyncIterator[Cluster]:
+    async with FakeApiServer() as api, FakeKubelet(api, list(nodes), time_scale=0.05) as kubelet:
+        yield Cluster(api, kubelet, api.kubeconfig(tmp_path / "kubeconfig", NS))
+
+
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    nodes = [FakeNode("gpu-1", allocatable={"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"})]
-    async with FakeApiServer() as api, FakeKubelet(api, nodes, time_scale=0.05) as kubelet:
-        yield Cluster(api, kubelet, api.kubeconfig(tmp_path / "kubeconfig", NS))
+    gpus = {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"}
+    async with fake_cluster(tmp_path, FakeNode("gpu-1", allocatable=gpus)) as c:
+        yield c
 
 
 def config(*deps: dict[str, Any]) -> dict[str, Any]:
@@ -217,9 +214,9 @@ async def test_a_restarted_gateway_takes_up_its_running_pod_and_deletes_stranger
 @pytest.fixture
 async def two_nodes(tmp_path: Path) -> AsyncIterator[Cluster]:
     one = {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
-    nodes = [FakeNode("gpu-1", allocatable=one), FakeNode("gpu-2", allocatable=one)]
-    async with FakeApiServer() as api, FakeKubelet(api, nodes, time_scale=0.05) as kubelet:
-        yield Cluster(api, kubelet, api.kubeconfig(tmp_path / "kubeconfig", NS))
+    nodes = FakeNode("gpu-1", allocatable=one), FakeNode("gpu-2", allocatable=one)
+    async with fake_cluster(tmp_path, *nodes) as c:
+        yield c
 
 
 async def test_an_evicted_pod_and_a_lost_node_are_exits_and_the_lost_ones_stop_stays_unproven(

@@ -28,9 +28,8 @@ from capyctl_gateway._lifecycle.rest import quiesce
 from capyctl_gateway._management.status import deployment_status
 from capyctl_gateway._pods.manifest import NAME
 from tests.gateway.conftest import WORKERS, Gw
-from tests.gateway.test_lifecycle import ENGINE, management
+from tests.gateway.test_lifecycle import management
 from tests.gateway.test_lifecycle_model import (
-    BUDGET,
     NAMES,
     SEED,
     Run,
@@ -41,6 +40,7 @@ from tests.gateway.test_lifecycle_model import (
     watch,
 )
 from tests.gateway.test_lifecycle_races import engines_running, served
+from tests.gateway.test_pods import pod_deployment
 from tests.kube.apiserver import FakeApiServer
 from tests.kube.kubelet import FakeKubelet
 from tests.kube.scheduler import FakeNode
@@ -59,18 +59,9 @@ async def kube(tmp_path: Path) -> AsyncIterator[tuple[FakeApiServer, Path]]:
         yield api, api.kubeconfig(tmp_path / "kubeconfig", NS)
 
 
-def pod_deployment(name: str, **over: Any) -> dict[str, Any]:
-    launch = {"command": [*ENGINE, "--served", served(name)], "startup_timeout": "60s"}
-    pod = {"image": "capyctl/fake-engine:test", "grace_period": 3}
-    return {
-        "name": name,
-        "engine": "vllm",
-        "engine_version": "0.31.0",
-        "served_model": served(name),
-        "memory": {"ready": "1GiB", "parked": 0},
-        "instances": [{"launch": launch, "pod": pod}],
-        **over,
-    }
+def deployment(name: str, **over: Any) -> dict[str, Any]:
+    memory = {"ready": "1GiB", "parked": 0}
+    return pod_deployment(name, served=served(name), memory=memory, **over)
 
 
 def pods_of(api: FakeApiServer, name: str) -> list[dict[str, Any]]:
@@ -84,9 +75,9 @@ async def test_the_lifecycle_over_pods_under_a_random_schedule_loses_no_request(
     steps = int(os.environ.get("CAPYCTL_MODEL_STEPS", STEPS))
     print(f"lifecycle model over pods: seed {SEED}, {steps} steps")  # noqa: T201
     deps = [
-        pod_deployment("a", lifecycle={"drain_timeout": "2s"}),
-        pod_deployment("b", lifecycle={"drain_timeout": "2s", "ready_idle_timeout": "1s"}),
-        pod_deployment("c", lifecycle={"drain_timeout": "2s", "park": "sleep"}),
+        deployment("a", lifecycle={"drain_timeout": "2s"}),
+        deployment("b", lifecycle={"drain_timeout": "2s", "ready_idle_timeout": "1s"}),
+        deployment("c", lifecycle={"drain_timeout": "2s", "park": "sleep"}),
     ]
     config = {
         "kubernetes": {"namespace": NS},
@@ -126,4 +117,3 @@ async def test_the_lifecycle_over_pods_under_a_random_schedule_loses_no_request(
     finally:
         await runner.cleanup()
     assert run.broken == []
-    assert BUDGET == 2 * 2**30

@@ -21,7 +21,7 @@ from .._deployments.routes import EngineInstance
 from .._tasks import Supervisor
 from .kube import CALL_TIMEOUT_S, KubeApi, KubeError, connect
 from .manifest import DEPLOYMENT, INSTANCE, SPEC, selector
-from .podstate import ended, ready, terminating
+from .podstate import serving
 from .watch import PodWatch, uid_of
 
 if TYPE_CHECKING:
@@ -98,8 +98,7 @@ class Cluster:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             runner = self.runners.get((labels.get(DEPLOYMENT, ""), labels.get(INSTANCE, "")))
             fits = runner is not None and labels.get(SPEC) == runner.spec_hash
-            up = ready(pod) and not terminating(pod) and ended(pod) is None
-            if runner is not None and fits and up:
+            if runner is not None and fits and serving(pod):
                 runner.adopt(pod)
                 logger.info("pod %s in %s: taken up as it runs", name, w.namespace)
                 if self.found is not None:

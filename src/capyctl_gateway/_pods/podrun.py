@@ -59,8 +59,8 @@ class PodRun:
         w = self.cluster.watch(self.namespace)
         pod = self.pod()
         if pod is None:  # only a watch that runs says so: a dropped one says nothing
-            listed = w is not None and w.listed.is_set() and w.broken is None
-            return f"its pod {self.name} was deleted" if listed else None
+            current = w is not None and w.current
+            return f"its pod {self.name} was deleted" if current else None
         if (why := ended(pod)) is not None:
             return why
         if terminating(pod):

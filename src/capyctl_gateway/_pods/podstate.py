@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "shown",
     "condition",
     "ended",
     "node_of",
@@ -13,6 +12,8 @@ __all__ = [
     "phase",
     "pod_url",
     "ready",
+    "serving",
+    "shown",
     "terminating",
 ]
 
@@ -40,6 +41,11 @@ def ready(pod: dict[str, Any]) -> bool:
 
 def terminating(pod: dict[str, Any]) -> bool:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def serving(pod: dict[str, Any]) -> bool:
+    """Ready, not being deleted, its engine not ended: a pod whose engine takes requests."""
+    return ready(pod) and not terminating(pod) and ended(pod) is None
 
 
 def node_of(pod: dict[str, Any]) -> str | None:

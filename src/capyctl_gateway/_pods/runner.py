@@ -33,10 +33,10 @@ from .._local.parking import drive
 from .._local.seen import Seen, SeenBy
 from .._local.wakecheck import auth_of, check, record
 from .cluster import Cluster
-from .manifest import manifest, named
+from .manifest import DEPLOYMENT, INSTANCE, manifest, named
 from .podlog import PodLog
 from .podrun import PodRun
-from .podstate import ended, node_of, pending, pod_url, ready, shown, terminating
+from .podstate import node_of, pending, pod_url, serving, shown
 from .starting import healthy, until_ready
 from .watch import PodWatch, uid_of
 
@@ -79,7 +79,7 @@ class PodRunner(SeenBy):
         self._recorded: str | None = None
         self._log: PodLog | None = None
         labels = self._body["metadata"]["labels"]
-        cluster.runners[(labels["capyctl.dev/deployment"], str(inst.index))] = self
+        cluster.runners[(labels[DEPLOYMENT], labels[INSTANCE])] = self
 
     # -- what it reads ------------------------------------------------------------------------
     def _watch(self) -> PodWatch:
@@ -135,7 +135,7 @@ class PodRunner(SeenBy):
     async def start(self, reason: str) -> str:
         w = self._watch()
         pod = self._current()
-        if pod is not None and ready(pod) and not terminating(pod) and ended(pod) is None:
+        if pod is not None and serving(pod):
             return "its pod was running already"  # taken up from a previous run
         await self._delete()  # what is left of an earlier run's pod
         body = named(self._body, self._dep, self.instance.index)

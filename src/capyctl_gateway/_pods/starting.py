@@ -38,7 +38,7 @@ async def until_ready(
     seen = False
     while True:
         pod = current()
-        if pod is None and seen and w.listed.is_set() and w.broken is None:
+        if pod is None and seen and w.current:
             raise StartFailedError(f"its pod {name} was deleted as it started")
         if pod is not None:
             seen = True

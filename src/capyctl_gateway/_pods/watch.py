@@ -67,6 +67,12 @@ class PodWatch:
         """Why the watch is down now; None while it runs."""
         self._changed = asyncio.Event()
 
+    @property
+    def current(self) -> bool:
+        """Whether ``pods`` is the server's word now: listed, and the watch runs (a pod missing
+        from it is gone; while the watch is down, a missing pod proves nothing)."""
+        return self.listed.is_set() and self.broken is None
+
     async def changed(self) -> None:
         """Return at the next change of ``pods`` (or of ``broken``)."""
         await self._changed.wait()

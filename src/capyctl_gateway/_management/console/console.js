@@ -294,7 +294,7 @@ function instanceRows(name, doc, launched) {
 function card(row) {
   const name = row.name;
   const doc = statusDocs.get(name);
-  const launched = row.run_by === "the gateway (launch)" || row.run_by === "the gateway (pods)";
+  const launched = row.run_by.startsWith("the gateway ");  // processes or pods: its log is here
   const d = doc ? doc.deployment : {};
   const id = row.id || d.id;
   const answer = answers.get(name);
