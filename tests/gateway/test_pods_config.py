@@ -4,9 +4,12 @@ fails), and what must never be in it (a secret) is refused when the configuratio
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
+import anyio
 import kubernetes_validate
 import pytest
 import yaml
@@ -14,7 +17,8 @@ from pydantic import ValidationError
 
 from capyctl_gateway._config import KUBERNETES_POOL, GatewayConfig, Kubernetes, load_config
 from capyctl_gateway._errors import OperatorError
-from capyctl_gateway._pods.kube import connect
+from capyctl_gateway._pods import kube as kube_module
+from capyctl_gateway._pods.kube import KubeError, connect
 from capyctl_gateway._pods.manifest import (
     DEPLOYMENT,
     INSTANCE,
@@ -25,6 +29,7 @@ from capyctl_gateway._pods.manifest import (
     named,
 )
 from capyctl_gateway._pods.podstate import pending
+from capyctl_gateway._pods.watch import PodWatch
 
 K8S_VERSION = "1.37.0"
 
@@ -216,3 +221,42 @@ def test_an_empty_kubernetes_section_means_its_defaults(tmp_path: Path) -> None:
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump({"deployments": [pod_dep()]}) + "kubernetes:\n")
     assert load_config(path).kubernetes == Kubernetes()
+
+
+@pytest.mark.anyio
+async def test_a_reply_or_a_watch_event_past_its_bound_fails_and_the_watch_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's bounds reached on the API fake: a list reply over `MAX_REPLY_BYTES` and a
+    watch event over `MAX_EVENT_BYTES` are refused (never read whole), and the watch, down
+    meanwhile, runs again once nothing that large is left."""
+    from tests.kube.apiserver import FakeApiServer
+    from tests.kube.conftest import pod
+
+    monkeypatch.setattr(kube_module, "MAX_REPLY_BYTES", 16_384)
+    monkeypatch.setattr(kube_module, "MAX_EVENT_BYTES", 8_192)
+    async with FakeApiServer() as fake:
+        api = await connect(Kubernetes(), {"KUBECONFIG": str(fake.kubeconfig(tmp_path / "k"))})
+        try:
+            watch = PodWatch(api, "default", "big=yes", 300.0)
+            task = asyncio.create_task(watch.run())
+            await asyncio.wait_for(watch.listed.wait(), 10)
+            body = pod("large", labels={"big": "yes"})
+            body["metadata"]["annotations"] = {"padding": "x" * 20_000}
+            fake.store.create_pod("default", body)  # (its create reply would be over too)
+            with anyio.fail_after(10):
+                while watch.broken is None:
+                    await watch.changed()
+            assert "TooLarge" in watch.broken and "large" not in watch.pods
+            with pytest.raises(KubeError, match="TooLarge"):  # a list holding it is over too
+                await api.list("default", "big=yes")
+            fake.store.delete_pod("default", "large")
+            with anyio.fail_after(10):
+                while not watch.current:
+                    await watch.changed()
+            assert "large" not in watch.pods and watch.failures >= 1
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            await api.close()

@@ -91,7 +91,7 @@ class KubeApi:
     async def close(self) -> None:
         await self._client.close()
 
-    async def _call(self, verb: str, call: Awaitable[Any], limit: int = MAX_REPLY_BYTES) -> bytes:
+    async def _call(self, verb: str, call: Awaitable[Any], limit: int | None = None) -> bytes:
         self.calls[verb] += 1
         try:
             resp: aiohttp.ClientResponse = await call
@@ -99,7 +99,7 @@ class KubeApi:
             logger.warning("the Kubernetes API could not be reached (%s): %s", verb, exc)
             raise KubeError(0, "Unreachable", "the Kubernetes API could not be reached") from None
         try:
-            body = await _read(resp, limit)
+            body = await _read(resp, limit or MAX_REPLY_BYTES)
         except (aiohttp.ClientError, TimeoutError, OSError):
             raise KubeError(0, "Unreachable", "the Kubernetes API's reply was cut") from None
         finally:
@@ -210,14 +210,19 @@ async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     async for part in resp.content.iter_any():
         buf += part
         while (end := buf.find(b"\n")) >= 0:
+            _within(end, resp.status)  # a whole line, as one that is still coming
             line = bytes(buf[:end]).strip()
             del buf[: end + 1]
             if line:
                 yield line
-        if len(buf) > MAX_EVENT_BYTES:
-            raise KubeError(resp.status, "TooLarge", f"a watch event over {MAX_EVENT_BYTES} bytes")
+        _within(len(buf), resp.status)
     if buf.strip():
         yield bytes(buf).strip()
+
+
+def _within(size: int, status: int) -> None:
+    if size > MAX_EVENT_BYTES:
+        raise KubeError(status, "TooLarge", f"a watch event over {MAX_EVENT_BYTES} bytes")
 
 
 async def connect(kube: Kubernetes, env: Mapping[str, str]) -> KubeApi:

@@ -6,6 +6,7 @@
 - a watch the API server ends (``kubernetes.watch_timeout``) is renewed from where it was;
 - a 410 Gone (the version was compacted away) lists again: a pod missing from the new list
   is gone, as a DELETED event would have said;
+- an event past the client's bound lists again too (resumed, the watch would meet it again);
 - any other failure (a cut connection, a refusal, an unreachable server) waits a jittered
   backoff, doubling up to `BACKOFF_MAX_S` while failures follow each other (a watch that ran
   before it failed starts it over), and tries again; ``broken`` says why meanwhile.
@@ -118,6 +119,8 @@ class PodWatch:
                         wait,
                     )
                 self.broken = str(exc)
+                if exc.reason == "TooLarge":  # resumed, it would meet the same event again
+                    self.listed.clear()
                 self._notify()
                 await asyncio.sleep(wait)
 
