@@ -32,8 +32,7 @@ from contract.engines._proc import free_port
 from contract.engines.llamacpp import LlamaServer, ensure_llama_server
 from contract.engines.tiny_gguf import write_tiny_gguf
 
-# Absolute, so that every command the demo prints works from any directory (not resolved:
-# the venv's python is a symlink out of the venv).
+# This checkout's commands (not resolved: the venv's python is a symlink out of the venv).
 BIN = Path(sys.executable).absolute().parent
 DEFAULT_STATE = Path("~/.local/state/capyctl").expanduser()
 STATE = Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE).expanduser().absolute()
@@ -72,15 +71,37 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def program(name: str) -> str:
+    """This checkout's command ``name`` as the user types it: by its name where PATH finds it
+    (``scripts/setup`` links it into ``~/.local/bin``), else by its absolute path, which works
+    from any directory."""
+    found = shutil.which(name)
+    if found is not None and Path(found).resolve() == (BIN / name).resolve():
+        return name
+    return str(BIN / name)
+
+
+def new_shell_hint(name: str) -> str | None:
+    """Where ``program`` had to spell out a path this shell's PATH lacks but a new shell's has
+    (``scripts/setup``'s link and its line in the shell's startup files): say so."""
+    if program(name) == name or os.environ.get("CANOPYX_NO_MODIFY_PATH") == "1":
+        return None
+    xdg = os.environ.get("XDG_BIN_HOME", "")
+    bin_dir = Path(xdg) if xdg.startswith("/") else Path("~/.local/bin").expanduser()
+    link = bin_dir / name
+    if not link.is_symlink() or link.resolve() != (BIN / name).resolve():
+        return None
+    return f"(a new shell finds {name} by name: scripts/setup linked it into {bin_dir})"
+
+
 def command_line(argv: list[str | Path]) -> str:
-    """A command line to print: the program's absolute path, arguments quoted for a shell."""
+    """A command line to print, its arguments quoted for a shell."""
     return shlex.join(str(a) for a in argv)
 
 
 def provider_demo(url: str, common: list[str]) -> None:
-    argv: list[str | Path] = [BIN / "canopyx-provider", "simulate", *common]
-    argv += ["--quotes", "16", "--rate", "4"]
-    print(f"\n$ {command_line(argv)}")
+    args = ["simulate", *common, "--quotes", "16", "--rate", "4"]
+    print(f"\n$ {command_line([program('canopyx-provider'), *args])}")
     print("(meanwhile one generation runs from 1 s to 3.5 s, a second from 2 s to 3.5 s)")
     stop = threading.Event()
     for after, seconds in ((1.0, 2.5), (2.0, 1.5)):
@@ -91,7 +112,7 @@ def provider_demo(url: str, common: list[str]) -> None:
             daemon=True,
         ).start()
     try:
-        subprocess.run([str(a) for a in argv], check=True)
+        subprocess.run([str(BIN / "canopyx-provider"), *args], check=True)
     finally:
         stop.set()
 
@@ -155,7 +176,8 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
             print(f"   llama-server's log: {logs[-1]}")
         print(f"\ncapyctl-gateway serves the OpenAI chat API at {endpoint}")
         # `capyctl` is `capyctl-gateway` under the name the product guide uses.
-        status: list[str | Path] = [BIN / "capyctl", "status", "deployment", "my-model"]
+        capyctl = program("capyctl")
+        status: list[str | Path] = [capyctl, "status", "deployment", "my-model"]
         if mport != 7443:
             status += ["--management", f"127.0.0.1:{mport}"]
         if STATE != DEFAULT_STATE:
@@ -167,10 +189,12 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
         if STATE != DEFAULT_STATE:
             manage += ["--state-dir", STATE]
         for verb in (["list"], ["stop", "my-model"], ["start", "my-model"]):
-            print(f"           {command_line([BIN / 'capyctl', *verb, *manage])}")
-        console = command_line([BIN / "capyctl", "console", *manage])
+            print(f"           {command_line([capyctl, *verb, *manage])}")
+        console = command_line([capyctl, "console", *manage])
         print(f"its page in a browser: {console}")
         print("           (prints the address to open: it works once, within 60 s)")
+        if hint := new_shell_hint("capyctl"):
+            print(hint)
         print(f"the API key is in {creds} (line 'api_key: ...')")
         print(f"llama-server stops every answer at {PREDICT} tokens (its -n; the model never")
         print('stops by itself), so requests without max_tokens finish; add "stream": true to')
@@ -212,9 +236,8 @@ def main() -> int:
             print(f"llama-server b10798 serving 'tiny' at {url} (pid {server.pid})")
             print(f"its log: {server.log_path}\n")
             common = ["--engine", "llamacpp", "--base-url", url, "--model", "tiny"]
-            check: list[str | Path] = [BIN / "canopyx-provider", "check", *common]
-            print(f"$ {command_line(check)}")
-            subprocess.run([str(a) for a in check], check=True)
+            print(f"$ {command_line([program('canopyx-provider'), 'check', *common])}")
+            subprocess.run([str(BIN / "canopyx-provider"), "check", *common], check=True)
             provider_demo(url, common)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
