@@ -1,10 +1,14 @@
 """The live event stream: every gateway event (`_log.event`) handed to the few subscribers of
-``GET /management/v1/events``, bounded on every side.
+``GET /management/v1/events``, bounded on every side; and the last `RECENT_EVENTS` of them
+that are not about one request, which a new stream may begin with (the console opens on them).
 
-While nobody subscribes, `_log.event` pays one truth test of `BUS.subscribers` (an empty
-tuple) and nothing else. A subscriber gets each event as one encoded JSON object in a queue of
-its own, at most `QUEUE_EVENTS` long: publishing never waits, and a subscriber whose queue is
-full (a reader slower than the gateway's events) is dropped there and then, its stream ended.
+While nobody subscribes, an event about one request (a router line: it names a
+``capyctl_request_id``) pays two tests and nothing else: a second's traffic would otherwise
+wash every other event out of the recent ones, and the log keeps it. Every other event (a
+transition, a dispatch change, a host's session) is encoded once and kept. A subscriber gets
+each event as one encoded JSON object in a queue of its own, at most `QUEUE_EVENTS` long:
+publishing never waits, and a subscriber whose queue is full (a reader slower than the
+gateway's events) is dropped there and then, its stream ended.
 At most `MAX_SUBSCRIBERS` subscribe at once. The caller's own request ID never enters an event
 here (`WITHHELD`), nor does a key: events carry none.
 
@@ -23,14 +27,27 @@ import orjson
 
 from ._loop import running_loop
 
-__all__ = ["BUS", "MAX_SUBSCRIBERS", "QUEUE_EVENTS", "WITHHELD", "EventBus", "Subscription"]
+__all__ = [
+    "BUS",
+    "MAX_SUBSCRIBERS",
+    "PER_REQUEST",
+    "QUEUE_EVENTS",
+    "RECENT_EVENTS",
+    "WITHHELD",
+    "EventBus",
+    "Subscription",
+]
 
 MAX_SUBSCRIBERS = 8
 """Streams open at once; one more is refused (503 ``too_many_subscribers``)."""
 QUEUE_EVENTS = 1000
 """Events waiting for one subscriber; one more drops it."""
+RECENT_EVENTS = 50
+"""Events not about one request kept for a stream that asks to begin with them."""
 WITHHELD = frozenset({"caller_request_id"})
 """Event fields the stream never carries: the caller's own ID stays in the log."""
+PER_REQUEST = "capyctl_request_id"
+"""The field that marks an event about one request: never kept among the recent ones."""
 
 
 class Subscription:
@@ -54,6 +71,11 @@ class Subscription:
         self._items.append(item)
         self._notify()
         return True
+
+    def fill(self, items: deque[bytes]) -> None:
+        """Queue ``items`` (fewer than the cap: the recent events) before anything else."""
+        self._items.extend(list(items)[-self._cap :])
+        self._notify()
 
     def _notify(self) -> None:
         try:
@@ -87,21 +109,30 @@ class Subscription:
 class EventBus:
     """Who listens to the gateway's events, and the hand-over to each."""
 
-    __slots__ = ("subscribers", "max_subscribers", "queue_events")
+    __slots__ = ("subscribers", "max_subscribers", "queue_events", "recent")
 
     def __init__(
-        self, max_subscribers: int = MAX_SUBSCRIBERS, queue_events: int = QUEUE_EVENTS
+        self,
+        max_subscribers: int = MAX_SUBSCRIBERS,
+        queue_events: int = QUEUE_EVENTS,
+        recent_events: int = RECENT_EVENTS,
     ) -> None:
         self.subscribers: tuple[Subscription, ...] = ()
         """Replaced, never changed in place: `publish` walks a tuple nobody else changes."""
         self.max_subscribers = max_subscribers
         self.queue_events = queue_events
+        self.recent: deque[bytes] = deque(maxlen=recent_events)
+        """The last events not about one request, encoded, oldest first."""
 
-    def subscribe(self) -> Subscription | None:
-        """A new subscription on the running loop; None when `max_subscribers` are taken."""
+    def subscribe(self, *, recent: bool = False) -> Subscription | None:
+        """A new subscription on the running loop, its queue holding the recent events first
+        when ``recent`` (so none is missed or seen twice between them and the live ones);
+        None when `max_subscribers` are taken."""
         if len(self.subscribers) >= self.max_subscribers:
             return None
         sub = Subscription(self.queue_events, running_loop())
+        if recent:
+            sub.fill(self.recent)
         self.subscribers = (*self.subscribers, sub)
         return sub
 
@@ -117,6 +148,8 @@ class EventBus:
             item = orjson.dumps(doc, default=str)
         except TypeError:  # a field orjson cannot write at all: the event's name alone
             item = orjson.dumps({"ts": doc["ts"], "event": name})
+        if PER_REQUEST not in fields:
+            self.recent.append(item)
         for sub in self.subscribers:
             if not sub.put(item):
                 sub.end(f"dropped: {self.queue_events} events waited for this reader")

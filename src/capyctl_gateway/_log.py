@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from ._events import BUS
+from ._events import BUS, PER_REQUEST
 from ._loop import running_loop
 
 __all__ = [
@@ -43,8 +43,9 @@ _root = logging.getLogger()
 def event(name: str, message: str, /, *args: object, **fields: Any) -> None:
     """Log one gateway event at INFO: ``message % args`` for people, ``fields`` for machines
     (the message is only formatted when a person will read it). The console's live stream
-    (`_events.BUS`) gets it too while someone subscribes."""
-    if BUS.subscribers:
+    (`_events.BUS`) gets it too while someone subscribes, and keeps it among the recent events
+    unless it is about one request."""
+    if BUS.subscribers or PER_REQUEST not in fields:
         BUS.publish(name, fields)
     handlers = _root.handlers
     if (

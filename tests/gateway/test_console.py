@@ -51,6 +51,7 @@ async def console_of() -> AsyncIterator[Callable[[Gw], Awaitable[Console]]]:
     """Serve a gateway's management application on a loopback port, with the runner
     ``capyctl serve`` uses (its handlers are not cancelled when their client hangs up)."""
     runners: list[web.AppRunner] = []
+    BUS.recent.clear()  # the process's bus: what earlier tests logged is not this gateway's
 
     async def serve(gw: Gw) -> Console:
         runner = local_runners(gw.gateway)[0]
@@ -207,6 +208,49 @@ async def test_a_full_queue_drops_its_subscriber_and_publishing_never_waits() ->
     assert await slow.take(1) == [] and slow.ended is not None
     assert [json.loads(x)["i"] for x in await fast.take(1)] == [5]
     assert bus.subscribe() is not None and bus.subscribe() is None  # two at most
+
+
+async def test_the_recent_events_are_the_last_ones_not_about_one_request() -> None:
+    bus = EventBus(max_subscribers=2, queue_events=100, recent_events=5)
+    for i in range(8):
+        bus.publish("lifecycle", {"i": i, "caller_request_id": "mine"})
+        bus.publish("router_selection", {"i": i, "capyctl_request_id": f"r{i}"})
+    assert len(bus.recent) == 5  # the bound, reached: the oldest went
+    sub = bus.subscribe(recent=True)
+    plain = bus.subscribe()
+    assert sub is not None and plain is not None
+    bus.publish("dispatch", {"i": 8})
+    got = [json.loads(x) for x in await sub.take(1)]
+    assert [(e["event"], e["i"]) for e in got] == [
+        *(("lifecycle", i) for i in range(3, 8)),
+        ("dispatch", 8),  # then the live ones, none twice
+    ]
+    assert all("caller_request_id" not in e for e in got)
+    assert [json.loads(x)["event"] for x in await plain.take(1)] == ["dispatch"]
+
+
+async def test_a_stream_may_begin_with_the_recent_events_up_to_their_bound(
+    launched_console: Console,
+) -> None:
+    assert live.RECENT_EVENTS == BUS.recent.maxlen == 50
+    for i in range(live.RECENT_EVENTS + 10):
+        event("console_test", "old %d", i, i=i)
+    event("router_selection", "a request", capyctl_request_id="req-1", caller_request_id="theirs")
+    async with (
+        launched_console.client() as m,
+        m.stream("GET", "/management/v1/events", params={"recent": "1"}) as resp,
+    ):
+        assert resp.status_code == 200
+        event("console_test", "new", i="live")
+        seen = await events_until(resp, lambda e: e.get("i") == "live")
+    assert [e["i"] for e in seen] == [*range(10, live.RECENT_EVENTS + 10), "live"]
+    assert "req-1" not in json.dumps(seen)  # a request's line is not kept: the log has it
+    async with (
+        launched_console.client() as m,
+        m.stream("GET", "/management/v1/events") as resp,  # without ?recent=1: live only
+    ):
+        event("console_test", "newer", i="later")
+        assert [e["i"] for e in await events_until(resp, lambda e: True)] == ["later"]
 
 
 async def test_a_reader_that_takes_nothing_is_dropped_and_its_stream_ends(

@@ -105,6 +105,26 @@ async def test_an_event_shows_without_a_reload(
     await browser.until(f"!!document.querySelector('{CARD} [data-figures]')")
 
 
+async def test_the_events_panel_opens_on_the_recent_events(
+    browser: Browser,
+    launched_console: Console,  # noqa: F811
+) -> None:
+    """What happened before the page was opened (the engine's start) shows at once, and once:
+    nothing happens after the page opens."""
+    con = launched_console
+    async with con.gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    await browser.goto(f"{con.url}/#key={con.gw.key}")
+    await browser.until("document.querySelector('#eventstate')?.textContent === 'live'")
+    shown = await browser.until(
+        "[...document.querySelectorAll('#events li[data-event=\"lifecycle\"]')]"
+        ".map((li) => li.textContent)"
+    )
+    assert len(shown) == 2, shown  # newest first: started, then ready
+    assert "from=starting" in shown[0] and "to=ready" in shown[0]
+    assert "from=stopped" in shown[1] and "reason=a request is waiting" in shown[1]
+
+
 async def test_a_wrong_key_is_told_plainly_and_another_can_be_entered(
     browser: Browser,
     launched_console: Console,  # noqa: F811

@@ -3,7 +3,8 @@ event stream, a launched engine's last log lines, and every deployment's recent 
 
 ``GET /management/v1/events`` is a server-sent event stream of the gateway's events
 (``_events.py``: at most `MAX_SUBSCRIBERS` streams, each dropped once `QUEUE_EVENTS` wait for
-it); a comment every `HEARTBEAT_S` keeps it open, a client that hangs up frees its slot within
+it), with ``?recent=1`` beginning with the last `RECENT_EVENTS` not about one request; a
+comment every `HEARTBEAT_S` keeps it open, a client that hangs up frees its slot within
 `HANGUP_CHECK_S`, and a write that waits `WRITE_TIMEOUT_S` for a reader ends it.
 ``GET /management/v1/deployments/{name}/instances/{index}/log`` answers at most `LOG_MAX_LINES`
 lines and `LOG_MAX_BYTES` bytes of the engine's latest run, masked.
@@ -19,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from .._errors import GatewayError, InvalidRequestError, UnknownModelError
-from .._events import BUS, MAX_SUBSCRIBERS, QUEUE_EVENTS, EventBus, Subscription
+from .._events import BUS, MAX_SUBSCRIBERS, QUEUE_EVENTS, RECENT_EVENTS, EventBus, Subscription
 from .._gateway import Gateway
 from .._loop import running_loop
 from .._telemetry import RECENT_SLOT_S, RECENT_SLOTS
@@ -35,6 +36,7 @@ __all__ = [
     "LOG_MAX_LINES",
     "MAX_SUBSCRIBERS",
     "QUEUE_EVENTS",
+    "RECENT_EVENTS",
     "WRITE_TIMEOUT_S",
     "add_live_routes",
 ]
@@ -61,7 +63,7 @@ def add_live_routes(app: web.Application, gateway: Gateway, bus: EventBus = BUS)
     streams: set[Subscription] = set()
 
     async def events(request: web.Request, rid: str) -> web.StreamResponse:
-        sub = bus.subscribe()
+        sub = bus.subscribe(recent=request.query.get("recent") == "1")
         if sub is None:
             raise GatewayError(
                 f"{bus.max_subscribers} event streams are open already; close one first",

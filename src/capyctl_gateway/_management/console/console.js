@@ -369,7 +369,9 @@ async function stream() {
   while (key()) {
     streamAbort = new AbortController();
     try {
-      const resp = await fetch(API + "/events", {
+      // ?recent=1: the stream begins with the gateway's recent events, so the panel is never
+      // empty when opened; each (re)connection shows them afresh.
+      const resp = await fetch(API + "/events?recent=1", {
         headers: { Authorization: "Bearer " + key() },
         signal: streamAbort.signal, cache: "no-store",
       });
@@ -380,6 +382,7 @@ async function stream() {
       }
       $("eventstate").textContent = "live";
       $("live").textContent = "live";
+      $("events").replaceChildren();
       wait = 1000;
       const reader = resp.body.getReader();
       const decoder = new TextDecoder();
