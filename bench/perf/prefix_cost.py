@@ -76,7 +76,7 @@ def best_us(step: Callable[[], object]) -> float:
 
 
 def relay_work(raw: bytes) -> bytes:
-    body, dep = resolve(raw, CONFIG, Api.CHAT)
+    body, dep = resolve(raw, CONFIG, Api.CHAT, "/v1/chat/completions")
     check_chat(body, dep)
     return engine_payload(body, dep, chat=True, stream=False)
 

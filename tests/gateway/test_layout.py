@@ -26,6 +26,19 @@ FORBIDDEN = {
     "_routing": {"_http", "_relay", "_management", "cli", "_workers", *RUNNER_ROOMS, "_runners"},
     "_tally": {"_http", "_management", "cli", "_workers", "_lifecycle", "_fleet", "_gateway"},
     "_http": {"_management", "cli"},
+    # the Responses API over chat: the request's translation and the Response's making
+    "_responses": {
+        "_http",
+        "_deployments",
+        "_management",
+        "_gateway",
+        "_lifecycle",
+        "cli",
+        "_fleet",
+        "_workers",
+        *RUNNER_ROOMS,
+        "_runners",
+    },
     "_management": {"cli"},
     "_machines": {
         "_http",
@@ -74,7 +87,7 @@ FORBIDDEN = {
 _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
-    "_fleet", "_workers", "_local", "_pods", "_runners", "_tasks", "_tally",
+    "_fleet", "_workers", "_local", "_pods", "_runners", "_tasks", "_tally", "_responses",
 }  # fmt: skip
 for _leaf in ("_loop", "_ulid", "_log", "_events", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM
@@ -273,6 +286,14 @@ def test_fmt_skip_only_on_tables(path: Path) -> None:
 
 
 def test_every_room_says_what_it_owns() -> None:
-    for package in ("_http", "_relay", "_deployments", "_lifecycle", "_management", "_machines"):
+    for package in (
+        "_http",
+        "_relay",
+        "_deployments",
+        "_lifecycle",
+        "_management",
+        "_machines",
+        "_responses",
+    ):
         doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
         assert doc and "never" in doc, package

@@ -5,6 +5,7 @@ nothing (404, 405)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -29,6 +30,7 @@ class Call:
         "dep",
         "facts",
         "headers",
+        "notes",
         "payload",
         "request",
         "rid",
@@ -49,6 +51,7 @@ class Call:
         caller: str | None,
         tally: Tally,
         facts: Facts,
+        notes: Any = None,
     ) -> None:
         self.request, self.api, self.dep, self.payload = request, api, dep, payload
         self.stream, self.headers, self.rid, self.caller = stream, headers, rid, caller
@@ -56,6 +59,8 @@ class Call:
         """Its counts: the last exchange offered (the one that answered, or failed) too."""
         self.facts = facts
         """What the chooser may weigh of it (`place`)."""
+        self.notes = notes
+        """What its surface's run needs beyond the payload (the Responses API's echo)."""
 
 
 def identify(gateway: Gateway, request: web.Request, headers: dict[str, str]) -> str | None:

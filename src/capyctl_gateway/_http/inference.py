@@ -1,7 +1,9 @@
-"""The public listener's handlers: ``/v1/models`` (and one model), chat and decisions.
+"""The public listener's handlers: ``/v1/models`` (and one model), chat, responses and
+decisions.
 
 Each API is one `Surface`, bound once: its body limit, its checks, the engine path it is
-posted to and how its answer is run. A chat or decision request goes: request ID, key,
+posted to and how its answer is run. Responses are served by chat deployments: their checks
+turn the request into the engine's chat request (``_responses/``). A request goes: request ID, key,
 caller's ID, body (bounded), the surface's checks, the engine's payload; then its `Desk`
 places it (a running slot of the deployment's queue, offers to its instances: ``offer.py``)
 and runs it, and takes its counts once it is answered.
@@ -14,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from yarl import URL
@@ -28,6 +30,8 @@ from .._machines.protocol import INGRESS_MAX_BODY_BYTES
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange
+from .._responses.relay import collect_response, relay_response
+from .._responses.request import check_responses
 from .._routing.place import MAX_OFFERS
 from .._routing.prefix import BLOCK_BYTES, fingerprints
 from .._tally import Tally
@@ -36,9 +40,16 @@ from .answers import answer, error_response
 from .body import Body
 from .calls import Call, identify
 from .offer import Desk, LocalDesk
-from .validate import check_chat, check_decision, engine_payload, resolve
+from .validate import (
+    ENDPOINTS,
+    check_chat,
+    check_decision,
+    check_salt,
+    engine_payload,
+    resolve,
+)
 
-__all__ = ["CHAT", "DECISIONS", "MAX_OFFERS", "Inference", "Surface"]
+__all__ = ["CHAT", "DECISIONS", "MAX_OFFERS", "RESPONSES", "Inference", "Surface"]
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -47,13 +58,26 @@ logger = logging.getLogger("capyctl_gateway")
 class Surface:
     """One API of the public listener, decided once per request: by its route."""
 
+    name: str
+    """What its requests count under (the ``api`` label of their series and events)."""
+    endpoint: str
     api: Api
+    """The API of the deployments it serves."""
     max_body: Callable[[GatewayConfig], int]
-    check: Callable[[dict[str, Any], Deployment], bool]
-    """The API's checks of a request for a deployment; whether the engine is asked to stream."""
+    check: Callable[[dict[str, Any], Deployment], Checked]
     url: Callable[[EngineInstance], URL]
     run: Callable[[Call, Exchange, int], Awaitable[web.StreamResponse]]
     """The exchange, once an instance is chosen (``int``: the bound on an assembled answer)."""
+
+
+class Checked(NamedTuple):
+    """A request through its API's checks: the body for the engine (its model and stream
+    fields still to be written), whether the client asked for a stream, and what the
+    surface's `run` needs of it beyond the payload (the Responses API's echo)."""
+
+    body: dict[str, Any]
+    stream: bool
+    notes: Any = None
 
 
 async def _chat(call: Call, ex: Exchange, cap: int) -> web.StreamResponse:
@@ -71,19 +95,51 @@ async def _decide(call: Call, ex: Exchange, cap: int) -> web.StreamResponse:
     return web.Response(body=body, headers=call.headers, content_type="application/json")
 
 
-def _check_decision(body: dict[str, Any], dep: Deployment) -> bool:
+async def _respond(call: Call, ex: Exchange, cap: int) -> web.StreamResponse:
+    if call.stream:
+        return await relay_response(
+            call.request, ex, call.dep, call.payload, headers=call.headers, echo=call.notes, cap=cap
+        )
+    body = await collect_response(ex, call.dep, call.payload, echo=call.notes, cap=cap)
+    return web.Response(body=body, headers=call.headers, content_type="application/json")
+
+
+def _check_chat(body: dict[str, Any], dep: Deployment) -> Checked:
+    return Checked(body, check_chat(body, dep).stream)
+
+
+def _check_decision(body: dict[str, Any], dep: Deployment) -> Checked:
     check_decision(body, dep)
-    return False  # a decision is answered whole
+    return Checked(body, False)  # a decision is answered whole
+
+
+def _check_responses(body: dict[str, Any], dep: Deployment) -> Checked:
+    chat, stream, echo = check_responses(body)
+    check_salt(body, dep, in_band=False)  # a stream of events, not chat's error event
+    return Checked(chat, stream, echo)
 
 
 CHAT = Surface(
+    "chat",
+    ENDPOINTS[Api.CHAT],
     Api.CHAT,
     attrgetter("limits.max_body_bytes"),
-    lambda body, dep: check_chat(body, dep).stream,
+    _check_chat,
     attrgetter("chat_url"),
     _chat,
 )
+RESPONSES = Surface(
+    "responses",
+    "/v1/responses",
+    Api.CHAT,
+    attrgetter("limits.max_body_bytes"),
+    _check_responses,
+    attrgetter("chat_url"),
+    _respond,
+)
 DECISIONS = Surface(
+    "decisions",
+    ENDPOINTS[Api.DECISIONS],
     Api.DECISIONS,
     attrgetter("limits.max_decision_body_bytes"),
     _check_decision,
@@ -111,6 +167,7 @@ class Inference:
         """Where a checked request is placed and run: this process's fleet by default."""
         # The routes' handlers are `_serve` itself (a coroutine frame less on every resume).
         self.chat = functools.partial(self._serve, surface=CHAT)
+        self.respond = functools.partial(self._serve, surface=RESPONSES)
         self.decide = functools.partial(self._serve, surface=DECISIONS)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -124,8 +181,22 @@ class Inference:
             return error_response(err, headers)
         return web.Response(body=document, headers=headers, content_type="application/json")
 
+    async def stored(self, request: web.Request) -> web.Response:
+        """``/v1/responses/{id}`` and below it (cancel, input items), any method: the gateway
+        keeps no responses, so there is none to get, cancel or delete (404, after the key)."""
+        headers = {REQUEST_ID: new_ulid()}
+        try:
+            identify(self.gw, request, headers)
+            raise GatewayError(
+                "the gateway keeps no responses: each is answered once, to its request",
+                status=404,
+                code="not_found",
+            )
+        except GatewayError as err:
+            return error_response(err, headers)
+
     async def _serve(self, request: web.Request, surface: Surface) -> web.StreamResponse:
-        tally = Tally(surface.api.value, stamp())
+        tally = Tally(surface.name, stamp())
         rid = new_ulid()
         headers = {REQUEST_ID: rid}
         config = self.gw.config
@@ -135,9 +206,9 @@ class Inference:
             raw = await held.read(
                 request, surface.max_body(config), config.limits.body_read_timeout
             )
-            body, dep = resolve(raw, config, surface.api)
+            body, dep = resolve(raw, config, surface.api, surface.endpoint)
             tally.deployment = name = dep.name  # the refusals below count under it
-            stream = surface.check(body, dep)
+            body, stream, notes = surface.check(body, dep)
             payload = engine_payload(body, dep, chat=surface.api is Api.CHAT, stream=stream)
             if dep.remote:
                 _fits_a_host(name, len(raw), len(payload))
@@ -155,6 +226,7 @@ class Inference:
                 caller=caller,
                 tally=tally,
                 facts=facts,
+                notes=notes,
             )
             response = await self.desk.serve(call, surface, deadline)
             tally.ended()

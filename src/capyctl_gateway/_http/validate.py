@@ -16,12 +16,14 @@ from .._errors import RefusedError, TooLargeError, UnknownModelError, invalid
 
 __all__ = [
     "CHAT_FIELDS",
+    "ENDPOINTS",
     "DECISION_FIELDS",
     "ChatRequest",
     "DecisionRequest",
     "caller_request_id",
     "check_chat",
     "check_decision",
+    "check_salt",
     "engine_payload",
     "resolve",
 ]
@@ -135,13 +137,16 @@ def _exact_integers(raw: bytes, body: Any) -> None:
         json.loads(raw, parse_int=exact)
 
 
-_ENDPOINT = {Api.CHAT: "/v1/chat/completions", Api.DECISIONS: "/v1/systemone"}
+ENDPOINTS = {Api.CHAT: "/v1/chat/completions", Api.DECISIONS: "/v1/systemone"}
+"""Where each API's requests go (a chat deployment answers /v1/responses too)."""
 
 
-def resolve(raw: bytes, config: GatewayConfig, api: Api) -> tuple[dict[str, Any], Deployment]:
+def resolve(
+    raw: bytes, config: GatewayConfig, api: Api, endpoint: str
+) -> tuple[dict[str, Any], Deployment]:
     """The checks every request shares, in order: no more JSON values than the limit (413), a
-    JSON object with a string ``model`` (400), a deployment of that name (404), serving this
-    endpoint's API (400 api_mismatch)."""
+    JSON object with a string ``model`` (400), a deployment of that name (404), serving the
+    API of ``endpoint`` (400 api_mismatch)."""
     _tokens_within(raw, config.limits.max_json_tokens)
     try:
         body = orjson.loads(raw)  # its nesting is bounded: orjson refuses past 1024 levels
@@ -159,8 +164,8 @@ def resolve(raw: bytes, config: GatewayConfig, api: Api) -> tuple[dict[str, Any]
     if deployment.api is not api:
         served = deployment.api
         raise RefusedError(
-            f"model {model} serves the {served.value} API, which {_ENDPOINT[api]} does not "
-            f"answer; send its requests to POST {_ENDPOINT[served]}",
+            f"model {model} serves the {served.value} API, which {endpoint} does not "
+            f"answer; send its requests to POST {ENDPOINTS[served]}",
             code="api_mismatch",
         )
     return body, deployment
@@ -187,17 +192,20 @@ def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options must be an object")
-    if "cache_salt" in body:
-        salt = body["cache_salt"]
-        if not isinstance(salt, str) or not salt or len(salt.encode()) > MAX_SALT_BYTES:
-            raise invalid(
-                f"cache_salt must be a non-empty string of at most {MAX_SALT_BYTES} bytes"
-            )
-        if not facts(deployment.engine).honours_cache_salt:
-            raise RefusedError(
-                CACHE_SALT_UNSUPPORTED, code="cache_salt_unsupported", in_band=bool(stream)
-            )
+    check_salt(body, deployment, in_band=bool(stream))
     return ChatRequest(deployment, body, bool(stream))
+
+
+def check_salt(body: dict[str, Any], deployment: Deployment, *, in_band: bool) -> None:
+    """``cache_salt``, where given: a short string, for an engine that honours it (refused in
+    band where a chat stream was asked for)."""
+    if "cache_salt" not in body:
+        return
+    salt = body["cache_salt"]
+    if not isinstance(salt, str) or not salt or len(salt.encode()) > MAX_SALT_BYTES:
+        raise invalid(f"cache_salt must be a non-empty string of at most {MAX_SALT_BYTES} bytes")
+    if not facts(deployment.engine).honours_cache_salt:
+        raise RefusedError(CACHE_SALT_UNSUPPORTED, code="cache_salt_unsupported", in_band=in_band)
 
 
 def check_decision(body: dict[str, Any], deployment: Deployment) -> DecisionRequest:

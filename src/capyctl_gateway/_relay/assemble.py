@@ -12,11 +12,23 @@ The parts are gathered in lists extended in place and joined once at the end: an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from .verify import TemplateText
 
-__all__ = ["Assembler"]
+__all__ = ["Assembler", "Folding"]
+
+
+class Folding(Protocol):
+    """What a stream's verified chunks are folded into: a chat answer (`Assembler`), or a
+    Response (``_responses/build.py``)."""
+
+    def add(self, chunk: dict[str, Any] | TemplateText) -> None:
+        """Fold in a verified chunk, or one that is the verifier's template but its text."""
+
+    def add_texts(self, key: str, texts: list[str], extra: dict[str, Any]) -> None:
+        """Fold in template chunks (the verifier's template but for their ``texts``)."""
+
 
 _REASONING = ("reasoning_content", "reasoning")
 

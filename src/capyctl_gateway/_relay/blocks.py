@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import orjson
 
-from .assemble import Assembler
+from .assemble import Folding
 from .sse import DONE, SSEDecoder
 from .verify import ChunkVerifier
 
@@ -116,7 +116,7 @@ class BlockReader:
             out.append(self.verifier.relay(data, now))
         return out, False
 
-    def collect(self, block: bytes, now: float, into: Assembler) -> bool:
+    def collect(self, block: bytes, now: float, into: Folding) -> bool:
         """Fold ``block``'s chunks into ``into``; whether ``[DONE]`` came."""
         rest = self._whole_events(block)
         if rest is not None:

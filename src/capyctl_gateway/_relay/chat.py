@@ -32,7 +32,15 @@ from .figures import Figures, chat_figures
 from .pump import Fold, pump_rest, pumpable
 from .verify import ChunkVerifier
 
-__all__ = ["SSE_HEADERS", "collect_chat", "relay_chat", "start_stream", "stream_error"]
+__all__ = [
+    "SSE_HEADERS",
+    "answer_figures",
+    "collect_chat",
+    "note_outcome",
+    "relay_chat",
+    "start_stream",
+    "stream_error",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +90,7 @@ async def relay_chat(
             # one write (with the head too when the whole answer came in one read).
             last += (
                 b": x-capyctl-metrics ",
-                orjson.dumps(_figures(dep, verifier, sent_at)),
+                orjson.dumps(answer_figures(dep, verifier, sent_at)),
                 b"\n\ndata: [DONE]\n\n",
             )
             ex.writing = True
@@ -104,7 +112,7 @@ async def relay_chat(
             raise  # nothing written yet: the HTTP surface answers it
         return await stream_error(request, out, err, headers)
     finally:
-        _note(ex, verifier)
+        note_outcome(ex, verifier)
 
 
 async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_bytes: int) -> bytes:
@@ -125,13 +133,14 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_byt
         message = f"the engine answer failed verification: {exc}"
         raise EngineError(message, detail=exc.detail) from exc
     finally:
-        _note(ex, verifier)
+        note_outcome(ex, verifier)
     result = assembler.result()
-    result["capyctl"] = {"metrics": _figures(dep, verifier, sent_at)}
+    result["capyctl"] = {"metrics": answer_figures(dep, verifier, sent_at)}
     return orjson.dumps(result)
 
 
-def _note(ex: Exchange, verifier: ChunkVerifier) -> None:
+def note_outcome(ex: Exchange, verifier: ChunkVerifier) -> None:
+    """What the verifier saw of the answer, in the exchange's outcome (for settling)."""
     out = ex.outcome
     out.answered = out.answered or verifier.answered
     out.first_content_at, out.last_at = verifier.first_text_at, verifier.last_at
@@ -141,7 +150,8 @@ def _said(exc: UnverifiedError) -> str:
     return f" (the engine said: {exc.detail})" if exc.detail else ""
 
 
-def _figures(dep: Deployment, verifier: ChunkVerifier, sent_at: float) -> Figures:
+def answer_figures(dep: Deployment, verifier: ChunkVerifier, sent_at: float) -> Figures:
+    """The answer's figures (``sent_at``: when the engine was asked)."""
     return chat_figures(
         dep.engine,
         engine_objects=verifier.engine_objects,

@@ -33,7 +33,7 @@ from .._aiohttp import StreamWriter, chunk, chunk_writer
 from .._clock import stamp
 from .._engine_answer import Body
 from .._errors import EngineError
-from .assemble import Assembler
+from .assemble import Folding
 from .blocks import BlockReader
 from .exchange import Exchange
 
@@ -153,7 +153,7 @@ class Fold:
     __slots__ = ("_assembler", "_ex", "_max", "_reader", "_size", "_wake", "done", "error")
 
     def __init__(
-        self, reader: BlockReader, ex: Exchange, assembler: Assembler, max_bytes: int
+        self, reader: BlockReader, ex: Exchange, assembler: Folding, max_bytes: int
     ) -> None:
         self._reader = reader
         self._ex = ex

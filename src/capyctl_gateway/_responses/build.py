@@ -1,0 +1,132 @@
+"""A verified chat stream folded into one Response (pure: no I/O).
+
+`ResponseBuilder` takes what the block reader folds (`add`, `add_texts`: the interface of the
+chat `Assembler`) and writes it into the Response's output items (``output.py``), which for a
+streaming client also makes OpenAI's typed events as the chunks come. The text kept for the
+Response is bounded (``max_bytes``, the gateway's bound on an assembled answer): past it the
+answer fails, never comes back shortened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._errors import EngineError
+from .._relay.verify import TemplateText
+from .output import Events, Output, item_id
+from .request import Echo
+
+__all__ = ["ResponseBuilder"]
+
+_REASONING = ("reasoning_content", "reasoning")
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+"""The engine's finish reasons that leave a Response incomplete, and OpenAI's word for each."""
+
+
+class ResponseBuilder:
+    """One Response, built from a verified chat stream (see the module's text)."""
+
+    __slots__ = ("_max", "_output", "_size", "events", "finish", "response")
+
+    def __init__(
+        self, echo: Echo, *, model: str, created_at: int, max_bytes: int, streaming: bool
+    ) -> None:
+        self.events = Events(streaming=streaming)
+        self._output = Output(self.events)
+        self.response: dict[str, Any] = {
+            "id": item_id("resp"),
+            "object": "response",
+            "created_at": created_at,
+            "status": "in_progress",
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": echo.instructions,
+            "max_output_tokens": echo.max_output_tokens,
+            "metadata": echo.metadata,
+            "model": model,
+            "output": self._output.items,
+            "parallel_tool_calls": echo.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": echo.reasoning,
+            "store": False,
+            "temperature": echo.temperature,
+            "text": echo.text,
+            "tool_choice": echo.tool_choice,
+            "tools": echo.tools,
+            "top_p": echo.top_p,
+            "truncation": "disabled",
+        }
+        self.finish: Any = None
+        """The engine's finish reason, as sent."""
+        self._size = 0
+        self._max = max_bytes
+        for kind in ("response.created", "response.in_progress"):
+            self.events(kind, response=self.response)
+        self.events.keep()
+
+    def add(self, chunk: dict[str, Any] | TemplateText) -> None:
+        if isinstance(chunk, TemplateText):
+            self._text(chunk.key, chunk.text)
+            return
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            for key in _REASONING:
+                self._text(key, delta.get(key))
+            self._text("content", delta.get("content"))
+            for call in delta.get("tool_calls") or ():
+                fn = call.get("function") or {}
+                arguments = fn.get("arguments") or ""
+                self._grow(len(arguments))
+                self._output.call(call["index"], call.get("id"), fn.get("name"), arguments)
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                self.finish = finish
+
+    def add_texts(self, key: str, texts: list[str], extra: dict[str, Any]) -> None:
+        for text in texts:
+            self._text(key, text)
+
+    @property
+    def reasoned(self) -> bool:
+        """Whether the answer streamed any reasoning text."""
+        return any(item["type"] == "reasoning" for item in self._output.items)
+
+    def finished(self, usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The Response, whole (its last events made): completed, or incomplete where the
+        engine stopped at the token limit or its content filter."""
+        reason = _INCOMPLETE.get(self.finish)
+        self._output.close("incomplete" if reason else "completed")
+        r = self.response
+        if usage is not None:
+            r["usage"] = usage
+        if reason is None:
+            r["status"] = "completed"
+            self.events("response.completed", response=r)
+        else:
+            r["status"], r["incomplete_details"] = "incomplete", {"reason": reason}
+            self.events("response.incomplete", response=r)
+        return r
+
+    def failed(self, code: str, message: str) -> dict[str, Any]:
+        """The Response of an answer that failed part way: an ``error`` event with our
+        ``code``, then ``response.failed`` with what it had made so far, its last item
+        incomplete. OpenAI's Response names its error by its own codes only: ours is
+        ``server_error`` there, with ``code: message`` as its message."""
+        self._output.close("incomplete", events=False)
+        self.events("error", code=code, message=message, param=None)
+        r = self.response
+        r["status"] = "failed"
+        r["error"] = {"code": "server_error", "message": f"{code}: {message}"}
+        self.events("response.failed", response=r)
+        return r
+
+    def _text(self, key: str, text: str | None) -> None:
+        if text:
+            self._grow(len(text))
+            self._output.text("message" if key == "content" else "reasoning", text)
+
+    def _grow(self, n: int) -> None:
+        self._size += n
+        if self._size > self._max:
+            raise EngineError(f"the answer is over {self._max} bytes (limits.max_answer_bytes)")

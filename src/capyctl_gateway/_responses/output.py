@@ -1,0 +1,153 @@
+"""A Response's output items, written as the chat deltas come, and the numbered events that
+tell a streaming client of them (pure).
+
+Each run of one kind of delta is one output item, in the order the engine sent them:
+reasoning text a ``reasoning`` item (its text as ``reasoning_text`` content: the gateway makes
+no summaries), content text a ``message`` item with one ``output_text`` part, each tool call
+(by its index) a ``function_call`` item whose arguments are its deltas joined. A turn with text
+and calls keeps both. Events are numbered from 0 in the order made.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import orjson
+
+__all__ = ["Events", "Output", "item_id"]
+
+
+def item_id(prefix: str) -> str:
+    """An ID as OpenAI's read: a prefix and 48 hex digits."""
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+class Events:
+    """The numbered SSE events of one Response, kept until the writer takes them; none are
+    made for a client that asked for no stream."""
+
+    __slots__ = ("_kept", "_kept_seq", "_made", "_seq", "streaming")
+
+    def __init__(self, *, streaming: bool) -> None:
+        self.streaming = streaming
+        self._made: list[bytes] = []
+        self._seq = self._kept_seq = self._kept = 0
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        if not self.streaming:
+            return
+        fields = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        self._made.append(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(fields) + b"\n\n")
+
+    def take(self) -> bytes:
+        """The events made since the last take, to be written."""
+        made, self._made = self._made, []
+        self._kept, self._kept_seq = 0, self._seq
+        return b"".join(made)
+
+    def keep(self) -> None:
+        """Keep the events made so far whatever happens next (they wait for the next take)."""
+        self._kept, self._kept_seq = len(self._made), self._seq
+
+    def discard(self) -> None:
+        """Forget the events made since the last take or keep (their numbers are given
+        again)."""
+        del self._made[self._kept :]
+        self._seq = self._kept_seq
+
+
+class _Open:
+    """The output item being written: its kind (``message``, ``reasoning``, or a tool call's
+    index), its place in the output, and its text so far."""
+
+    __slots__ = ("index", "item", "kind", "parts")
+
+    def __init__(self, kind: str | int, item: dict[str, Any], index: int) -> None:
+        self.kind, self.item, self.index = kind, item, index
+        self.parts: list[str] = []
+
+    def at(self) -> dict[str, Any]:
+        return {"item_id": self.item["id"], "output_index": self.index}
+
+
+class Output:
+    """The output items of one Response (``items``), one open at a time."""
+
+    __slots__ = ("_event", "_open", "items")
+
+    def __init__(self, event: Events) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._event = event
+        self._open: _Open | None = None
+
+    def text(self, kind: str, text: str) -> None:
+        """Text of ``kind`` (``message`` or ``reasoning``)."""
+        o = self._open
+        if o is None or o.kind != kind:
+            o = self._start(kind)
+        o.parts.append(text)
+        if kind == "message":
+            self._event(
+                "response.output_text.delta", **o.at(), content_index=0, delta=text, logprobs=[]
+            )
+        else:
+            self._event("response.reasoning_text.delta", **o.at(), content_index=0, delta=text)
+
+    def call(self, index: int, call_id: str | None, name: str | None, arguments: str) -> None:
+        """A tool call's delta (its ID and name come with its first)."""
+        o = self._open
+        if o is None or o.kind != index:
+            o = self._start(index, call_id, name)
+        elif name and not o.item["name"]:
+            o.item["name"] = name
+        if arguments:
+            o.parts.append(arguments)
+            self._event("response.function_call_arguments.delta", **o.at(), delta=arguments)
+
+    def _start(self, kind: str | int, call_id: str | None = None, name: str | None = None) -> _Open:
+        self.close("completed")
+        item: dict[str, Any]
+        if kind == "message":
+            item = {"id": item_id("msg"), "type": "message", "status": "in_progress"}
+            item.update(role="assistant", content=[])
+        elif kind == "reasoning":
+            item = {"id": item_id("rs"), "type": "reasoning", "summary": [], "content": []}
+            item["status"] = "in_progress"
+        else:
+            item = {"id": item_id("fc"), "type": "function_call", "status": "in_progress"}
+            item.update(call_id=call_id or item_id("call"), name=name or "", arguments="")
+        o = self._open = _Open(kind, item, len(self.items))
+        self.items.append(item)
+        self._event("response.output_item.added", output_index=o.index, item=item)
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self._event("response.content_part.added", **o.at(), content_index=0, part=part)
+        return o
+
+    def close(self, status: str, *, events: bool = True) -> None:
+        """End the open item (with its done events, unless the answer failed)."""
+        o, self._open = self._open, None
+        if o is None:
+            return
+        text = "".join(o.parts)
+        item, at = o.item, o.at()
+        item["status"] = status
+        event = self._event if events else _quiet
+        if o.kind == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            item["content"] = [part]
+            event("response.output_text.done", **at, content_index=0, text=text, logprobs=[])
+            event("response.content_part.done", **at, content_index=0, part=part)
+        elif o.kind == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            event("response.reasoning_text.done", **at, content_index=0, text=text)
+        else:
+            item["arguments"] = text
+            event("response.function_call_arguments.done", **at, name=item["name"], arguments=text)
+        event("response.output_item.done", output_index=o.index, item=item)
+
+
+def _quiet(kind: str, **fields: Any) -> None:
+    pass

@@ -1,0 +1,152 @@
+"""A Response from the engine's verified chat stream: written event by event to a client that
+asked for a stream, or whole.
+
+The engine is asked for a chat stream, as for chat, through one `Exchange` (so hang-ups,
+deadlines, the idle timeout and settlement are chat's). Each read is verified and folded by the
+stream's `BlockReader` into a `ResponseBuilder`; the events it made leave in one write. Nothing
+is written before the engine's first verified chunk: until then a fault is an HTTP error, as on
+chat (a chunk that fails verification excepted, also as on chat: it is told in band). Once the
+stream has started a fault ends it with ``response.failed``, whose message is
+ours (``code: message``), never a shortened answer that looks whole; its ``error.code`` is
+OpenAI's ``server_error``, the one its schema has for a fault that is not the client's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import orjson
+from aiohttp import web
+
+from .._clock import stamp
+from .._config import Deployment
+from .._errors import (
+    ClientGoneError,
+    EngineError,
+    GatewayError,
+    NotAcceptedError,
+    UnverifiedError,
+)
+from .._relay.blocks import BlockReader
+from .._relay.chat import answer_figures, note_outcome, start_stream
+from .._relay.exchange import Exchange
+from .._relay.pump import Fold
+from .._relay.verify import ChunkVerifier
+from .build import ResponseBuilder
+from .request import Echo
+from .usage import usage_of
+
+__all__ = ["collect_response", "relay_response"]
+
+logger = logging.getLogger("capyctl_gateway._relay.chat")
+
+
+def _builder(dep: Deployment, echo: Echo, cap: int, *, streaming: bool) -> ResponseBuilder:
+    return ResponseBuilder(
+        echo, model=dep.name, created_at=int(time.time()), max_bytes=cap, streaming=streaming
+    )
+
+
+async def relay_response(
+    request: web.Request,
+    ex: Exchange,
+    dep: Deployment,
+    payload: bytes,
+    *,
+    headers: dict[str, str],
+    echo: Echo,
+    cap: int,
+) -> web.StreamResponse:
+    """Relay the engine's stream to a streaming client as the Responses API's events."""
+    verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
+    reader = BlockReader(verifier)
+    builder = _builder(dep, echo, cap, streaming=True)
+    out: web.StreamResponse | None = None
+    sent_at = stamp()
+    try:
+        async with ex:
+            content = await ex.open_stream(payload)
+            done = False
+            while not done and (block := await content.readany()):
+                now = stamp()
+                chunks = verifier.chunks
+                done = reader.collect(block, now, builder)
+                if verifier.chunks != chunks and verifier.first_output_at is not None:
+                    ex.output(now)  # only output keeps a stream alive, not pings
+                if out is None and verifier.chunks:
+                    out = await start_stream(request, headers)
+                if out is not None and not done and (events := builder.events.take()):
+                    ex.writing = True  # bounded by the idle deadline, like the engine's output
+                    await out.write(events)
+                    ex.writing = False
+            verifier.verify_end(done)
+            ex.complete()
+            figures = answer_figures(dep, verifier, sent_at)
+            if out is None:
+                out = await start_stream(request, headers)
+            builder.finished(usage_of(verifier.usage, figures, reasoned=builder.reasoned))
+            last = builder.events.take() + b": x-capyctl-metrics " + orjson.dumps(figures) + b"\n\n"
+            ex.writing = True
+            await out.write_eof(last)
+            ex.writing = False
+        return out
+    except (ClientGoneError, ConnectionResetError):
+        if ex.writing and request.transport is not None:
+            request.transport.abort()  # it stopped reading: what is buffered will never drain
+        return out if out is not None else web.Response(status=499)
+    except NotAcceptedError:
+        raise
+    except UnverifiedError as exc:
+        # In band even before anything was written, as on chat: a stream was asked for
+        logger.warning("engine stream unverified (%s): %s", ex.where, exc)
+        err = UnverifiedError(f"the engine stream failed verification: {exc}")
+        return await _fail(request, out, builder, err, headers)
+    except GatewayError as err:
+        if out is None:
+            raise  # nothing written yet: the HTTP surface answers it
+        return await _fail(request, out, builder, err, headers)
+    finally:
+        note_outcome(ex, verifier)
+
+
+async def collect_response(
+    ex: Exchange, dep: Deployment, payload: bytes, *, echo: Echo, cap: int
+) -> bytes:
+    """The whole Response for a client that asked for no stream; its JSON bytes."""
+    verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
+    reader = BlockReader(verifier)
+    builder = _builder(dep, echo, cap, streaming=False)
+    sent_at = stamp()
+    try:
+        async with ex:
+            content = await ex.open_stream(payload)
+            done = await Fold(reader, ex, builder, cap).read(content)
+            verifier.verify_end(done)
+            ex.complete()
+    except UnverifiedError as exc:
+        logger.warning("engine answer unverified (%s): %s", ex.where, exc)
+        raise EngineError(f"the engine answer failed verification: {exc}") from exc
+    finally:
+        note_outcome(ex, verifier)
+    figures = answer_figures(dep, verifier, sent_at)
+    response = builder.finished(usage_of(verifier.usage, figures, reasoned=builder.reasoned))
+    response["capyctl"] = {"metrics": figures}
+    return orjson.dumps(response)
+
+
+async def _fail(
+    request: web.Request,
+    out: web.StreamResponse | None,
+    builder: ResponseBuilder,
+    err: GatewayError,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    builder.events.discard()  # what the failing read made is not sent
+    if out is None:
+        out = await start_stream(request, headers)
+    builder.failed(err.code, err.message)
+    with contextlib.suppress(ConnectionResetError):  # the client left too
+        await out.write_eof(builder.events.take())
+    return out

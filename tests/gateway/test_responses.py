@@ -1,0 +1,447 @@
+"""``POST /v1/responses`` against the fake engine: what the engine is asked, what the client
+gets, each held to OpenAI's own schemas (``openai_schemas``), with one process and with two
+workers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+import pytest
+from anyio import to_thread
+from openai import AsyncOpenAI, OpenAI
+
+from tests.eventually import eventually
+from tests.gateway.conftest import WORKERS, Gw, deployments
+from tests.gateway.fake_engine import DONE, FakeEngine, Gate, Hold, Reply, chunk, event
+from tests.gateway.openai_schemas import validate_event, validate_response
+from tests.gateway.test_metrics import samples, scrape
+
+pytestmark = pytest.mark.anyio
+workers = WORKERS
+
+USAGE = {
+    "prompt_tokens": 7,
+    "completion_tokens": 5,
+    "total_tokens": 12,
+    "prompt_tokens_details": {"cached_tokens": 4},
+}
+CALL = {"index": 0, "id": "call_9", "type": "function", "function": {"name": "weather"}}
+
+
+def _script(*deltas: dict[str, Any], finish: str = "stop", usage: Any = USAGE) -> list[bytes]:
+    items = [event(chunk(delta={"role": "assistant", "content": ""}))]
+    items += [event(chunk(delta=d)) for d in deltas]
+    items.append(event(chunk(delta={}, finish=finish)))
+    if usage is not None:
+        items.append(event(chunk(choices=[], usage=usage)))
+    return [*items, DONE]
+
+
+MIXED = _script(
+    {"reasoning": "Think"},
+    {"reasoning": "ing."},
+    {"content": "Let me "},
+    {"content": "look."},
+    {"tool_calls": [{**CALL, "function": {"name": "weather", "arguments": '{"city"'}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]},
+    {"tool_calls": [{"index": 1, "id": "call_10", "function": {"name": "time"}}]},
+    {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+    finish="tool_calls",
+)
+
+
+def events_of(text: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """A Responses stream's events (each validated), and its comment lines."""
+    events, comments = [], []
+    for block in text.split("\n\n"):
+        lines = block.split("\n")
+        data = [line[6:] for line in lines if line.startswith("data: ")]
+        comments += [line for line in lines if line.startswith(":")]
+        if data:
+            (payload,) = data
+            ev = orjson.loads(payload)
+            names = [line[7:] for line in lines if line.startswith("event: ")]
+            assert names == [ev["type"]]
+            validate_event(ev)
+            events.append(ev)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events, comments
+
+
+async def test_a_whole_response_is_openais_shape_with_our_figures(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    engine.script = MIXED
+    async with gateway.client() as c:
+        r = await c.post(
+            "/v1/responses",
+            json={"model": "my-model", "input": "Weather?", "metadata": {"t": "1"}},
+            headers={"X-Request-Id": "caller-1"},
+        )
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Request-Id"] == "caller-1" and len(r.headers["X-CapyCTL-Request-Id"]) == 26
+    body = r.json()
+    validate_response(body)
+    assert body["status"] == "completed" and body["model"] == "my-model"
+    assert body["metadata"] == {"t": "1"} and body["store"] is False
+    reasoning, message, first, second = body["output"]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
+    assert message["content"][0]["text"] == "Let me look."
+    assert (first["call_id"], first["name"], first["arguments"]) == (
+        "call_9",
+        "weather",
+        '{"city": "Oslo"}',
+    )
+    assert (second["call_id"], second["name"], second["arguments"]) == ("call_10", "time", "{}")
+    assert "usage" not in body  # it reasoned, and the engine did not count those tokens
+    assert "ttft_ms" in body["capyctl"]["metrics"]
+    sent = engine.received[-1].body
+    assert sent["model"] == "tiny" and sent["stream"] is True
+    assert sent["messages"] == [{"role": "user", "content": "Weather?"}]
+    assert sent["stream_options"] == {"include_usage": True}
+    assert "metadata" not in sent  # echoed, not the engine's
+
+
+@pytest.mark.parametrize(
+    ("deltas", "usage", "reasoning"),
+    [
+        ([{"content": "ok"}], USAGE, 0),  # no reasoning streamed: none counted, exactly
+        (
+            [{"reasoning": "hm"}, {"content": "ok"}],
+            {**USAGE, "completion_tokens_details": {"reasoning_tokens": 2}},
+            2,
+        ),
+    ],
+)
+async def test_usage_is_the_engines_counts(
+    gateway: Gw, engine: FakeEngine, deltas: list[Any], usage: Any, reasoning: int
+) -> None:
+    engine.script = _script(*deltas, usage=usage)
+    async with gateway.client() as c:
+        body = (await c.post("/v1/responses", json={"model": "my-model", "input": "x"})).json()
+    validate_response(body)
+    assert body["usage"] == {
+        "input_tokens": 7,
+        "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
+        "output_tokens": 5,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": 12,
+    }
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [None, {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}],
+    ids=["none", "no-cached-count"],
+)
+async def test_usage_not_counted_is_left_out(gateway: Gw, engine: FakeEngine, usage: Any) -> None:
+    engine.script = _script({"content": "ok"}, usage=usage)
+    async with gateway.client() as c:
+        body = (await c.post("/v1/responses", json={"model": "my-model", "input": "x"})).json()
+    validate_response(body)
+    assert "usage" not in body
+
+
+async def test_a_stream_is_openais_events_in_order_with_the_figures_before_its_end(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    engine.script = MIXED
+    async with gateway.client() as c:
+        r = await c.post(
+            "/v1/responses", json={"model": "my-model", "input": "Weather?", "stream": True}
+        )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events, comments = events_of(r.text)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == 4
+    assert kinds.count("response.output_item.done") == 4
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == "Let me look."
+    args = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(args) == '{"city": "Oslo"}{}'
+    done = events[-1]["response"]
+    assert [item["type"] for item in done["output"]] == [
+        "reasoning",
+        "message",
+        "function_call",
+        "function_call",
+    ]
+    (comment,) = comments
+    assert comment.startswith(": x-capyctl-metrics ")
+    assert r.text.index("response.completed") < r.text.index("x-capyctl-metrics")
+    assert "ttft_ms" in orjson.loads(comment.removeprefix(": x-capyctl-metrics "))
+
+
+async def test_a_length_finish_is_an_incomplete_response(gateway: Gw, engine: FakeEngine) -> None:
+    engine.script = _script({"content": "cut"}, finish="length")
+    async with gateway.client() as c:
+        whole = (await c.post("/v1/responses", json={"model": "my-model", "input": "x"})).json()
+        streamed = await c.post(
+            "/v1/responses", json={"model": "my-model", "input": "x", "stream": True}
+        )
+    validate_response(whole)
+    assert whole["status"] == "incomplete"
+    assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert whole["output"][0]["status"] == "incomplete"
+    events, _ = events_of(streamed.text)
+    assert events[-1]["type"] == "response.incomplete"
+
+
+async def test_a_fault_mid_stream_is_response_failed_with_our_code_and_closes_the_engine(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    gate = Gate(asyncio.Event())
+    engine.script = [
+        event(chunk(delta={"role": "assistant", "content": ""})),
+        event(chunk(delta={"content": "Hel"})),
+        gate,
+        event(chunk(delta={"content": "lo", "invented": 1})),
+        Hold(),
+    ]
+    body = {"model": "my-model", "input": "x", "stream": True}
+    text = ""
+    async with gateway.client() as c, c.stream("POST", "/v1/responses", json=body) as r:
+        async for part in r.aiter_text():
+            text += part
+            if "response.output_text.delta" in text:
+                gate.opened.set()  # the text was relayed: now the fault
+        with anyio.fail_after(5):
+            await engine.hung_up.wait()  # the gateway closed the engine's connection
+    events, comments = events_of(text)
+    error, failed = events[-2:]
+    assert error["type"] == "error" and error["code"] == "stream_unverified"
+    assert failed["type"] == "response.failed"
+    response = failed["response"]
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
+    assert response["error"]["message"].startswith("stream_unverified: ")
+    assert response["output"][0]["status"] == "incomplete"
+    assert response["output"][0]["content"][0]["text"] == "Hel"
+    assert not comments  # no figures for an answer that failed
+
+
+async def test_a_fault_before_any_output(gateway: Gw, engine: FakeEngine) -> None:
+    """An engine error before anything was written is an HTTP error; a chunk that fails
+    verification is told in band to a stream, as on chat."""
+    engine.script = Reply(status=500, body=b"boom")
+    async with gateway.client() as c:
+        for stream in (False, True):
+            r = await c.post(
+                "/v1/responses", json={"model": "my-model", "input": "x", "stream": stream}
+            )
+            assert r.status_code == 502, r.text
+            assert r.json()["code"] == "engine_error"
+        engine.script = [event(chunk(delta={"invented": "x"})), DONE]
+        whole = await c.post("/v1/responses", json={"model": "my-model", "input": "x"})
+        streamed = await c.post(
+            "/v1/responses", json={"model": "my-model", "input": "x", "stream": True}
+        )
+    assert whole.status_code == 502 and whole.json()["code"] == "engine_error"
+    events, _ = events_of(streamed.text)
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "error",
+        "response.failed",
+    ]
+
+
+async def test_the_request_becomes_the_engines_chat_request(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    engine.script = _script({"content": "ok"})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {
+        "model": "my-model",
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "developer", "content": "Use tools."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {
+                "type": "message",
+                "role": "assistant",
+                "id": "msg_1",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "Checking.", "annotations": []}],
+            },
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        ],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "f"},
+        "parallel_tool_calls": False,
+        "max_output_tokens": 9,
+        "temperature": 0.5,
+        "top_p": 1,
+        "text": {"format": {"type": "json_schema", "name": "out", "schema": schema}},
+        "reasoning": {"effort": "low"},
+        "cache_salt": "tenant-1",
+        "store": True,
+    }
+    async with gateway.client() as c:
+        r = await c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    validate_response(answer)
+    assert answer["store"] is False  # it asked, and is told the truth
+    assert answer["tool_choice"] == {"type": "function", "name": "f"}
+    assert answer["instructions"] == "Be brief." and answer["max_output_tokens"] == 9
+    sent = engine.received[-1].body
+    assert sent["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    assert sent["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert sent["parallel_tool_calls"] is False and sent["max_tokens"] == 9
+    assert (sent["temperature"], sent["top_p"]) == (0.5, 1.0)
+    assert sent["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "out", "schema": schema},
+    }
+    assert sent["reasoning_effort"] == "low" and sent["cache_salt"] == "tenant-1"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "words"),
+    [
+        ({"previous_response_id": "resp_1"}, 400, "invalid_request", "keeps no responses"),
+        ({"conversation": "conv_1"}, 400, "invalid_request", "keeps no responses"),
+        ({"background": True}, 400, "invalid_request", "keeps no responses"),
+        ({"include": ["x"]}, 400, "invalid_request", "`include` is not accepted"),
+        ({"tools": [{"type": "web_search"}]}, 400, "unsupported_parameter", "function tools"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "unsupported_parameter", ""),
+        ({"input": []}, 400, "invalid_request", "input is required"),
+        ({"input": [{"role": "tool", "content": "x"}]}, 400, "invalid_request", "role"),
+        ({"max_output_tokens": 0}, 400, "invalid_request", "max_output_tokens"),
+        ({"tool_choice": "required"}, 400, "invalid_request", "needs tools"),
+        ({"text": {"format": {"type": "json_schema"}}}, 400, "invalid_request", "json_schema"),
+        ({"metadata": {"k": 1}}, 400, "invalid_request", "metadata"),
+        ({"model": "decider"}, 400, "api_mismatch", "POST /v1/systemone"),
+        ({"model": "nope"}, 404, "unknown_model", ""),
+        ({"model": "llama", "cache_salt": "s"}, 400, "cache_salt_unsupported", ""),
+    ],
+)
+async def test_refusals_never_reach_an_engine(
+    gateway: Gw, engine: FakeEngine, body: dict[str, Any], status: int, code: str, words: str
+) -> None:
+    async with gateway.client() as c:
+        r = await c.post("/v1/responses", json={"model": "my-model", "input": "x", **body})
+    assert r.status_code == status, r.text
+    error = r.json()
+    assert error["code"] == code and words in error["message"]
+    assert engine.received == []
+
+
+async def test_no_response_is_kept_to_get(gateway: Gw) -> None:
+    async with gateway.client() as c:
+        got = await c.get("/v1/responses/resp_123")
+        cancel = await c.post("/v1/responses/resp_123/cancel")
+        wrong = await c.get("/v1/responses")
+    async with httpx.AsyncClient(base_url=gateway.url) as c:
+        unkeyed = await c.get("/v1/responses/resp_123", headers={"Authorization": "Bearer no"})
+    assert got.status_code == cancel.status_code == 404
+    assert got.json()["code"] == "not_found" and "keeps no responses" in got.text
+    assert wrong.status_code == 405 and wrong.headers["Allow"] == "POST"
+    assert unkeyed.status_code == 401
+
+
+async def test_an_answer_past_the_bound_fails_whole_or_in_band(
+    engine: FakeEngine, make_gateway: Any
+) -> None:
+    gw = await make_gateway(
+        {"limits": {"max_answer_bytes": 4096}, "deployments": [deployments(engine.url)]}
+    )
+    engine.script = _script(*[{"content": "x" * 1000}] * 6)
+    async with gw.client() as c:
+        whole = await c.post("/v1/responses", json={"model": "my-model", "input": "x"})
+    assert whole.status_code == 502 and "over 4096 bytes" in whole.json()["message"]
+    gate = Gate(asyncio.Event())
+    script = _script(*[{"content": "x" * 1000}] * 6)
+    engine.script = [*script[:2], gate, *script[2:]]
+    body = {"model": "my-model", "input": "x", "stream": True}
+    text = ""
+    async with gw.client() as c, c.stream("POST", "/v1/responses", json=body) as r:
+        async for part in r.aiter_text():
+            text += part
+            if "output_text.delta" in text:
+                gate.opened.set()
+    events, _ = events_of(text)
+    assert events[-1]["type"] == "response.failed"
+    assert "over 4096 bytes" in events[-1]["response"]["error"]["message"]
+
+
+async def test_responses_count_under_their_own_api(gateway: Gw, engine: FakeEngine) -> None:
+    engine.script = _script({"content": "ok"})
+    async with gateway.client() as c:
+        for _ in range(2):
+            assert (
+                await c.post("/v1/responses", json={"model": "my-model", "input": "x"})
+            ).status_code == 200
+        await c.post("/v1/responses", json={"model": "my-model", "input": "x", "n": 2})
+    got = samples((await scrape(gateway)).text)
+    key = (("api", "responses"), ("deployment", "my-model"))
+    assert got[("capyctl_requests_total", (*key, ("outcome", "completed")))] == 2
+    assert got[("capyctl_requests_total", (*key, ("outcome", "refused")))] == 1
+
+
+async def test_a_hang_up_closes_the_engines_connection_and_frees_the_slot(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    engine.script = [*_script({"content": "Hel"})[:2], Hold()]
+    body = {"model": "my-model", "input": "x", "stream": True}
+    async with gateway.client() as c, c.stream("POST", "/v1/responses", json=body) as r:
+        async for line in r.aiter_lines():
+            if "output_text.delta" in line:
+                break  # hang up with the answer under way
+    with anyio.fail_after(5):
+        await engine.hung_up.wait()
+    queue = gateway.gateway.fleet.routes["my-model"].queue
+    await eventually(lambda: queue.running == 0)
+
+
+async def test_the_openai_client_reads_whole_streamed_and_sync_responses(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    engine.script = MIXED
+    base = gateway.url + "/v1"
+    async with AsyncOpenAI(base_url=base, api_key=gateway.key, max_retries=0) as client:
+        whole = await client.responses.create(model="my-model", input="Weather?")
+        assert whole.output_text == "Let me look."
+        assert [type(i).__name__ for i in whole.output] == [
+            "ResponseReasoningItem",
+            "ResponseOutputMessage",
+            "ResponseFunctionToolCall",
+            "ResponseFunctionToolCall",
+        ]
+        stream = await client.responses.create(model="my-model", input="Weather?", stream=True)
+        kinds = [type(ev).__name__ async for ev in stream]
+        assert kinds[0] == "ResponseCreatedEvent" and kinds[-1] == "ResponseCompletedEvent"
+        assert "ResponseFunctionCallArgumentsDeltaEvent" in kinds
+        async with client.responses.stream(model="my-model", input="Weather?") as helper:
+            final = await helper.get_final_response()
+        assert final.output_text == "Let me look."
+
+    def sync() -> str:
+        with OpenAI(base_url=base, api_key=gateway.key, max_retries=0) as client:
+            return client.responses.create(model="my-model", input="Weather?").output_text
+
+    assert await to_thread.run_sync(sync) == "Let me look."
