@@ -24,6 +24,8 @@ from capyctl_gateway._events import BUS, EventBus
 from capyctl_gateway._local.enginelog import ShownLog
 from capyctl_gateway._log import event
 from capyctl_gateway._management import live
+from capyctl_gateway._management.console import annotate
+from capyctl_gateway._management.status import deployment_status
 from capyctl_gateway._tally import failed
 from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Ending, Recent
 from tests.eventually import eventually
@@ -444,6 +446,36 @@ def test_what_the_console_counts_as_an_error(
 
 
 # -- the status document's additions and the command -------------------------------------------
+async def test_status_offers_only_the_commands_that_change_something(
+    launched_console: Console,
+) -> None:
+    path = "/management/v1/deployments/my-model"
+
+    async def offered(m: httpx.AsyncClient, action: str | None = None) -> list[str]:
+        if action is None:
+            doc = (await m.get(path)).json()
+        else:
+            doc = (await m.post(f"{path}/{action}")).json()
+        return list(doc["deployment"]["actions"])
+
+    async with launched_console.client() as m:
+        assert await offered(m) == ["start", "stop"]  # stopped: a stop keeps it so
+        assert await offered(m, "start") == ["stop", "park"]  # it serves
+        assert await offered(m, "park") == ["start", "stop"]  # at rest
+        assert await offered(m, "stop") == ["start"]  # an operator's stop holds it
+        assert await offered(m, "start") == ["stop", "park"]
+
+
+async def test_a_deployment_only_an_operator_starts_offers_only_a_start(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    explicit = launched(lifecycle={"activation": "explicit"})
+    gw = await make_gateway({"deployments": [explicit]}, engine_logs=tmp_path)
+    doc = deployment_status(gw.gateway.fleet, "my-model")
+    assert doc is not None
+    assert annotate(gw.gateway.fleet, doc)["deployment"]["actions"] == ["start"]
+
+
 async def test_status_says_why_and_the_load_sample(launched_console: Console) -> None:
     async with launched_console.client() as m:
         before = (await m.get("/management/v1/deployments/my-model")).json()

@@ -28,6 +28,16 @@ MakeGateway = Callable[..., Awaitable[Gw]]
 CARD = '[data-deployment="my-model"]'
 
 
+def enabled_are(*actions: str) -> str:
+    """True once the card's enabled buttons are ``actions`` (the others disabled)."""
+    found = f"[...document.querySelectorAll('{CARD} button[data-action]')]"
+    return (
+        f"JSON.stringify({found}.filter((b) => !b.disabled).map((b) => b.dataset.action))"
+        f" === {json.dumps(json.dumps(list(actions), separators=(',', ':')))}"
+        f" && {found}.length === 3"
+    )
+
+
 def state_is(text: str) -> str:
     sel = json.dumps(f'{CARD} [data-state="my-model"]')
     return f"document.querySelector({sel})?.textContent === {json.dumps(text)}"
@@ -64,16 +74,28 @@ async def test_the_page_lists_the_deployment_and_its_buttons_stop_and_start_it(
     assert await browser.js("sessionStorage.getItem('capyctl-key')") == con.gw.key
     assert con.gw.key not in await browser.js("location.href")
     await browser.until(state_is("stopped"))
+    # Only what would change something is enabled, and only that is clicked: stopped (the
+    # next request starts it), a stop keeps it so; nothing to park.
+    await browser.until(enabled_are("start", "stop"))
     await browser.click(f'{CARD} button[data-action="start"]')
     await browser.until(state_is("ready"), within=60)
     await browser.until(f"document.querySelector('{CARD} [data-answer]')?.textContent"
                         " === 'start: done, ready'")  # fmt: skip
+    await browser.until(enabled_are("stop", "park"))  # it serves: nothing to start
     await browser.click(f'{CARD} button[data-action="stop"]')
     await browser.until(f"document.querySelector('{CARD} [data-answer]')?.textContent"
                         " === 'stop: done, stopped'", within=60)  # fmt: skip
     await browser.until(state_is("stopped by an operator"))
+    await browser.until(enabled_are("start"))  # stopped and kept so: only a start means something
     doc = con.gw.gateway.fleet.lifecycle.lives["my-model"]
     assert doc.operator_stopped and doc.state == "stopped"
+    await browser.click(f'{CARD} button[data-action="start"]')
+    await browser.until(state_is("ready"), within=60)
+    await browser.until(enabled_are("stop", "park"))
+    await browser.click(f'{CARD} button[data-action="park"]')
+    await browser.until(f"document.querySelector('{CARD} [data-answer]')?.textContent"
+                        "?.startsWith('park: done')", within=60)  # fmt: skip
+    await browser.until(enabled_are("start", "stop"))  # at rest: nothing to park
     await browser.click(f'{CARD} button[data-action="start"]')
     await browser.until(state_is("ready"), within=60)
     assert con.gw.gateway.fleet.lifecycle.lives["my-model"].state == "ready"

@@ -144,7 +144,7 @@ async function refreshOne(name) {
 
 // -- acting ----------------------------------------------------------------------------------
 async function act(name, action) {
-  answers.set(name, { text: `${action}: waiting for the gateway…`, bad: false });
+  answers.set(name, { text: `${action}: waiting for the gateway…`, bad: false, busy: true });
   render();
   try {
     const doc = await call("POST", `/deployments/${encodeURIComponent(name)}/${action}`);
@@ -291,6 +291,14 @@ function instanceRows(name, doc, launched) {
   return rows;
 }
 
+function meaning(action, d) {
+  if (action === "start") return "start it, and wait until it is ready";
+  if (action === "stop") return "stop it and keep it stopped: requests get 409 until a start";
+  return d.park === "stop"
+    ? "stop it until the next request (it cannot sleep here), which starts it again"
+    : "park it: the next request wakes it";
+}
+
 function card(row) {
   const name = row.name;
   const doc = statusDocs.get(name);
@@ -308,7 +316,10 @@ function card(row) {
     el("span", { class: "actions" },
       answer ? el("span", { class: "answer" + (answer.bad ? " bad" : ""), "data-answer": name }, answer.text) : null,
       ...(launched ? ["start", "stop", "park"].map((a) => el("button", {
-        type: "button", "data-action": a, onclick: () => act(name, a),
+        type: "button", "data-action": a, onclick: () => act(name, a), title: meaning(a, d),
+        // Only what would change something now (the gateway says which: deployment.actions),
+        // and nothing while a command is under way.
+        disabled: (d.actions || []).includes(a) && !(answer && answer.busy) ? null : "",
       }, a)) : [])));
   const facts = [
     `${row.api}`, `${d.engine || row.engine} ${d.engine_version || ""}`.trim(),
