@@ -1,7 +1,7 @@
 """What each request adds to the gateway's own counts and timings (`Telemetry`), once it is
 answered or its client has gone: its outcome, the code it was refused with, and the timings of
 its phases, all counted from its arrival; and its deployment's recent window (the console's
-requests, errors and time to first content).
+requests, errors, the answers' time to first token and the waits for a start or wake).
 
 A `Tally` is filled in as the request goes (the public handlers, placing, the exchange);
 `figures` turns it into plain values (`Figures`, what a worker sends its authority) and `add`
@@ -67,7 +67,7 @@ class Tally:
     def figures(self) -> Figures:
         """this request's counts, the times taken now (its end) and made relative to its arrival."""
         arrival = self.arrival
-        slot = activation = head = content = last = None
+        slot = activation = head = content = last = ttft = None
         if self.slot is not None:
             slot = self.slot - arrival
             if self.launched:
@@ -81,6 +81,7 @@ class Tally:
                 content = out.first_content_at - arrival
             if out.last_at is not None:
                 last = out.last_at - arrival
+            ttft = out.ttft
         total = stamp() - arrival
         return Figures(
             self.deployment,
@@ -95,6 +96,7 @@ class Tally:
             content,
             last,
             total,
+            ttft,
         )
 
 
@@ -131,6 +133,9 @@ class Figures(NamedTuple):
     """To the last chunk."""
     total: float
     """To its end."""
+    ttft: float | None
+    """The time to first token its answer reported (its ``ttft_ms``): from when the engine
+    was asked, the wait for a slot and for a start or wake left out."""
 
 
 def record(t: Telemetry, r: Tally) -> None:
@@ -139,7 +144,21 @@ def record(t: Telemetry, r: Tally) -> None:
 
 def add(t: Telemetry, f: Figures, now: float) -> None:
     """Count one request's figures (``now``: the loop time of its end, for its window)."""
-    deployment, api, ending, code, status, instance, slot, activation, head, content, last, end = f
+    (
+        deployment,
+        api,
+        ending,
+        code,
+        status,
+        instance,
+        slot,
+        activation,
+        head,
+        content,
+        last,
+        end,
+        ttft,
+    ) = f
     outcome = Ending(ending)
     t.requests[(deployment, api, outcome)] += 1
     if outcome is Ending.REFUSED and code is not None:
@@ -160,7 +179,8 @@ def add(t: Telemetry, f: Figures, now: float) -> None:
     if last is not None:
         last_.observe(last)
     total.observe(end)
-    t.window(deployment, now).add(now, failed(outcome, status), content)
+    wake = activation if activation else None  # a wait for a start or wake, apart
+    t.window(deployment, now).add(now, failed(outcome, status), ttft, wake)
 
 
 def failed(ending: Ending, status: int | None) -> bool:

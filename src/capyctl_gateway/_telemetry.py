@@ -15,6 +15,7 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 __all__ = [
     "BUCKETS",
@@ -26,6 +27,7 @@ __all__ = [
     "Ending",
     "Histogram",
     "Recent",
+    "Slot",
     "Telemetry",
 ]
 
@@ -114,12 +116,29 @@ RECENT_SLOTS = 30
 """Slots in the window: the last five minutes."""
 
 
+class Slot(NamedTuple):
+    """One slot of a recent window: its seconds within the window, requests ended, errors,
+    and the sums and counts of two timings, each over the requests that had one: the answers'
+    own time to first token (their ``ttft_ms``) and the wait for a start or wake."""
+
+    seconds: float
+    requests: int
+    errors: int
+    ttft_sum: float
+    ttft_n: int
+    wake_sum: float
+    wake_n: int
+
+
 class Recent:
     """A deployment's last `RECENT_SLOTS` slots of `RECENT_SLOT_S` seconds: requests ended,
-    errors, and the sum and count of times to first content. A fixed ring: recording a request
-    is a division, an index and a few additions; a slot is reused once its time has passed."""
+    errors, and the sum and count of the answers' times to first token and of the waits for a
+    start or wake. A fixed ring: recording a request is a division, an index and a few
+    additions; a slot is reused once its time has passed."""
 
-    __slots__ = ("since", "slot", "requests", "errors", "ttft_sum", "ttft_n")
+    __slots__ = (
+        "since", "slot", "requests", "errors", "ttft_sum", "ttft_n", "wake_sum", "wake_n",
+    )  # fmt: skip
 
     def __init__(self, now: float) -> None:
         self.since = now
@@ -130,39 +149,52 @@ class Recent:
         self.errors = [0] * RECENT_SLOTS
         self.ttft_sum = [0.0] * RECENT_SLOTS
         self.ttft_n = [0] * RECENT_SLOTS
+        self.wake_sum = [0.0] * RECENT_SLOTS
+        self.wake_n = [0] * RECENT_SLOTS
 
-    def add(self, now: float, error: bool, ttft: float | None) -> None:
-        """One request ended at ``now`` (loop time): an error or not, its time to first content
-        (None when it had none)."""
+    def add(self, now: float, error: bool, ttft: float | None, wake: float | None) -> None:
+        """One request ended at ``now`` (loop time): an error or not, the time to first token
+        its answer reported (None when it reported none) and its wait for a start or wake
+        (None when it waited for none)."""
         n = int(now // RECENT_SLOT_S)
         i = n % RECENT_SLOTS
         if self.slot[i] != n:
             self.slot[i] = n
-            self.requests[i] = self.errors[i] = self.ttft_n[i] = 0
-            self.ttft_sum[i] = 0.0
+            self.requests[i] = self.errors[i] = self.ttft_n[i] = self.wake_n[i] = 0
+            self.ttft_sum[i] = self.wake_sum[i] = 0.0
         self.requests[i] += 1
         if error:
             self.errors[i] += 1
         if ttft is not None:
             self.ttft_sum[i] += ttft
             self.ttft_n[i] += 1
+        if wake is not None:
+            self.wake_sum[i] += wake
+            self.wake_n[i] += 1
 
-    def slots(self, now: float) -> list[tuple[float, int, int, float | None]]:
-        """The window at ``now``, oldest slot first: each slot's seconds within the window (the
-        current slot's so far; the first one's since the window began), requests ended, errors,
-        and the mean time to first content (None when no request had content). Slots before
-        the window began are left out."""
+    def slots(self, now: float) -> list[Slot]:
+        """The window at ``now``, oldest slot first (the current slot's seconds are those so
+        far; the first one's those since the window began). Slots before the window began are
+        left out."""
         last = int(now // RECENT_SLOT_S)
         first = max(last - RECENT_SLOTS + 1, int(self.since // RECENT_SLOT_S))
-        out: list[tuple[float, int, int, float | None]] = []
+        out: list[Slot] = []
         for n in range(first, last + 1):
             start = max(n * RECENT_SLOT_S, self.since)
             seconds = round(min((n + 1) * RECENT_SLOT_S, now) - start, 3)
             i = n % RECENT_SLOTS
             if self.slot[i] != n:
-                out.append((seconds, 0, 0, None))
+                out.append(Slot(seconds, 0, 0, 0.0, 0, 0.0, 0))
                 continue
-            count = self.ttft_n[i]
-            ttft = self.ttft_sum[i] / count if count else None
-            out.append((seconds, self.requests[i], self.errors[i], ttft))
+            out.append(
+                Slot(
+                    seconds,
+                    self.requests[i],
+                    self.errors[i],
+                    self.ttft_sum[i],
+                    self.ttft_n[i],
+                    self.wake_sum[i],
+                    self.wake_n[i],
+                )
+            )
         return out

@@ -370,15 +370,15 @@ async def test_an_engine_someone_else_runs_has_no_log_here(
 # -- the recent window -------------------------------------------------------------------------
 def test_the_recent_window_is_a_fixed_ring() -> None:
     w = Recent(1000.0)
-    ring = (w.slot, w.requests, w.errors, w.ttft_sum, w.ttft_n)
-    w.add(1001.0, False, 0.5)
-    w.add(1002.0, True, None)
-    w.add(1003.0, False, 1.5)
-    assert w.slots(1005.0) == [(5.0, 3, 1, 1.0)]  # nothing before the window began
+    ring = (w.slot, w.requests, w.errors, w.ttft_sum, w.ttft_n, w.wake_sum, w.wake_n)
+    w.add(1001.0, False, 0.5, 2.0)
+    w.add(1002.0, True, None, None)
+    w.add(1003.0, False, 1.5, None)
+    assert w.slots(1005.0) == [(5.0, 3, 1, 2.0, 2, 2.0, 1)]  # nothing before the window began
     for t in range(1000, 1000 + 3 * RECENT_SLOTS * RECENT_SLOT_S, 7):  # three laps
-        w.add(float(t), t % 2 == 0, None)
+        w.add(float(t), t % 2 == 0, None, None)
     assert all(len(x) == RECENT_SLOTS for x in ring)  # the same lists, never grown
-    assert (w.slot, w.requests, w.errors, w.ttft_sum, w.ttft_n) == ring
+    assert (w.slot, w.requests, w.errors, w.ttft_sum, w.ttft_n, w.wake_sum, w.wake_n) == ring
     now = 1000.0 + 3 * RECENT_SLOTS * RECENT_SLOT_S
     slots = w.slots(now)
     assert len(slots) == RECENT_SLOTS and slots[-1][0] == now % RECENT_SLOT_S
@@ -386,15 +386,37 @@ def test_the_recent_window_is_a_fixed_ring() -> None:
     kept = [t for t in range(1000, int(now), 7) if t // RECENT_SLOT_S > last - RECENT_SLOTS]
     assert sum(s[1] for s in slots) == len(kept)
     later = w.slots(now + 10 * RECENT_SLOTS * RECENT_SLOT_S)  # quiet since: zeros, no stale
-    assert len(later) == RECENT_SLOTS and all(s[1:] == (0, 0, None) for s in later)
+    assert len(later) == RECENT_SLOTS and all(s[1:] == (0, 0, 0.0, 0, 0.0, 0) for s in later)
 
 
-async def test_recent_counts_requests_errors_and_time_to_first_content(
+def test_the_windows_timings_are_weighted_by_requests_not_by_slots() -> None:
+    w = Recent(1000.0)
+    w.add(1001.0, False, 0.100, None)  # a slot of one slow answer
+    for t in (1011.0, 1012.0, 1013.0):  # and one of three quick ones
+        w.add(t, False, 0.004, None)
+    w.add(1014.0, False, 0.004, 1.5)  # one that waited 1.5 s for a start: apart
+    w.add(1015.0, True, None, None)  # no answer, no figure: left out, never 0
+    totals = live.window_totals(w.slots(1020.0))
+    assert totals["requests"] == 6 and totals["errors"] == 1 and totals["s"] == 20.0
+    assert totals["ttft_n"] == 5 and totals["ttft_s"] == pytest.approx(0.116 / 5)
+    assert totals["ttft_s"] != pytest.approx((0.100 + 0.004) / 2)  # not the mean of means
+    assert totals["wake_n"] == 1 and totals["wake_s"] == 1.5
+    quiet = live.window_totals(Recent(0.0).slots(5.0))
+    assert quiet == {"s": 5.0, "requests": 0, "errors": 0}  # no timing measured: none shown
+
+
+async def test_recent_ttft_is_the_answers_own_figure_and_the_start_wait_is_apart(
     launched_console: Console,
 ) -> None:
+    """The deployment is stopped: the first request waits for its start. The window's time to
+    first token is the answers' own ``ttft_ms``, weighted by request, and that wait shows as
+    its own figure, never inside it."""
+    figures = []
     async with launched_console.gw.client() as c:
         for _ in range(3):
-            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+            r = await c.post("/v1/chat/completions", json=chat())
+            assert r.status_code == 200
+            figures.append(r.json()["capyctl"]["metrics"]["ttft_ms"]["value"])
         bad = {"model": "my-model", "messages": [], "n": 2}  # the client's mistake: no error
         assert (await c.post("/v1/chat/completions", json=bad)).status_code == 400
     async with launched_console.client() as m:
@@ -402,8 +424,13 @@ async def test_recent_counts_requests_errors_and_time_to_first_content(
     assert doc["slot_s"] == RECENT_SLOT_S and doc["slots"] == RECENT_SLOTS
     slots = doc["deployments"]["my-model"]
     assert sum(s["requests"] for s in slots) == 4 and sum(s["errors"] for s in slots) == 0
-    timed = [s["ttft_s"] for s in slots if "ttft_s" in s]
-    assert timed and all(0 < t < 60 for t in timed)
+    top = max(figures) / 1000
+    assert all(s["ttft_s"] <= top + 1e-6 for s in slots if "ttft_s" in s)  # no start inside
+    totals = doc["totals"]["my-model"]
+    assert totals["requests"] == 4 and totals["ttft_n"] == 3
+    assert totals["ttft_s"] * 1000 == pytest.approx(sum(figures) / 3, abs=0.001)
+    assert totals["wake_n"] == 1  # the first one waited for the start
+    assert totals["wake_s"] > top and sum(s.get("wake_n", 0) for s in slots) == 1
 
 
 async def test_recent_errors_are_what_the_gateway_or_engine_failed_at(

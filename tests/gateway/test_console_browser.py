@@ -147,6 +147,31 @@ async def test_the_events_panel_opens_on_the_recent_events(
     assert "from=stopped" in shown[1] and "reason=a request is waiting" in shown[1]
 
 
+def duration(seconds: float) -> str:
+    """As the page writes a time (console.js ``duration``)."""
+    ms = seconds * 1000
+    if ms < 10:
+        return f"{ms:.1f} ms"
+    return f"{int(ms + 0.5)} ms" if ms < 10000 else f"{seconds:.1f} s"
+
+
+async def test_ttft_is_the_answers_figure_and_the_start_wait_shows_apart(
+    browser: Browser,
+    launched_console: Console,  # noqa: F811
+) -> None:
+    con = launched_console
+    async with con.gw.client() as c:  # the first waits for the engine's start
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+    async with con.client() as m:
+        totals = (await m.get("/management/v1/recent")).json()["totals"]["my-model"]
+    await browser.goto(f"{con.url}/#key={con.gw.key}")
+    figure = f"document.querySelector('{CARD} [data-figure=\"%s\"] .value')?.textContent"
+    assert await browser.until(figure % "ttft") == duration(totals["ttft_s"])
+    assert await browser.until(figure % "wake") == f"{duration(totals['wake_s'])} (1)"
+    assert totals["wake_s"] > totals["ttft_s"]
+
+
 async def test_a_wrong_key_is_told_plainly_and_another_can_be_entered(
     browser: Browser,
     launched_console: Console,  # noqa: F811

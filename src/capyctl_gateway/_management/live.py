@@ -23,7 +23,7 @@ from .._errors import GatewayError, InvalidRequestError, UnknownModelError
 from .._events import BUS, MAX_SUBSCRIBERS, QUEUE_EVENTS, RECENT_EVENTS, EventBus, Subscription
 from .._gateway import Gateway
 from .._loop import running_loop
-from .._telemetry import RECENT_SLOT_S, RECENT_SLOTS
+from .._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Slot
 from .._ulid import REQUEST_ID
 from .keyed import keyed
 
@@ -39,6 +39,8 @@ __all__ = [
     "RECENT_EVENTS",
     "WRITE_TIMEOUT_S",
     "add_live_routes",
+    "recent_doc",
+    "window_totals",
 ]
 
 HEARTBEAT_S = 15.0
@@ -167,16 +169,45 @@ async def _log_lines(gateway: Gateway, request: web.Request) -> dict[str, Any]:
 
 def recent_doc(gateway: Gateway) -> dict[str, Any]:
     """Every deployment's recent window: per slot, oldest first, its length in seconds (the
-    current one is partial), requests ended, errors, and the mean time to first content (left
-    out where no request had content)."""
+    current one is partial), requests ended, errors, and the mean of the answers' times to
+    first token and of the waits for a start or wake, each with its count (a mean is left out
+    where nothing was timed); and per deployment the whole window's (`window_totals`)."""
     telemetry, now = gateway.telemetry, running_loop().time()
     out: dict[str, list[dict[str, Any]]] = {}
+    totals: dict[str, dict[str, Any]] = {}
     for d in gateway.config.deployments:
-        window = telemetry.window(d.name, now)
-        rows = out[d.name] = []
-        for seconds, requests, errors, ttft in window.slots(now):
-            row: dict[str, Any] = {"s": seconds, "requests": requests, "errors": errors}
-            if ttft is not None:
-                row["ttft_s"] = round(ttft, 4)
-            rows.append(row)
-    return {"slot_s": RECENT_SLOT_S, "slots": RECENT_SLOTS, "deployments": out}
+        slots = telemetry.window(d.name, now).slots(now)
+        out[d.name] = [_row(s) for s in slots]
+        totals[d.name] = window_totals(slots)
+    return {
+        "slot_s": RECENT_SLOT_S,
+        "slots": RECENT_SLOTS,
+        "deployments": out,
+        "totals": totals,
+    }
+
+
+def window_totals(slots: list[Slot]) -> dict[str, Any]:
+    """A window's seconds, requests and errors, and its timings weighted by requests: each
+    mean is the sum over every slot divided by the count over every slot (a slot of one slow
+    request weighs as one request, not as a slot of many)."""
+    return _row(
+        Slot(
+            round(sum(s.seconds for s in slots), 3),
+            sum(s.requests for s in slots),
+            sum(s.errors for s in slots),
+            sum(s.ttft_sum for s in slots),
+            sum(s.ttft_n for s in slots),
+            sum(s.wake_sum for s in slots),
+            sum(s.wake_n for s in slots),
+        )
+    )
+
+
+def _row(s: Slot) -> dict[str, Any]:
+    row: dict[str, Any] = {"s": s.seconds, "requests": s.requests, "errors": s.errors}
+    if s.ttft_n:
+        row["ttft_s"], row["ttft_n"] = round(s.ttft_sum / s.ttft_n, 6), s.ttft_n
+    if s.wake_n:
+        row["wake_s"], row["wake_n"] = round(s.wake_sum / s.wake_n, 6), s.wake_n
+    return row

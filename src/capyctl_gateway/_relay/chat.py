@@ -90,7 +90,7 @@ async def relay_chat(
             # one write (with the head too when the whole answer came in one read).
             last += (
                 b": x-capyctl-metrics ",
-                orjson.dumps(answer_figures(dep, verifier, sent_at)),
+                orjson.dumps(answer_figures(ex, dep, verifier, sent_at)),
                 b"\n\ndata: [DONE]\n\n",
             )
             ex.writing = True
@@ -135,7 +135,7 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_byt
     finally:
         note_outcome(ex, verifier)
     result = assembler.result()
-    result["capyctl"] = {"metrics": answer_figures(dep, verifier, sent_at)}
+    result["capyctl"] = {"metrics": answer_figures(ex, dep, verifier, sent_at)}
     return orjson.dumps(result)
 
 
@@ -150,9 +150,12 @@ def _said(exc: UnverifiedError) -> str:
     return f" (the engine said: {exc.detail})" if exc.detail else ""
 
 
-def answer_figures(dep: Deployment, verifier: ChunkVerifier, sent_at: float) -> Figures:
-    """The answer's figures (``sent_at``: when the engine was asked)."""
-    return chat_figures(
+def answer_figures(
+    ex: Exchange, dep: Deployment, verifier: ChunkVerifier, sent_at: float
+) -> Figures:
+    """The answer's figures (``sent_at``: when the engine was asked); the time to first token
+    among them is noted in the exchange's outcome too, for the gateway's counts."""
+    figures = chat_figures(
         dep.engine,
         engine_objects=verifier.engine_objects,
         usage=verifier.usage,
@@ -160,6 +163,10 @@ def answer_figures(dep: Deployment, verifier: ChunkVerifier, sent_at: float) -> 
         first_text_at=verifier.first_text_at,
         last_at=verifier.last_at,
     )
+    ttft = figures.get("ttft_ms")
+    if ttft is not None:
+        ex.outcome.ttft = ttft["value"] / 1000
+    return figures
 
 
 async def start_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:

@@ -66,6 +66,9 @@ class Outcome:
     first_content_at: float | None = None
     last_at: float | None = None
     """Loop times of the first content and the last chunk relayed (or read)."""
+    ttft: float | None = None
+    """The time to first token its answer reported (the ``ttft_ms`` figure, in seconds);
+    None where the answer reported none."""
 
     @property
     def cut(self) -> str | None:

@@ -83,7 +83,7 @@ async def relay_response(
                     ex.writing = False
             verifier.verify_end(done)
             ex.complete()
-            figures = answer_figures(dep, verifier, sent_at)
+            figures = answer_figures(ex, dep, verifier, sent_at)
             if out is None:
                 out = await start_stream(request, headers)
             builder.finished(usage_of(verifier.usage, figures, reasoned=builder.reasoned))
@@ -130,7 +130,7 @@ async def collect_response(
         raise EngineError(f"the engine answer failed verification: {exc}") from exc
     finally:
         note_outcome(ex, verifier)
-    figures = answer_figures(dep, verifier, sent_at)
+    figures = answer_figures(ex, dep, verifier, sent_at)
     response = builder.finished(usage_of(verifier.usage, figures, reasoned=builder.reasoned))
     response["capyctl"] = {"metrics": figures}
     return orjson.dumps(response)

@@ -220,24 +220,34 @@ function spark(values, bad) {
   return svg;
 }
 
+// A duration in seconds as the answers' figures read: tenths of a millisecond below 10 ms,
+// whole milliseconds below 10 s, seconds above.
+function duration(s) {
+  if (s === null || s === undefined) return "—";
+  const ms = s * 1000;
+  if (ms < 10) return `${ms.toFixed(1)} ms`;
+  return ms < 10000 ? `${Math.round(ms)} ms` : `${s.toFixed(1)} s`;
+}
+
 function figures(name) {
   const slots = recentDoc && recentDoc.deployments[name];
-  if (!slots || !slots.length) return null;
+  const all = recentDoc && recentDoc.totals && recentDoc.totals[name];
+  if (!slots || !slots.length || !all) return null;
   const rps = slots.map((s) => (s.s > 0 ? s.requests / s.s : null));
   const errs = slots.map((s) => s.errors);
-  const ttft = slots.map((s) => (s.ttft_s === undefined ? null : s.ttft_s * 1000));
-  const seconds = slots.reduce((a, s) => a + s.s, 0);
-  const total = slots.reduce((a, s) => a + s.requests, 0);
-  const errors = errs.reduce((a, b) => a + b, 0);
-  const withT = slots.filter((s) => s.ttft_s !== undefined);
-  const span = seconds >= 90 ? `${Math.round(seconds / 60)} min` : `${Math.round(seconds)} s`;
-  const fig = (label, value, series, bad) =>
-    el("div", { class: "figure" }, el("span", { class: "muted" }, label),
+  const timed = (key) => slots.map((s) => (s[key] === undefined ? null : s[key] * 1000));
+  const span = all.s >= 90 ? `${Math.round(all.s / 60)} min` : `${Math.round(all.s)} s`;
+  const fig = (label, key, value, series, bad, title) =>
+    el("div", { class: "figure", "data-figure": key, title },
+      el("span", { class: "muted" }, label),
       el("span", { class: "value" }, value), spark(series, bad));
   return el("div", { class: "figures", "data-figures": name },
-    fig("req/s", seconds > 0 ? (total / seconds).toFixed(2) : "—", rps, false),
-    fig("TTFT", withT.length ? `${Math.round(withT.reduce((a, s) => a + s.ttft_s, 0) / withT.length * 1000)} ms` : "—", ttft, false),
-    fig("errors", String(errors), errs, errors > 0),
+    fig("req/s", "rps", all.s > 0 ? (all.requests / all.s).toFixed(2) : "—", rps, false),
+    fig("TTFT", "ttft", duration(all.ttft_s), timed("ttft_s"), false,
+      `the answers' own ttft_ms, over the ${all.ttft_n || 0} that reported one`),
+    fig("start/wake", "wake", all.wake_n ? `${duration(all.wake_s)} (${all.wake_n})` : "—",
+      timed("wake_s"), false, "the wait of requests that came while it started or woke"),
+    fig("errors", "errors", String(all.errors), errs, all.errors > 0),
     el("span", { class: "muted" }, `last ${span}, ${recentDoc.slot_s} s slots`));
 }
 
