@@ -71,7 +71,11 @@ def vllm_server() -> Iterator[VllmServer]:
     write_tiny_llama(model_dir, python=python)
     # A long context so that a generation lasts seconds: vLLM's API server on 2 cores lags its
     # engine, and a short one would finish before a hang-up could stop it.
-    with VllmServer(python, model_dir, max_model_len=16384) as server:
+    # A tool-call parser, which vLLM asks for before it takes a named tool_choice (the call
+    # itself is then constrained to the tool's schema): pythonic needs no special tokens of
+    # the tokenizer (llama3_json and hermes refuse every request of the tiny model without).
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+    with VllmServer(python, model_dir, max_model_len=16384, extra_args=tools) as server:
         yield server
 
 

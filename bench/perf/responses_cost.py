@@ -1,0 +1,83 @@
+"""CPU per streamed chunk of a Responses stream beside chat's, on the fake engine's exact bytes.
+
+For one text chunk read from the engine, chat's relay decodes and verifies it and frames the
+engine's own bytes for the client (`BlockReader.relay`); the Responses relay decodes and
+verifies it the same way but folds it into the Response (`BlockReader.collect` into a
+`ResponseBuilder`), which makes a ``response.output_text.delta`` event and keeps the text for
+the answer's end events. The difference is what the translation adds per streamed event. Best
+cases (hot caches, no I/O), as ``chunk_cost``; the reads and writes on top are the same for
+both.
+
+Run: ``.venv/bin/python -m bench.perf.responses_cost [--n 200000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from capyctl_gateway._engines import EngineKind
+from capyctl_gateway._relay.blocks import BlockReader
+from capyctl_gateway._relay.verify import ChunkVerifier
+from capyctl_gateway._responses.build import ResponseBuilder
+from capyctl_gateway._responses.request import check_responses
+
+from .chunk_cost import _payload, _per_call_us
+from .fake_engine import Catalogue, EngineOptions
+
+__all__ = ["main"]
+
+
+def _reader() -> BlockReader:
+    return BlockReader(ChunkVerifier(EngineKind.VLLM, served="tiny", public="bench"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.perf.responses_cost", description=__doc__
+    )
+    parser.add_argument("--n", type=int, default=200_000, help="chunks per figure")
+    args = parser.parse_args(argv)
+    n = args.n
+    cat = Catalogue(EngineOptions())
+    role, text = _payload(cat.role), _payload(cat.content)
+    _, _, echo = check_responses({"model": "bench", "input": "hi"})
+    block16 = text * 16
+
+    chat = _reader()
+    chat.relay(role, 0.0)
+    chat.relay(text, 0.0)  # the template
+
+    def builder() -> tuple[BlockReader, ResponseBuilder]:
+        reader = _reader()
+        b = ResponseBuilder(echo, model="bench", created_at=0, max_bytes=2**62, streaming=True)
+        reader.collect(role, 0.0, b)
+        reader.collect(text, 0.0, b)
+        b.events.take()
+        return reader, b
+
+    one_r, one_b = builder()
+    many_r, many_b = builder()
+
+    def respond_one() -> None:
+        one_r.collect(text, 1.0, one_b)
+        one_b.events.take()
+
+    def respond_many() -> None:
+        many_r.collect(block16, 1.0, many_b)
+        many_b.events.take()
+
+    steps: list[tuple[str, Callable[[], object], int]] = [
+        ("chat: relay one text chunk (verified, framed)", lambda: chat.relay(text, 1.0), 1),
+        ("responses: fold one text chunk, its delta event made", respond_one, 1),
+        ("chat: 16 text chunks in one read (per chunk)", lambda: chat.relay(block16, 1.0), 16),
+        ("responses: 16 text chunks in one read (per chunk)", respond_many, 16),
+    ]
+    rows = [(name, _per_call_us(fn, n // per) / per) for name, fn, per in steps]
+    print("| step | µs per chunk |\n|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The Response builder alone: any run of chat deltas makes events OpenAI's schemas take,
+numbered without a gap, whose items hold exactly the text, reasoning and calls sent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capyctl_gateway._responses.build import ResponseBuilder
+from capyctl_gateway._responses.request import check_responses
+from tests.gateway.openai_schemas import validate_event, validate_response
+
+ECHO = check_responses({"model": "m", "input": "x"})[2]
+TEXT = st.text(min_size=1, max_size=8)
+DELTA = st.one_of(
+    st.builds(lambda t: {"content": t}, TEXT),
+    st.builds(lambda t: {"reasoning": t}, TEXT),
+    st.builds(
+        lambda i, a: {"tool_calls": [{"index": i, "function": {"name": f"f{i}", "arguments": a}}]},
+        st.integers(0, 2),
+        TEXT,
+    ),
+)
+
+
+def _runs(deltas: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """What the output items must be: each run of one kind of delta, joined."""
+    runs: list[tuple[str, str]] = []
+    for d in deltas:
+        if "content" in d:
+            kind, text = "message", d["content"]
+        elif "reasoning" in d:
+            kind, text = "reasoning", d["reasoning"]
+        else:
+            call = d["tool_calls"][0]
+            kind, text = f"call{call['index']}", call["function"]["arguments"]
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1] + text)
+        else:
+            runs.append((kind, text))
+    return runs
+
+
+def _text_of(item: dict[str, Any]) -> tuple[str, str]:
+    if item["type"] == "message":
+        return "message", item["content"][0]["text"]
+    if item["type"] == "reasoning":
+        return "reasoning", item["content"][0]["text"]
+    return f"call{item['name'][1:]}", item["arguments"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(DELTA, max_size=12), st.sampled_from(["stop", "length", "tool_calls"]))
+def test_any_run_of_deltas_makes_valid_numbered_events_and_whole_items(
+    deltas: list[dict[str, Any]], finish: str
+) -> None:
+    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=2**20, streaming=True)
+    for d in deltas:
+        b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+    b.add({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    response = b.finished(None)
+    validate_response(response)
+    events = []
+    for block in b.events.take().split(b"\n\n")[:-1]:
+        head, data = block.split(b"\n")
+        event = orjson.loads(data.removeprefix(b"data: "))
+        assert head == b"event: " + event["type"].encode()
+        validate_event(event)
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [_text_of(item) for item in response["output"]] == _runs(deltas)
+    deltas_seen = [e for e in events if e["type"].endswith(".delta")]
+    assert len(deltas_seen) == len(deltas)
+    for e in deltas_seen:  # the hot path's bytes make the event the general path would
+        keys = {"type", "sequence_number", "item_id", "output_index", "delta"}
+        if e["type"] != "response.function_call_arguments.delta":
+            keys.add("content_index")
+        if e["type"] == "response.output_text.delta":
+            keys.add("logprobs")
+        assert set(e) == keys
+        assert response["output"][e["output_index"]]["id"] == e["item_id"]
+    assert events[-1]["type"] == (
+        "response.incomplete" if finish == "length" else "response.completed"
+    )
+
+
+def test_a_failure_discards_the_events_of_the_read_that_failed() -> None:
+    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=2**20, streaming=True)
+    b.add({"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]})
+    sent = b.events.take()
+    b.add({"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": None}]})
+    b.events.discard()
+    b.failed("engine_error", "gone")
+    rest = [orjson.loads(x.split(b"\n")[1][6:]) for x in b.events.take().split(b"\n\n")[:-1]]
+    numbers = [
+        orjson.loads(x.split(b"\n")[1][6:])["sequence_number"] for x in sent.split(b"\n\n")[:-1]
+    ]
+    assert [e["sequence_number"] for e in rest] == [numbers[-1] + 1, numbers[-1] + 2]
+    assert [e["type"] for e in rest] == ["error", "response.failed"]
