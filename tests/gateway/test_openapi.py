@@ -60,6 +60,8 @@ OPERATIONS = [
     ("/v1/models/{model}", "GET"),
     ("/openapi.json", "GET"),
     ("/v1/chat/completions", "POST"),
+    ("/v1/responses", "POST"),
+    ("/v1/responses/{response_id}", "GET"),
     ("/v1/systemone", "POST"),
 ]
 """Every operation of the document, as (path, method)."""
@@ -192,6 +194,8 @@ DECISION = {
 CHAT = "POST /v1/chat/completions"
 MODEL = "GET /v1/models/{model}"
 DECIDE = "POST /v1/systemone"
+RESPOND = "POST /v1/responses"
+STORED = "GET /v1/responses/{response_id}"
 JSON, SSE = "application/json", "text/event-stream"
 ANCHORS: list[tuple[str, Any, dict[str, str], bool, int, str]] = [
     # operation, body (a GET's path parameters), headers, with the key, status, media type
@@ -216,6 +220,17 @@ ANCHORS: list[tuple[str, Any, dict[str, str], bool, int, str]] = [
     (CHAT, {"model": "my-model", "messages": HELLO, "n": 2}, {}, True, 400, JSON),
     (CHAT, {"model": "my-model", "messages": HELLO, "best_of": 2}, {}, True, 400, JSON),
     (CHAT, {"model": "my-model", "messages": HELLO}, {}, False, 401, JSON),
+    (RESPOND, {"model": "my-model", "input": "Hello"}, {"X-Request-Id": "anchor-7"}, True, 200,
+     JSON),
+    (RESPOND, {"model": "my-model", "input": HELLO, "stream": True}, {}, True, 200, SSE),
+    (RESPOND, {"model": "my-model", "input": "x", "previous_response_id": "r"}, {}, True, 400,
+     JSON),
+    (RESPOND, {"model": "decider", "input": "x"}, {}, True, 400, JSON),
+    (RESPOND, {"model": "llama", "input": "x", "cache_salt": "a", "stream": True}, {}, True,
+     400, JSON),
+    (RESPOND, {"model": "my-model", "input": "x"}, {}, False, 401, JSON),
+    (STORED, {"response_id": "resp_1"}, {"X-Request-Id": "anchor-8"}, True, 404, JSON),
+    (STORED, {"response_id": "resp_1"}, {}, False, 401, JSON),
     (DECIDE, DECISION, {"X-Request-Id": "anchor-4"}, True, 200, JSON),
     (DECIDE, {**DECISION, "stream": False}, {}, True, 400, JSON),
     (DECIDE, {**DECISION, "model": "my-model"}, {}, True, 400, JSON),
@@ -232,10 +247,12 @@ def _aimed(doc: dict[str, Any], *, stream: bool = False) -> dict[str, Any]:
     aimed = copy.deepcopy(doc)
     schemas = aimed["components"]["schemas"]
     schemas["ChatRequest"]["properties"]["model"] = {"enum": CHAT_MODELS}
+    schemas["ResponsesRequest"]["properties"]["model"] = {"enum": CHAT_MODELS}
     schemas["DecisionRequest"]["properties"]["model"] = {"enum": DECISION_MODELS}
     if stream:
-        schemas["ChatRequest"]["properties"]["stream"] = {"const": True}
-        schemas["ChatRequest"]["required"].append("stream")
+        for name in ("ChatRequest", "ResponsesRequest"):
+            schemas[name]["properties"]["stream"] = {"const": True}
+            schemas[name]["required"].append("stream")
     return aimed
 
 
@@ -253,14 +270,14 @@ def _runs(doc: dict[str, Any]) -> Iterator[tuple[str, Operation, GenerationMode,
         _operations(_aimed(doc)),
         _operations(_aimed(doc, stream=True)),
     )
-    for label in ("GET /v1/models", MODEL, "GET /openapi.json"):
+    for label in ("GET /v1/models", MODEL, "GET /openapi.json", STORED):
         for mode in both:
             yield "document", plain[label], mode, MAX_EXAMPLES
-    for label in ("POST /v1/chat/completions", "POST /v1/systemone"):
+    for label in (CHAT, RESPOND, DECIDE):
         for mode in both:
             yield "aimed", aimed[label], mode, MAX_EXAMPLES
-    chat = streamed["POST /v1/chat/completions"]
-    yield "streamed", chat, GenerationMode.POSITIVE, STREAMED_EXAMPLES
+    for label in (CHAT, RESPOND):
+        yield "streamed", streamed[label], GenerationMode.POSITIVE, STREAMED_EXAMPLES
 
 
 class _Fuzz:
