@@ -18,16 +18,16 @@ import httpx
 import orjson
 import pytest
 from openai import AsyncOpenAI
+from tests.gateway.openai_schemas import validate_event, validate_response
 
 from canopyx_provider import Collector, ProviderOptions, llama_cpp
 from contract.conftest import RunningGateway, serve_gateway
 from contract.engines.llamacpp import LlamaServer
 from contract.engines.vllm import VllmServer
-from tests.gateway.openai_schemas import validate_event, validate_response
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
-WEATHER = {
+WEATHER: Any = {
     "type": "function",
     "name": "weather",
     "description": "The weather in a city",
@@ -120,7 +120,7 @@ async def test_a_function_call_round_trip(gw: RunningGateway, target: tuple[str,
             first = await c.responses.create(
                 model="my-model",
                 input=question,
-                tools=[WEATHER],  # type: ignore[list-item]
+                tools=[WEATHER],
                 tool_choice={"type": "function", "name": "weather"},
                 max_output_tokens=48,
             )
@@ -150,7 +150,7 @@ async def test_a_function_call_round_trip(gw: RunningGateway, target: tuple[str,
         final = await c.responses.create(
             model="my-model",
             input=follow,
-            tools=[WEATHER],  # type: ignore[list-item]
+            tools=[WEATHER],
             tool_choice="none",
             max_output_tokens=8,
         )
@@ -185,7 +185,9 @@ async def test_a_hang_up_closes_the_engine_connection(
         async with httpx.AsyncClient(timeout=60) as http, anyio.create_task_group() as tg:
             for _ in range(2):
                 tg.start_soon(
-                    lambda: http.post(llama_gateway.url + "/v1/responses", json=body, headers=headers)
+                    lambda: http.post(
+                        llama_gateway.url + "/v1/responses", json=body, headers=headers
+                    )
                 )
             with anyio.fail_after(30):
                 while True:
@@ -256,9 +258,7 @@ async def test_an_engine_fault_mid_stream_is_response_failed(cut_gateway: Runnin
     headers = {"Authorization": f"Bearer {cut_gateway.key}"}
     async with httpx.AsyncClient(timeout=60) as http:
         r = await http.post(cut_gateway.url + "/v1/responses", json=body, headers=headers)
-    events = [
-        orjson.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: ")
-    ]
+    events = [orjson.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: ")]
     for ev in events:
         validate_event(ev)
     kinds = [ev["type"] for ev in events]
