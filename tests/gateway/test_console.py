@@ -31,6 +31,9 @@ from capyctl_gateway._telemetry import RECENT_SLOT_S, RECENT_SLOTS, Ending, Rece
 from tests.eventually import eventually
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched
+from tests.gateway.test_pods import Cluster as PodCluster
+from tests.gateway.test_pods import cluster, pod_deployment  # noqa: F401
+from tests.gateway.test_pods import config as pod_config
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]
@@ -470,6 +473,46 @@ def test_what_the_console_counts_as_an_error(
     ending: Ending, status: int | None, error: bool
 ) -> None:
     assert failed(ending, status) is error
+
+
+# -- the memory budget -------------------------------------------------------------------------
+async def test_the_list_shows_each_pools_budget_and_each_deployments_share(
+    make_gateway: MakeGateway,
+    console_of: Callable[[Gw], Awaitable[Console]],
+    cluster: PodCluster,  # noqa: F811
+) -> None:
+    """Local engines and pods count against pools of their own, each with the whole budget:
+    both full is not over it."""
+    gib = {"ready": "1GiB"}
+    deps = (
+        launched("here", served="model-a", memory=gib),
+        launched("idle", served="model-b", memory={"ready": "512MiB"}),
+        pod_deployment("pod", memory=gib),
+    )
+    gw = await make_gateway(
+        pod_config(*deps) | {"resources": {"memory_budget": "1GiB"}}, env=cluster.env
+    )
+    async with gw.client() as c:
+        for name in ("here", "pod"):
+            assert (await c.post("/v1/chat/completions", json=chat(name))).status_code == 200
+    con = await console_of(gw)
+    async with con.client() as m:
+        doc = (await m.get("/management/v1/deployments")).json()
+    assert doc["pools"] == [
+        {
+            "pool": "this machine",
+            "held": 2**30,
+            "budget": 2**30,
+            "deployments": [{"name": "here", "held": 2**30}, {"name": "idle", "held": 0}],
+        },
+        {
+            "pool": "kubernetes",
+            "held": 2**30,
+            "budget": 2**30,
+            "deployments": [{"name": "pod", "held": 2**30}],
+        },
+    ]
+    assert "over_budget" not in doc  # each pool holds its budget, none more
 
 
 # -- the status document's additions and the command -------------------------------------------

@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from bench.browser import Browser, chromium
 
+from capyctl_gateway._management.render import size
 from tests.gateway.conftest import Gw
 from tests.gateway.test_console import Console, console_of, launched_console  # noqa: F401
-from tests.gateway.test_lifecycle import chat
+from tests.gateway.test_lifecycle import chat, launched
 from tests.gateway.test_pods import (
     NS,
     cluster,  # noqa: F401
@@ -170,6 +171,34 @@ async def test_ttft_is_the_answers_figure_and_the_start_wait_shows_apart(
     assert await browser.until(figure % "ttft") == duration(totals["ttft_s"])
     assert await browser.until(figure % "wake") == f"{duration(totals['wake_s'])} (1)"
     assert totals["wake_s"] > totals["ttft_s"]
+
+
+async def test_the_memory_budget_shows_each_pool_and_each_deployments_share(
+    browser: Browser,
+    console_of: Callable[[Gw], Awaitable[Console]],  # noqa: F811
+    make_gateway: MakeGateway,
+) -> None:
+    memory = {"ready": "1GiB", "parked": 0}
+    config = {
+        "resources": {"memory_budget": "1536MiB"},
+        "deployments": [
+            launched("a", served="model-a", memory=memory),
+            launched("b", served="model-b", memory={"ready": "512MiB"}),
+        ],
+    }
+    gw = await make_gateway(config)
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
+    con = await console_of(gw)
+    await browser.goto(f"{con.url}/#key={con.gw.key}")
+    pool = '[data-pool="this machine"]'
+    held = await browser.until(f"document.querySelector('{pool} [data-held]')?.textContent")
+    assert held == "1 GiB of 1.5 GiB"
+    shares = await browser.js(f"document.querySelector('{pool} [data-shares]').textContent")
+    assert shares == "a 1 GiB · b 0 B"
+    # the page writes sizes as the CLI does (render.size), to the digit
+    for n in (0, 1023, 1024, 1536, 2**30, 9 * 2**27, 2**30 + 5 * 2**20, 10**9, 5 * 2**40 + 1):
+        assert await browser.js(f"size({n})") == size(n), n
 
 
 async def test_a_wrong_key_is_told_plainly_and_another_can_be_entered(

@@ -54,6 +54,16 @@ class MemoryBudget:
     def held_by(self, life: DeploymentLife) -> int:
         return sum(self._holds.get(lc, 0) for lc in life.launched)
 
+    def shares(self) -> dict[str, dict[str, int]]:
+        """Per pool, what each deployment with a ``memory:`` holds or was promised there (0
+        where nothing), in the configuration's order."""
+        out: dict[str, dict[str, int]] = {}
+        for name, life in self.lives.items():
+            for lc in life.launched if life.deployment.memory is not None else ():
+                pool = out.setdefault(_pool(lc), {})
+                pool[name] = pool.get(name, 0) + self._holds.get(lc, 0)
+        return out
+
     def note(self, lc: Launched) -> None:
         """Set what ``lc`` holds from the state it just entered."""
         memory = self.lives[lc.inst.deployment].deployment.memory

@@ -99,7 +99,9 @@ def seen_ready(inst: EngineInstance) -> bool:
 def deployments_list(
     lifecycle: Lifecycle, routes: dict[str, Any], budget: int | None
 ) -> dict[str, Any]:
-    """Every deployment: how it is run, its state, its instances and the memory it holds."""
+    """Every deployment: how it is run, its state, its instances and the memory it holds; and
+    each memory pool: what it holds of the budget (which every pool has whole), and each
+    deployment's share."""
     rows = []
     for name, route in routes.items():
         d = route.deployment
@@ -132,7 +134,19 @@ def deployments_list(
                 row["memory_held"] = lifecycle.budget.held_by(life)
         rows.append(row)
     held = lifecycle.budget.held()
+    pools = []
+    for pool, shares in lifecycle.budget.shares().items():
+        row = {
+            "pool": pool,
+            "held": sum(shares.values()),
+            "budget": budget,
+            "deployments": [{"name": n, "held": h} for n, h in shares.items()],
+        }
+        if budget is not None and row["held"] > budget:  # only an unconfirmed stop does this
+            row["over_budget"] = True
+        pools.append(row)
     doc: dict[str, Any] = {"deployments": rows, "memory_budget": budget, "memory_held": held}
-    if budget is not None and held > budget:  # only a stop nobody could confirm does this
+    if any("over_budget" in p for p in pools):  # each pool has the whole budget
         doc["over_budget"] = True
+    doc["pools"] = pools
     return doc

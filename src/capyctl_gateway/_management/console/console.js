@@ -191,12 +191,18 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
-function bytes(n) {
+// Bytes as an operator writes sizes in the configuration (4 GiB, 1.5 GiB, 512 MiB): the CLI's
+// own size() (render.py), to the same digits, halves rounded to even as Python does.
+function size(n) {
   if (n === null || n === undefined) return "—";
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let i = 0;
-  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-  return `${n.toFixed(n >= 10 || i === 0 ? 0 : 1)} ${units[i]}`;
+  for (const [unit, scale] of [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
+    if (n < scale) continue;
+    const x = (n * 100) / scale;
+    let r = Math.round(x);
+    if (r - x === 0.5 && r % 2 === 1) r -= 1;
+    return `${(r / 100).toFixed(2).replace(/0+$/, "").replace(/\.$/, "")} ${unit}`;
+  }
+  return `${n} B`;
 }
 
 const shown = (v, unit = "") => (v === null || v === undefined ? "—" : `${v}${unit}`);
@@ -336,8 +342,8 @@ function card(row) {
     d.served_model ? `model ${d.served_model}` : null, row.run_by,
     `${row.ready}/${row.instances} ready`,
     d.running !== undefined ? `gateway running ${d.running}, waiting ${d.waiting}` : null,
-    row.memory_held !== undefined ? `memory ${bytes(row.memory_held)}` +
-      (deploymentsDoc.memory_budget ? ` of ${bytes(deploymentsDoc.memory_budget)} budget` : "") : null,
+    row.memory_held !== undefined ? `memory ${size(row.memory_held)}` +
+      (deploymentsDoc.memory_budget ? ` of ${size(deploymentsDoc.memory_budget)} budget` : "") : null,
     d.park ? `park: ${d.park}` : null,
     d.routing ? `routing: ${d.routing === "prefix" ? "by prefix" : "least load"}` : null,
     d.prefix_cache_hit_ratio !== undefined
@@ -357,8 +363,22 @@ function render() {
     const k = p.closest(".card").dataset.deployment + "/" + p.dataset.logOf;
     p.scrollTop = scroll.has(k) ? scroll.get(k) : p.scrollHeight;
   }
-  const b = deploymentsDoc.memory_budget;
-  $("budget").textContent = b ? `memory held ${bytes(deploymentsDoc.memory_held)} of ${bytes(b)}` : "";
+  $("pools").replaceChildren(...(deploymentsDoc.pools || []).map(pool));
+}
+
+// One memory pool (this machine, a host, the cluster's pods): what it holds of the budget,
+// which every pool has whole, and each deployment's share.
+function pool(p) {
+  const total = p.budget === null || p.budget === undefined ? null : p.budget;
+  const meter = total ? el("meter", { min: 0, max: total, value: Math.min(p.held, total) }) : null;
+  return el("div", { class: "pool", "data-pool": p.pool },
+    el("span", { class: "name" }, p.pool),
+    el("span", { class: p.over_budget ? "value bad" : "value", "data-held": p.pool },
+      total ? `${size(p.held)} of ${size(total)}` : `${size(p.held)} (no budget)`),
+    meter,
+    el("span", { class: "muted", "data-shares": p.pool },
+      p.deployments.map((d) => `${d.name} ${size(d.held)}`).join(" · ")),
+    p.over_budget ? el("span", { class: "bad" }, "over budget: a stop was not confirmed") : null);
 }
 
 // -- the live stream -------------------------------------------------------------------------
