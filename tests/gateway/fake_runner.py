@@ -81,9 +81,11 @@ class FakeEngines:
     def script(self, deployment: str) -> Script:
         return self.scripts.get(deployment, Script())
 
-    def exit(self, key: str, status: int = 3) -> None:
-        """End instance ``key``'s engine now, as a kill would."""
-        self.runners[key].crash(status)
+    def exit(self, key: str, status: int = 3, *, seen: bool = True) -> None:
+        """End instance ``key``'s engine now, as a kill would; with ``seen`` False, its exit is
+        not yet reported (`FakeRunner.report_exit`): the moment between a process's death and
+        its keeper's word, when its port already refuses."""
+        self.runners[key].crash(status, seen=seen)
 
     def make(self, inst: EngineInstance, configured: Instance, opened: Opened) -> FakeRunner:
         dep = next(d for d in opened.config.deployments if d.name == inst.deployment)
@@ -210,8 +212,9 @@ class FakeRunner(SeenBy):
         return self._exited or "the engine exited"
 
     # -- the fake's own ---------------------------------------------------------------------
-    def crash(self, status: int) -> None:
-        """The engine exits now: its listener closes and every connection to it is cut."""
+    def crash(self, status: int, *, seen: bool = True) -> None:
+        """The engine exits now: its listener closes and every connection to it is cut (its
+        exit reported at once, or, with ``seen`` False, by `report_exit`)."""
         server, site = self._server, self._site
         if server is None or site is None:
             return
@@ -225,6 +228,11 @@ class FakeRunner(SeenBy):
                 if handler.transport is not None:
                     handler.transport.abort()
         self._dead.append(server)
+        if seen:
+            self._gone.set()
+
+    def report_exit(self) -> None:
+        """Report the exit of an engine crashed with ``seen`` False."""
         self._gone.set()
 
     async def _close(self) -> None:

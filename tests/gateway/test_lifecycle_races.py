@@ -19,6 +19,7 @@ import anyio
 import httpx
 import pytest
 
+from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, WORKERS, Gw
 from tests.gateway.test_lifecycle import chat, launched, management, pid_of, transitions
 
@@ -364,3 +365,33 @@ async def test_an_operators_stop_abandons_the_switch_it_meets(
     assert gw.fakes.starts["c/0"] == 0 and gw.fakes.starts["a/0"] == 1
     assert [s for d, s in moves if d == "a"] == ["starting", "ready"], moves
     assert gw.gateway.fleet.lifecycle.budget.held() == 2**30
+
+
+async def test_requests_refused_by_an_exited_engine_wait_for_its_restart(
+    make_gateway: MakeGateway,
+) -> None:
+    """An engine exits; before its exit is seen, its port already refuses. Requests offered
+    to it then (the engine provably never got them) got 502 engine_error, with nothing to
+    fail over to (issue 34, item 14). They wait for the instance to open again instead: the
+    lifecycle, seeing the exit, starts the engine again for them, and each is answered."""
+    gw = await make_gateway({"deployments": [launched()]})
+    assert gw.fakes is not None
+    fleet = gw.gateway.fleet
+    route = fleet.routes["my-model"]
+    inst = route.instances[0]
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        gw.fakes.exit(inst.key, seen=False)  # dead, its exit not yet seen
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await c.post("/v1/chat/completions", json=chat()))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(6):
+                tg.start_soon(ask)
+            await eventually(lambda: route.waiters.waiting == 6 or answers)
+            assert not answers, [a.text for a in answers]  # refused, and waiting
+            gw.fakes.runners[inst.key].report_exit()
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    assert gw.fakes.starts[inst.key] == 2 and route.waiters.waiting == 0

@@ -18,7 +18,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from canopyx_provider import ChecksCompleted, Event
+from canopyx_provider import CheckReport, CheckResult, ChecksCompleted, Event
+from capyctl_gateway import GatewayConfig
+from capyctl_gateway._deployments.checks import unusable_reason
 from capyctl_gateway._management.render import print_status
 from capyctl_gateway._management.status import deployment_status
 from capyctl_gateway.cli import app as cli
@@ -191,3 +193,25 @@ def free_port() -> int:
 @pytest.fixture
 def engine_url_unused() -> str:
     return "http://127.0.0.1:9"  # nothing listens: the gateway starts all the same
+
+
+@pytest.mark.parametrize(
+    ("code", "routed"),
+    [("unreachable", True), ("timeout", True), ("model_not_listed", False)],
+)
+def test_only_an_engine_that_answered_without_the_model_is_not_routed_to(
+    code: str, routed: bool
+) -> None:
+    """An engine that never answered its models check (down, or gone while checked: a launched
+    engine that exited before its exit was seen) said nothing of its models: requests still go
+    to it, and one its port refuses moves on or waits for its restart. It was taken for one
+    that serves another model, and not routed to until its next checks (issue 34, item 14)."""
+    dep = GatewayConfig.model_validate({"deployments": [deployments("http://127.0.0.1:1")]})
+    report = CheckReport(
+        checks=(
+            CheckResult(name="health", ok=True),
+            CheckResult(name="models", ok=False, reason="x", code=code),
+        )
+    )
+    reason = unusable_reason(dep.deployments[0], report)
+    assert (reason is None) is routed

@@ -67,6 +67,11 @@ class CheckWatch:
         inst.unusable = reason
 
 
+_DOWN = ("unreachable", "timeout")
+"""The codes of a check the engine never answered (down, or gone while it was checked): it
+said nothing of the models it serves."""
+
+
 def unusable_reason(deployment: Deployment, report: CheckReport) -> str | None:
     """Why an instance whose startup checks ended with ``report`` must not be routed to.
 
@@ -76,7 +81,7 @@ def unusable_reason(deployment: Deployment, report: CheckReport) -> str | None:
     wrongly.
     """
     failed = report.failed
-    if failed is not None and failed.name == "models":
+    if failed is not None and failed.name == "models" and failed.code not in _DOWN:
         return f"{failed.name} check failed: {failed.reason}"
     reported = report.engine_version
     if (

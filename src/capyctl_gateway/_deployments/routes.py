@@ -71,10 +71,14 @@ class Facts:
 class Waiters:
     """Requests of one deployment waiting for an instance to take them."""
 
-    __slots__ = ("_changed",)
+    __slots__ = ("_changed", "waiting")
 
     def __init__(self) -> None:
         self._changed: asyncio.Event | None = None
+        self.waiting = 0
+        """Requests waiting now: holding a running slot, they wait for an instance (one
+        closed, or one whose engine exited under them), which the lifecycle starts again for
+        them as for the requests in the queue."""
 
     def notify(self) -> None:
         """An instance became available: requests waiting for one look again."""
@@ -86,10 +90,13 @@ class Waiters:
         """Wait up to ``within`` seconds for an instance to become available; whether one did."""
         if self._changed is None:
             self._changed = asyncio.Event()
+        self.waiting += 1
         try:
             await asyncio.wait_for(self._changed.wait(), max(within, 0))
         except TimeoutError:
             return False
+        finally:
+            self.waiting -= 1
         return True
 
 
@@ -132,6 +139,9 @@ class EngineInstance:
     reachable: bool = field(init=False, default=True)
     inflight: set[Tracked] = field(init=False, default_factory=set, repr=False)
     """The exchanges charged to it now (`Charge`): what a stopping gateway ends."""
+    opened: int = field(init=False, default=0)
+    """How many times it began to take requests: a request its engine refused may be
+    offered to it again once this has grown (a new start, not the engine that refused)."""
 
     def __post_init__(self) -> None:
         self.where = f"deployment {self.deployment}, instance {self.index}"
@@ -174,6 +184,7 @@ class EngineInstance:
             reason=why,
         )
         if now:
+            self.opened += 1
             self.waiters.notify()
 
     def bind(self, url: str) -> None:

@@ -5,9 +5,10 @@ While an instance is ready or parked, a task waits on its runner's `Runner.gone`
 own exit on this machine: no polling); the idle watch's look once a second is the fallback. A
 lost engine's instance is stopped (its group killed, its cut requests settled: a crashed engine
 runs nothing) and turns ``failed``; the deployment's gate shuts, so requests that arrive wait,
-and if any wait, its activation starts it again. Each crash in a row doubles the delay before
-the next start (`BACKOFF_FIRST_S` up to `BACKOFF_MAX_S`); an engine that served `STEADY_S`
-before it crashed starts the count afresh. ``status`` shows the delay while it runs.
+and if any wait (in the queue, or with a slot for an instance: one its dead engine's port
+refused before its exit was seen), its activation starts it again. Each crash in a row doubles
+the delay before the next start (`BACKOFF_FIRST_S` up to `BACKOFF_MAX_S`); an engine that served
+`STEADY_S` before it crashed starts the count afresh. ``status`` shows the delay while it runs.
 """
 
 from __future__ import annotations
@@ -74,5 +75,7 @@ async def lost(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, why: st
     await engines.stop_one(lc, why)  # its group killed; nothing it counted still runs
     engines.move(lc, InstanceState.FAILED, why)
     kept = life.deployment.lifecycle.activation == "always"
-    if (life.route.queue.waiting or kept) and not life.ready and life.refusal() is None:
+    route = life.route
+    waiting = route.queue.waiting or route.waiters.waiting  # in the queue, or for an instance
+    if (waiting or kept) and not life.ready and life.refusal() is None:
         lifecycle.activate(life, "started again after its engine exited")

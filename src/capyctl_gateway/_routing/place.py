@@ -1,11 +1,13 @@
-"""Placing a request: the one way a request gets a running slot of its deployment's queue and
-an instance to run on, whichever process relays it.
+"""Placing a request: the one way a request gets a running slot of its deployment's queue and an
+instance to run on, whichever process relays it.
 
-`place` waits for the slot (a launched deployment that serves nothing is asked to start, and
-its requests wait for it), then offers the request to the deployment's instances, chosen from
-its routing facts (`Facts`) and their load: an offer the engine provably never got
-(`NotAcceptedError`) goes to the next instance, up to `MAX_OFFERS`; any other ending is the
-answer. What an offer does is the caller's ``attempt``: one process runs the exchange itself
+`place` waits for the slot (a launched deployment that serves nothing is asked to start, and its
+requests wait for it), then offers the request to the deployment's instances, chosen from its
+routing facts (`Facts`) and their load: an offer the engine provably never got
+(`NotAcceptedError`) goes to the next instance, up to `MAX_OFFERS`, or, where none is left and
+the engine that refused it is one the gateway runs (it exited, and is about to be started
+again), waits for an instance to open within the deadline; any other ending is the answer. What
+an offer does is the caller's ``attempt``: one process runs the exchange itself
 (``_http/offer.py``'s `LocalDesk`); with several workers the authority hands the offer to the
 worker that holds the client (``_workers/``). Either way each offer is charged to its instance
 (`Charge`) by the attempt while it runs.
@@ -74,31 +76,35 @@ async def _offer(
             "(see the gateway's log or `capyctl-gateway status deployment`)",
             detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
         )
-    refused: set[int] = set()
+    refused: dict[int, int] = {}
+    """Each instance whose engine provably never got the request, with its `opened` then."""
     details: list[str] = []
     loop = running_loop()
     while len(refused) < MAX_OFFERS:
-        choice = choose(route, asked.facts, refused)
+        excluded = {i for i, opened in refused.items() if route.instances[i].opened == opened}
+        choice = choose(route, asked.facts, excluded)
         if choice is None:
-            if refused:
+            if excluded and not _coming_back(route, excluded):
                 break
-            # None may take it now (its host is gone, its engine is parking): wait for one.
+            # None may take it now (its host is gone, its engine is parking, or the engine
+            # that refused it is launched and exited: it starts again): wait for one.
             if not await route.waiters.wait(deadline - loop.time()):
                 raise UnavailableError(
                     f"deployment {name}: no instance could take the request within "
                     "queue.request_deadline",
-                    detail="; ".join(skipped(route)),
+                    detail="; ".join([*details, *skipped(route)]),
                 )
             continue
         instance = choice.instance
-        _log_choice(asked, route, choice, refused)
+        _log_choice(asked, route, choice, excluded)
         if route.prefixes is not None and asked.facts.prefix:
             route.prefixes.note(asked.facts.prefix, instance.index)
         try:
             return await attempt(instance, route)
         except NotAcceptedError as exc:
-            # The engine never saw it: another instance may serve it, within the deadline.
-            refused.add(instance.index)
+            # The engine never saw it: another instance may serve it, within the deadline, or
+            # this one once it has started again.
+            refused[instance.index] = instance.opened
             route.not_accepted(instance)
             details.append(exc.detail or exc.message)
             log_route("router_failover", asked, route, instance, exc.detail)
@@ -106,6 +112,13 @@ async def _offer(
         f"deployment {name}: its instances could not be reached",
         detail="; ".join(details) or "no instance to send it to",
     )
+
+
+def _coming_back(route: Route, excluded: set[int]) -> bool:
+    """Whether an instance whose engine refused the request is one the gateway runs: its
+    engine exited (a port that refuses), and the lifecycle starts it again once it sees the
+    exit, for the requests that wait for an instance."""
+    return any(route.instances[i].launch is not None for i in excluded)
 
 
 def _log_choice(asked: Placing, route: Route, choice: Choice, refused: set[int]) -> None:
