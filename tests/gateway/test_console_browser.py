@@ -201,6 +201,38 @@ async def test_the_memory_budget_shows_each_pool_and_each_deployments_share(
         assert await browser.js(f"size({n})") == size(n), n
 
 
+async def test_each_card_says_why_its_recent_switches_happened(
+    browser: Browser,
+    console_of: Callable[[Gw], Awaitable[Console]],  # noqa: F811
+    make_gateway: MakeGateway,
+) -> None:
+    """Room for one: a request for b switches a out. The card of a says so, with its start
+    before the page was opened (the recent events) and the switch after (live)."""
+    memory = {"ready": "1GiB", "parked": 0}
+    config = {
+        "resources": {"memory_budget": "1GiB"},
+        "deployments": [
+            launched(n, served=f"model-{n}", memory=memory, lifecycle={"park": "sleep"})
+            for n in ("a", "b")
+        ],
+    }
+    gw = await make_gateway(config)
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
+    con = await console_of(gw)
+    await browser.goto(f"{con.url}/#key={con.gw.key}")
+    rows = "[...document.querySelectorAll('[data-changes=\"a\"] > div')]"
+    changes = f"{rows}.map((d) => d.textContent.slice(d.firstChild.textContent.length + 1))"
+    first = await browser.until(f"{changes}.length === 2 && {changes}")  # newest first
+    assert first[0].startswith("starting → ready: answered on port ")
+    assert first[1] == "stopped → starting: a request is waiting"
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat("b"))).status_code == 200
+    shown = await browser.until(f"{changes}.length === 4 && {changes}")
+    why = "switched out for deployment b (the memory budget)"
+    assert shown[:2] == [f"parking → parked: {why}", f"ready → parking: {why}"]
+
+
 async def test_a_wrong_key_is_told_plainly_and_another_can_be_entered(
     browser: Browser,
     launched_console: Console,  # noqa: F811

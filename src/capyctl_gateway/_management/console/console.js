@@ -6,6 +6,7 @@ const KEY = "capyctl-key";
 const API = "/management/v1";
 const REFRESH_MS = 5000;
 const EVENTS_SHOWN = 200;
+const CHANGES_SHOWN = 5;
 const $ = (id) => document.getElementById(id);
 
 let deploymentsDoc = null;
@@ -13,6 +14,7 @@ let recentDoc = null;
 const statusDocs = new Map();
 const answers = new Map(); // deployment -> {text, bad}
 const logs = new Map(); // "name/index" -> lines or an error
+const changes = new Map(); // deployment -> its last lifecycle events, newest first
 let streamAbort = null;
 let refreshTimer = null;
 const pending = new Set();
@@ -351,7 +353,20 @@ function card(row) {
   ].filter(Boolean);
   return el("section", { class: "card", "data-deployment": name }, top,
     el("div", { class: "muted" }, facts.join(" · ")),
+    recentChanges(name, row.instances > 1),
     figures(name), ...(doc ? instanceRows(name, doc, launched) : []));
+}
+
+// Its last transitions and why each happened (a switch names the deployment it made room for;
+// an idle park or stop names its timeout; an operator's command says so), newest first.
+function recentChanges(name, several) {
+  const seen = changes.get(name);
+  if (!seen || !seen.length) return null;
+  return el("div", { class: "changes", "data-changes": name },
+    ...seen.map((ev) => el("div", { "data-change": ev.to },
+      el("span", { class: "muted" }, new Date(ev.ts * 1000).toLocaleTimeString()), " ",
+      several ? `instance ${ev.instance} ` : "", `${ev.from} → ${ev.to}: `,
+      el("span", { class: "why" }, ev.reason))));
 }
 
 function render() {
@@ -389,6 +404,11 @@ function describe(ev) {
 }
 
 function showEvent(ev) {
+  if (ev.event === "lifecycle" && ev.deployment) {
+    const seen = changes.get(ev.deployment) || [];
+    seen.unshift(ev);
+    changes.set(ev.deployment, seen.slice(0, CHANGES_SHOWN));
+  }
   const list = $("events");
   const at = new Date((ev.ts || Date.now() / 1000) * 1000).toLocaleTimeString();
   list.prepend(el("li", { "data-event": ev.event }, el("span", { class: "muted" }, at),
@@ -424,6 +444,7 @@ async function stream() {
       $("eventstate").textContent = "live";
       $("live").textContent = "live";
       $("events").replaceChildren();
+      changes.clear(); // the stream begins with the recent events again
       wait = 1000;
       const reader = resp.body.getReader();
       const decoder = new TextDecoder();
