@@ -7,10 +7,11 @@ Guaranteed, each by a test over real sockets: a request cancelled before the ans
 closes its connection at once (the engine's signal to stop), as does `EngineResponse.close`; at
 most `HIGH_WATER` bytes of an answer are buffered, past which the socket is not read until the
 caller reads; chunked and content-length answers; redirects are answers (never followed); a
-connection the engine closed, ended early or marked ``Connection: close`` is never reused;
-connecting is bounded by ``connect_timeout``, reading by the caller's deadline. An answer that
-comes on a new connection before its request is sent (a host's ingress at its connection cap
-answers a connection at once) is read as that request's answer.
+connection the engine closed (its end already in the socket, even unread by the loop: an engine
+that just died), ended early or marked ``Connection: close`` is never reused; connecting is
+bounded by ``connect_timeout``, reading by the caller's deadline. An answer that comes on a new
+connection before its request is sent (a host's ingress at its connection cap answers a
+connection at once) is read as that request's answer.
 
 A connection never established raises `EngineConnectError` (the engine never got the request);
 any later failure, `EngineConnectionError`. It is the gateway's only engine client (the
@@ -20,6 +21,7 @@ configuration's ``engine_client: lean`` names it; the aiohttp fallback is gone).
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 
 import httptools
@@ -60,6 +62,8 @@ class _Connection(asyncio.Protocol):
         self._pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
+        self.fd = -1
+        """Its socket's file descriptor (-1 where the transport has none)."""
         self.closed = False
         self.idle_since = 0.0
         # httptools looks its callbacks up once, here: each body piece (one per event of a
@@ -76,6 +80,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        self.fd = -1 if sock is None else sock.fileno()
 
     def data_received(self, data: bytes) -> None:
         if self._complete:  # nothing was asked: an engine that says more is not trusted
@@ -235,7 +241,7 @@ class EngineClient:
             transport = conn.transport
             if conn.closed or transport is None or transport.is_closing():
                 continue
-            if now - conn.idle_since > IDLE_S:
+            if now - conn.idle_since > IDLE_S or _dropped(conn.fd):
                 conn.done(reuse=False)
                 continue
             return conn
@@ -284,6 +290,23 @@ class EngineClient:
             for conn in idle:
                 conn.done(reuse=False)
         self._idle.clear()
+
+
+_POLL = select.poll()
+
+
+def _dropped(fd: int) -> bool:
+    """Whether an idle connection's socket has something to read: the engine closed it (its
+    end, which the loop has not read yet: an engine that just exited, or timed it out), or
+    sent what nobody asked for. Either way no request may go on it; one that went would be
+    lost to a dead engine that provably never got it (about 1 us: one poll, no wait)."""
+    if fd < 0:
+        return False
+    _POLL.register(fd, select.POLLIN)
+    try:
+        return bool(_POLL.poll(0))
+    finally:
+        _POLL.unregister(fd)
 
 
 def _host(host: str) -> str:

@@ -680,6 +680,32 @@ async def test_a_pooled_connection_the_engine_closed_is_not_used_again(
         assert idle(client) == [conns[1]]
 
 
+async def test_a_pooled_connection_closed_a_moment_ago_is_not_used_again(
+    client: EngineClient, conns: list[Tracked]
+) -> None:
+    """The engine's end of a pooled connection closes (the engine died) and a request comes
+    before the loop has read that end: it went on the dead connection and failed as
+    `EngineConnectionError`, though the engine provably never got it (issue 34, item 14, seen
+    by the test of a killed engine). The closed socket is seen before a request is sent."""
+    sockets: list[socket.socket] = []
+
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sockets.append(writer.get_extra_info("socket"))
+            while await server.read_request(reader) is not None:
+                await write_pieces(writer, [OK])
+
+        return handler
+
+    async with serving(make) as server:
+        await answered_whole(client, server)
+        assert idle(client) == [conns[0]]
+        sockets[0].shutdown(socket.SHUT_RDWR)  # its end sent now; no loop turn in between
+        await asyncio.wait_for(answered_whole(client, server), 5)
+        assert server.connections == 2 and len(server.requests) == 2
+        assert conns[0].closed and idle(client) == [conns[1]]
+
+
 @pytest.mark.parametrize("read_first", [True, False], ids=["read whole", "unread"])
 async def test_an_answer_closed_by_the_caller_is_never_used_again(
     client: EngineClient, conns: list[Tracked], read_first: bool

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from capyctl_gateway._management.status import deployment_status
+from tests.eventually import eventually
 from tests.gateway.conftest import Gw
 from tests.gateway.serving import listening, serve_command
 from tests.gateway.test_lifecycle import chat, launched, wait_gone
@@ -205,3 +206,39 @@ async def test_an_engine_that_wakes_with_other_answers_is_stopped_not_served(
         again = await c.post("/v1/chat/completions", json=chat())
         assert again.status_code == 200, again.text
         assert process(gw)["pid"] != first  # a fresh start: nothing garbled
+
+
+async def test_requests_sent_to_a_dead_engine_before_its_exit_is_seen_are_answered(
+    make_gateway: MakeGateway,
+) -> None:
+    """A real engine killed, its exit not yet seen by the gateway (its keeper, which reports
+    it, is held with SIGSTOP): its port refuses, and requests offered to it then got 502
+    engine_error (issue 34, item 14). They wait for the restart that the exit brings once it
+    is seen, and are answered; a new engine serves."""
+    name = served("window")
+    gw = await make_gateway({"deployments": [launched(served=name)]})
+    route = gw.gateway.fleet.routes["my-model"]
+    async with gw.client(timeout=60) as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        shown = process(gw)
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await c.post("/v1/chat/completions", json=chat()))
+
+        os.kill(shown["reaper_pid"], signal.SIGSTOP)
+        try:
+            os.kill(shown["pid"], signal.SIGKILL)
+            await anyio.to_thread.run_sync(wait_gone, shown["pid"])  # dead, not yet reaped
+            async with anyio.create_task_group() as tg:
+                for _ in range(6):
+                    tg.start_soon(ask)
+                await eventually(lambda: route.waiters.waiting == 6 or answers)
+                assert not answers, [a.text for a in answers]  # refused, and waiting
+                os.kill(shown["reaper_pid"], signal.SIGCONT)  # the exit is seen now
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # gone: it reported the exit
+                os.kill(shown["reaper_pid"], signal.SIGCONT)
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    again = process(gw)
+    assert again["pid"] != shown["pid"] and engines_running(name) == [again["pid"]]

@@ -21,6 +21,7 @@ import pytest
 
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, WORKERS, Gw
+from tests.gateway.fake_runner import Script
 from tests.gateway.test_lifecycle import chat, launched, management, pid_of, transitions
 
 workers = WORKERS
@@ -395,3 +396,37 @@ async def test_requests_refused_by_an_exited_engine_wait_for_its_restart(
             gw.fakes.runners[inst.key].report_exit()
     assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
     assert gw.fakes.starts[inst.key] == 2 and route.waiters.waiting == 0
+
+
+async def test_a_request_that_comes_while_an_exited_engine_is_stopped_is_answered(
+    make_gateway: MakeGateway,
+) -> None:
+    """An engine exits; its stop (the group killed, its requests settled) takes a moment.
+    A request that came meanwhile started an activation that found nothing to start (the
+    instance was still stopping, not yet failed): it and those with it got 500
+    activation_failed (found by the killed-engine test, issue 34, item 14). The activation
+    waits for the stop, then starts the engine again."""
+    gw = await make_gateway({"deployments": [launched()]})
+    assert gw.fakes is not None
+    gw.fakes.scripts["my-model"] = Script(stop_s=0.5)
+    fleet = gw.gateway.fleet
+    inst = fleet.routes["my-model"].instances[0]
+    stopping = asyncio.Event()
+    fleet.lifecycle.engines.observers.append(
+        lambda lc: stopping.set() if lc.state.value == "stopping" else None
+    )
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        gw.fakes.exit(inst.key)
+        with anyio.fail_after(5):
+            await stopping.wait()
+        answers: list[httpx.Response] = []
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(lambda: _append(answers, c))
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert gw.fakes.starts[inst.key] == 2
+
+
+async def _append(answers: list[httpx.Response], c: httpx.AsyncClient) -> None:
+    answers.append(await c.post("/v1/chat/completions", json=chat()))

@@ -53,6 +53,9 @@ class Launched:
     crashed_at: float = 0.0
     watch: asyncio.Task[None] | None = None
     """Waits for the engine to exit unasked while it runs (`Runner.gone`)."""
+    stopping: asyncio.Future[None] | None = None
+    """Done when the stop under way ends (None while none is): an activation waits for it
+    before it starts the instance again (a crash's stop, which no closing announces)."""
     unconfirmed: bool = False
     """Its last stop was not proven (a host that did not answer): the memory it held stays
     counted until a proven stop or its host's report that the engine is gone."""

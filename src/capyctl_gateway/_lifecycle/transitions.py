@@ -92,6 +92,14 @@ class Transitions:
     async def stop_one(self, lc: Launched, reason: str) -> None:
         if lc.state not in HOLDING and lc.state is not InstanceState.PARKED:
             return
+        lc.stopping = done = asyncio.get_running_loop().create_future()
+        try:
+            await self._stop(lc, reason)
+        finally:
+            lc.stopping = None
+            done.set_result(None)
+
+    async def _stop(self, lc: Launched, reason: str) -> None:
         inst = lc.inst
         inst.set_open(admitting=False, why=reason)
         self.move(lc, InstanceState.STOPPING, reason)
