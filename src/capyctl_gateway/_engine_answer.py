@@ -1,10 +1,12 @@
 """An engine's answer as the lean client hands it over: its body as it arrives, with a bound
-on what is buffered, and the connection's two possible fates (`_engine_client.py`)."""
+on what is buffered, and the connection's two possible fates (`_engine_client.py`), the test of
+an idle one before it is used again among them (`unasked_read`)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import select
 from collections.abc import Callable
 from typing import Protocol
 
@@ -12,7 +14,14 @@ from multidict import CIMultiDictProxy
 
 from ._loop import running_loop
 
-__all__ = ["HIGH_WATER", "Body", "EngineConnectError", "EngineConnectionError", "EngineResponse"]
+__all__ = [
+    "HIGH_WATER",
+    "Body",
+    "EngineConnectError",
+    "EngineConnectionError",
+    "EngineResponse",
+    "unasked_read",
+]
 
 HIGH_WATER = 256 * 1024
 """Answer bytes buffered before the socket stops being read."""
@@ -167,3 +176,20 @@ class EngineResponse:
     def close(self) -> None:
         """Close the connection (an engine reads that as the end of the request)."""
         self._conn.done(reuse=False)
+
+
+_POLL = select.poll()
+
+
+def unasked_read(fd: int) -> bool:
+    """Whether an idle connection's socket ``fd`` has something to read: its engine closed it
+    (an engine that just died, its end not yet read by the loop) or sent what nobody asked
+    for. Either way no request may go on it: one that did would be lost to an engine that
+    provably never got it. One poll that does not wait (about 0.6 us)."""
+    if fd < 0:
+        return False
+    _POLL.register(fd, select.POLLIN)
+    try:
+        return bool(_POLL.poll(0))
+    finally:
+        _POLL.unregister(fd)

@@ -21,7 +21,6 @@ configuration's ``engine_client: lean`` names it; the aiohttp fallback is gone).
 from __future__ import annotations
 
 import asyncio
-import select
 import time
 
 import httptools
@@ -34,6 +33,7 @@ from ._engine_answer import (
     EngineConnectError,
     EngineConnectionError,
     EngineResponse,
+    unasked_read,
 )
 from ._loop import running_loop
 
@@ -62,8 +62,7 @@ class _Connection(asyncio.Protocol):
         self._pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.fd = -1
-        """Its socket's file descriptor (-1 where the transport has none)."""
+        self.fd = -1  # its socket's (none: -1)
         self.closed = False
         self.idle_since = 0.0
         # httptools looks its callbacks up once, here: each body piece (one per event of a
@@ -241,7 +240,7 @@ class EngineClient:
             transport = conn.transport
             if conn.closed or transport is None or transport.is_closing():
                 continue
-            if now - conn.idle_since > IDLE_S or _dropped(conn.fd):
+            if now - conn.idle_since > IDLE_S or unasked_read(conn.fd):
                 conn.done(reuse=False)
                 continue
             return conn
@@ -290,23 +289,6 @@ class EngineClient:
             for conn in idle:
                 conn.done(reuse=False)
         self._idle.clear()
-
-
-_POLL = select.poll()
-
-
-def _dropped(fd: int) -> bool:
-    """Whether an idle connection's socket has something to read: the engine closed it (its
-    end, which the loop has not read yet: an engine that just exited, or timed it out), or
-    sent what nobody asked for. Either way no request may go on it; one that went would be
-    lost to a dead engine that provably never got it (about 1 us: one poll, no wait)."""
-    if fd < 0:
-        return False
-    _POLL.register(fd, select.POLLIN)
-    try:
-        return bool(_POLL.poll(0))
-    finally:
-        _POLL.unregister(fd)
 
 
 def _host(host: str) -> str:

@@ -13,9 +13,10 @@ from .._config import ConfigError, GatewayConfig, Instance
 from .._engines import facts
 from .prefixes import PrefixIndex
 from .queue import Admission, DeploymentQueue
-from .routes import EngineInstance, Route, Waiters
+from .routes import EngineInstance, Route
 from .runner import Runner
 from .settle import Settlement
+from .waiters import Waiters
 
 __all__ = ["ENGINE_HEADERS", "build_routes", "check_engine_keys"]
 

@@ -14,7 +14,6 @@ Never imports the HTTP surface or the relay.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import itertools
 import math
@@ -32,6 +31,7 @@ from .prefixes import PrefixIndex
 from .queue import DeploymentQueue
 from .runner import LoadSample, Runner, Tracked
 from .settle import InstanceLedger
+from .waiters import Waiters
 
 __all__ = [
     "NOT_ACCEPTED_REST_S",
@@ -66,38 +66,6 @@ class Facts:
     model: str
     salt: str | None = None
     prefix: tuple[int, ...] = ()
-
-
-class Waiters:
-    """Requests of one deployment waiting for an instance to take them."""
-
-    __slots__ = ("_changed", "waiting")
-
-    def __init__(self) -> None:
-        self._changed: asyncio.Event | None = None
-        self.waiting = 0
-        """Requests waiting now: holding a running slot, they wait for an instance (one
-        closed, or one whose engine exited under them), which the lifecycle starts again for
-        them as for the requests in the queue."""
-
-    def notify(self) -> None:
-        """An instance became available: requests waiting for one look again."""
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    async def wait(self, within: float) -> bool:
-        """Wait up to ``within`` seconds for an instance to become available; whether one did."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        self.waiting += 1
-        try:
-            await asyncio.wait_for(self._changed.wait(), max(within, 0))
-        except TimeoutError:
-            return False
-        finally:
-            self.waiting -= 1
-        return True
 
 
 @dataclass(eq=False)
@@ -140,8 +108,7 @@ class EngineInstance:
     inflight: set[Tracked] = field(init=False, default_factory=set, repr=False)
     """The exchanges charged to it now (`Charge`): what a stopping gateway ends."""
     opened: int = field(init=False, default=0)
-    """How many times it began to take requests: a request its engine refused may be
-    offered to it again once this has grown (a new start, not the engine that refused)."""
+    """How often it began to take requests (a request refused is offered again once grown)."""
 
     def __post_init__(self) -> None:
         self.where = f"deployment {self.deployment}, instance {self.index}"

@@ -129,8 +129,7 @@ class Lifecycle:
     async def _bring_up(self, life: DeploymentLife, why: str) -> None:
         name = life.deployment.name
         stops = [lc.stopping for lc in life.launched if lc.stopping is not None]
-        if stops:  # an engine that exited is being stopped: start it once it is
-            await asyncio.gather(*map(asyncio.shield, stops))
+        await asyncio.gather(*map(asyncio.shield, stops))  # a crash's stop: start it after
         todo = [lc for lc in life.launched if lc.state in STARTABLE]
         parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
         await self.budget.make_room(life, todo, parked)

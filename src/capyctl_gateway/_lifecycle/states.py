@@ -60,6 +60,16 @@ class Launched:
     """Its last stop was not proven (a host that did not answer): the memory it held stays
     counted until a proven stop or its host's report that the engine is gone."""
 
+    def enter(self, to: InstanceState, now: float) -> None:
+        """Take state ``to`` (`Transitions.move`): a stop's future is made as it begins, and
+        done as it ends."""
+        if self.stopping is not None and to is not InstanceState.STOPPING:
+            self.stopping.set_result(None)
+            self.stopping = None
+        elif to is InstanceState.STOPPING and self.stopping is None:
+            self.stopping = asyncio.get_running_loop().create_future()
+        self.state, self.since = to, now
+
 
 @dataclass(eq=False)
 class DeploymentLife:

@@ -92,14 +92,6 @@ class Transitions:
     async def stop_one(self, lc: Launched, reason: str) -> None:
         if lc.state not in HOLDING and lc.state is not InstanceState.PARKED:
             return
-        lc.stopping = done = asyncio.get_running_loop().create_future()
-        try:
-            await self._stop(lc, reason)
-        finally:
-            lc.stopping = None
-            done.set_result(None)
-
-    async def _stop(self, lc: Launched, reason: str) -> None:
         inst = lc.inst
         inst.set_open(admitting=False, why=reason)
         self.move(lc, InstanceState.STOPPING, reason)
@@ -131,7 +123,7 @@ class Transitions:
     def move(self, lc: Launched, to: InstanceState, reason: str) -> None:
         now = time.monotonic()
         before, took = lc.state, now - lc.since
-        lc.state, lc.since = to, now
+        lc.enter(to, now)
         self._budget.note(lc)
         inst = lc.inst
         event(
