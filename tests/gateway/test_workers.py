@@ -6,6 +6,7 @@ its workers, the launchable fake engine)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ from capyctl_gateway._workers.wire import MAX_MESSAGE_BYTES, Wire
 from capyctl_gateway._workers.worker import share
 from tests.eventually import eventually
 from tests.gateway.conftest import Gw, deployments
-from tests.gateway.fake_engine import FakeEngine, vllm_stream
+from tests.gateway.fake_engine import FakeEngine, Hold, vllm_stream
 from tests.gateway.serving import listening, serve_command
 from tests.gateway.test_lifecycle import launched
 from tests.gateway.test_lifecycle_races import said, served
@@ -75,9 +76,12 @@ async def stream(port: int, key: str, seconds: float, begun: asyncio.Event) -> s
     return "error" if '"error"' in last else "broken"
 
 
-def start(tmp_path: Path, **limits: Any) -> tuple[subprocess.Popen[bytes], int, int, Path]:
+def start(
+    tmp_path: Path, dep: dict[str, Any] | None = None, **limits: Any
+) -> tuple[subprocess.Popen[bytes], int, int, Path]:
+    """``serve --workers 2`` for ``dep`` (a launched engine by default), with ``limits``."""
     config = tmp_path / "g.yaml"
-    dep = launched(served=served("w"), memory={"ready": "1GiB", "parked": 0})
+    dep = dep or launched(served=served("w"), memory={"ready": "1GiB", "parked": 0})
     config.write_text(yaml.safe_dump({"limits": limits, "deployments": [dep]}))
     state, port, mport = tmp_path / "state", free_port(), free_port()
     argv, env = serve_command(config, state, port, mport)
@@ -131,6 +135,62 @@ async def test_a_killed_worker_ends_only_its_streams_settles_them_and_is_replace
         gateway.stderr.close()
     assert code == 0
     assert children(gateway.pid) == []
+
+
+async def test_a_killed_workers_answered_streams_settle_as_answered_ones(
+    tmp_path: Path, engine: FakeEngine
+) -> None:
+    """A worker killed while its streams from a ``url:`` engine had answered: the authority
+    never heard that they had, so each was charged as cut before the engine answered, which
+    settles only at the engine's next stop or restart: for good, on an engine someone else runs
+    (issue 34, item 6). The worker says when output starts; they settle at the engine's first
+    idle report after the cut, as in one process."""
+    engine.script = [*vllm_stream(("Hel",))[:2], Hold()]
+    gateway, port, mport, state = start(tmp_path, deployments(engine.url))
+    try:
+        key = listening(gateway, state)
+        begun = [asyncio.Event() for _ in range(8)]
+        tasks = [asyncio.ensure_future(held(port, key, b)) for b in begun]
+        for b in begun:
+            await b.wait()  # every stream has its first text
+        os.kill(children(gateway.pid)[0], signal.SIGKILL)
+        await eventually(lambda: sum(t.done() for t in tasks) >= 1)
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(timeout=60, headers=headers) as m:
+
+            async def settled() -> float | None:
+                metrics = (await m.get(f"http://127.0.0.1:{mport}/metrics")).text
+                doc = (
+                    await m.get(f"http://127.0.0.1:{mport}/management/v1/deployments/my-model")
+                ).json()
+                left = [c for c in doc["instances"][0]["cancelled"] if "worker" in c["reason"]]
+                count = _sum(metrics, "capyctl_cut_settled_total")
+                return count if not left and count else None
+
+            assert await eventually(settled) == sum(t.done() for t in tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=60)
+        assert gateway.stderr is not None
+        gateway.stderr.close()
+
+
+async def held(port: int, key: str, begun: asyncio.Event) -> None:
+    """A stream whose engine holds it after its first text; it ends when its worker dies."""
+    body = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    with contextlib.suppress(httpx.HTTPError):
+        async with (
+            httpx.AsyncClient(timeout=60, headers=headers) as c,
+            c.stream("POST", url, json=body) as r,
+        ):
+            async for line in r.aiter_lines():
+                if '"Hel"' in line:
+                    begun.set()
 
 
 async def test_a_stopping_gateway_drains_every_worker(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -96,6 +96,7 @@ class Exchange:
         "_url",
         "outcome",
         "response",
+        "started",
         "where",
         "writing",
     )
@@ -133,6 +134,7 @@ class Exchange:
         self._abort_code = "engine_error"
         self._abortable = False
         self._posting: asyncio.Task[Answer] | None = None
+        self.started: Callable[[], None] | None = None  # told once, as output starts
 
     def abort(self, why: str, code: str = "engine_error") -> None:
         """End the exchange now from outside (the gateway stopping, an operator's stop, its
@@ -183,6 +185,9 @@ class Exchange:
 
     def output(self, now: float) -> None:
         """Output was relayed at ``now``: the stream may now be quiet for the idle timeout."""
+        if (told := self.started) is not None:  # a worker's word that its engine answered
+            self.started = None
+            told()
         self._started = True
         self._bound.move(now + self._idle_timeout)
 

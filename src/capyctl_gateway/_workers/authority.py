@@ -28,6 +28,7 @@ from .._tally import Tally, add
 from .messages import (
     Abort,
     Admit,
+    Answered,
     Counts,
     End,
     Gone,
@@ -125,7 +126,7 @@ class Grant:
                 why = await verdict
             except asyncio.CancelledError:  # its line ended while it ran
                 if verdict.cancelled():  # no word came from its worker (after one, it stands)
-                    self.outcome = Ended(cut=LOST)
+                    self.outcome = Ended(answered=self.outcome.answered, cut=LOST)
                 raise
             finally:
                 self.verdict = None
@@ -164,6 +165,10 @@ class Line:
                 self.ready.set_result(True)
         elif isinstance(m, End | Next | Gone):
             self._word(m)
+        elif isinstance(m, Answered):
+            found = self.grants.get(m.gid)
+            if found is not None and found.verdict is not None and not found.verdict.done():
+                found.outcome.answered = True  # kept if its worker dies before its END
 
     def _word(self, m: End | Next | Gone) -> None:
         """A worker's word on a request it asked about: how its offer ended (``END``), that

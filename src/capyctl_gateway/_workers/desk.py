@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -29,7 +30,7 @@ from .._loop import running_loop
 from .._relay.ending import ended_by_gateway
 from .._relay.exchange import Exchange
 from .._tally import Tally
-from .messages import Admit, Counts, End, Gone, Next, Offer, Refused
+from .messages import Admit, Answered, Counts, End, Gone, Next, Offer, Refused
 from .wire import Wire
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class RemoteDesk:
                 if isinstance(m, Refused):
                     raise _refusal(m)
                 ex = self._live[gid] = self._exchange(m, deadline)
+                ex.started = partial(wire.send, Answered(gid))  # settled as answered, come what may
                 tally.ex, tally.instance = ex, m.instance
                 try:
                     if gid in self._aborts:  # ended before it began: nothing is sent
