@@ -130,6 +130,7 @@ async def open_fleet(
         settlement = Settlement(
             clock,
             poll=_poll_control(collector),
+            absence_s=options.request_timeout_s,
             on_cut=store.add_cut if store is not None else None,
             on_settled=_settled(telemetry, store),
         )

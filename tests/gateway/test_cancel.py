@@ -17,9 +17,19 @@ import pytest
 from aiohttp import web
 from typer.testing import CliRunner
 
-from canopyx_provider import EngineRestarted, EngineSnapshot, Event, ScrapeSucceeded
+from canopyx_provider import (
+    Capacity,
+    EngineKind,
+    EngineMetrics,
+    EngineRestarted,
+    EngineSnapshot,
+    Event,
+    ProviderOptions,
+    ScrapeFailed,
+    ScrapeSucceeded,
+)
 from capyctl_gateway import create_management_app
-from capyctl_gateway._deployments.settle import InstanceLedger, SettleRule
+from capyctl_gateway._deployments.settle import CutRequest, InstanceLedger, Settlement, SettleRule
 from capyctl_gateway.cli import app as cli
 from tests.gateway.conftest import WORKERS, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Hold, Pause, chunk, event, vllm_stream
@@ -43,6 +53,8 @@ class Watch:
         self.changed = anyio.Event()
         self.samples: list[EngineSnapshot] = []
         self.restarts = 0
+        self.failures: list[float] = []
+        """When each failed health check was seen (the collector's clock)."""
         gw.gateway.fleet.settlement.observers.append(self)
 
     def __call__(self, e: Event, /) -> None:
@@ -50,6 +62,8 @@ class Watch:
             self.samples.append(e.snapshot)
         if isinstance(e, EngineRestarted):
             self.restarts += 1
+        if isinstance(e, ScrapeFailed) and e.check == "health":
+            self.failures.append(e.at)
         self.changed.set()
 
     async def until(self, predicate: Callable[[], bool], *, within: float = 10) -> None:
@@ -219,20 +233,62 @@ async def test_a_request_cut_before_its_first_token_waits_for_a_restart(
     assert watch.restarts == 1
 
 
-async def test_a_health_failure_and_recovery_settles_a_request_cut_before_its_first_token(
-    gateway: Gw, engine: FakeEngine
+async def test_one_failed_health_poll_is_no_restart_but_a_long_absence_is(
+    engine: FakeEngine, make_gateway: MakeGateway
 ) -> None:
+    """A request cut before its first token waits for the engine's restart. One failed health
+    poll followed by a good one was taken as one and settled it (issue 34, item 9b); a busy
+    engine's timeout reads the same. A restart is proven: here, by an absence longer than a
+    poll's timeout before the engine answers again."""
+    options = ProviderOptions(poll_interval_ms=50, request_timeout_ms=300, connect_attempts=1)
+    gw = await make_gateway({"deployments": [deployments(engine.url)]}, collector=options)
     engine.script = [Hold()]
-    watch = Watch(gateway)
-    await give_up(gateway, engine)  # a non-streaming client gives up before any token
-    book = ledger(gateway)
+    watch = Watch(gw)
+    await give_up(gw, engine)  # a non-streaming client gives up before any token
+    book = ledger(gw)
     await watch.until(lambda: bool(book.cut))
     assert book.cut[0].rule is SettleRule.AT_RESTART and book.cut[0].reason == "hang_up"
     engine.healthy = False
-    await watch.until(lambda: book.down_since is not None)
-    assert len(book.cut) == 1
-    engine.healthy = True
+    await watch.until(lambda: len(watch.failures) >= 1)
+    engine.healthy = True  # one failed poll: back at the next
+    seen = len(watch.samples)
+    await watch.until(lambda: len(watch.samples) >= seen + 3)
+    assert len(book.cut) == 1  # not a restart: still counted
+    engine.healthy = False
+    down = len(watch.failures)
+    await watch.until(
+        lambda: len(watch.failures) > down and watch.failures[-1] - watch.failures[down] > 0.35
+    )
+    engine.healthy = True  # away longer than a poll's timeout
     await watch.until(lambda: not book.cut)
+    assert gw.gateway.fleet.settlement.recent[-1].why.startswith("engine back after")
+
+
+async def test_a_counter_that_went_down_proves_a_restart() -> None:
+    """An engine without a start marker that restarted between two samples: its cumulative
+    counters start again from zero."""
+    settlement = Settlement(lambda: 100.0, poll=lambda key, ms: None)
+    book = settlement.ledger("e/0")
+    book.cut.append(CutRequest("r1", 50.0, SettleRule.AT_RESTART, "hang_up"))
+
+    def sample(at: float, prompt: float) -> ScrapeSucceeded:
+        metrics = EngineMetrics(running_requests=1, waiting_requests=0, prompt_tokens_total=prompt)
+        snap = EngineSnapshot(
+            engine=EngineKind.VLLM,
+            model_id="m",
+            metrics=metrics,
+            capacity=Capacity(),
+            engine_version="0.31.0",
+            requested_at=at,
+            collected_at=at,
+        )
+        return ScrapeSucceeded("e/0", snap)
+
+    settlement(sample(60.0, 500.0))
+    settlement(sample(61.0, 800.0))
+    assert len(book.cut) == 1  # counters rising: nothing proven
+    settlement(sample(62.0, 30.0))
+    assert book.cut == [] and settlement.recent[-1].why.startswith("engine restarted")
 
 
 async def test_a_deadline_cut_is_counted_like_a_hang_up(

@@ -212,8 +212,9 @@ ONE_CONCEPT_CLASSES = {
     "_pods/runner.py:PodRunner": 175,
     # every launched deployment's state, its activations (one per wave) and closings
     "_lifecycle/controller.py:Lifecycle": 175,
-    # cut requests: recording, the evidence of each collector event, settling
-    "_deployments/settle.py:Settlement": 130,
+    # cut requests: recording, the evidence of each collector event (a restart proven among
+    # it, which a host's report also hears of), settling
+    "_deployments/settle.py:Settlement": 135,
     # one engine connection: its protocol callbacks, its answer, its reuse or its end
     "_engine_client.py:_Connection": 130,
     # one engine's bounded log: writing, rotating, reading its tail back

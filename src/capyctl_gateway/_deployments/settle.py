@@ -5,13 +5,11 @@ therefore stays charged to its instance until the collector shows the engine sto
 
 * if the engine had already answered (generated text, or an error), at the first sample taken
   after the cut in which the engine reports nothing running and nothing waiting;
-* if it had not (cut before the first token), at the engine's next stop or restart: a new
-  process start marker, or its health check failing and then recovering after the cut. An
-  engine that never started the request could still start it after looking idle.
-* on a host, an engine someone else runs (``url:``) may never stop or restart: a request cut
-  there before its first token (a partition, a host lost) settles also on a report whose
-  sample shows the engine idle, taken after the cut and `QUIET_GRACE_S` after the ingress's
-  last forward to it ended (its engine connection closed), with nothing in flight there.
+* if it had not (cut before the first token), at the engine's next stop or restart, on this
+  machine and on a host alike: an engine that never started the request could still start
+  it after looking idle. A restart is proven by a new process start marker, by a cumulative
+  counter that went down, or by an absence (health failing) longer than a poll's timeout
+  before the engine answered again; one failed poll, a timeout, is not proof (`Restart`).
 
 While an instance has cut requests, the collector polls it every 250 ms.
 """
@@ -27,15 +25,16 @@ from enum import StrEnum
 from canopyx_provider import (
     ChecksCompleted,
     EngineRestarted,
+    EngineSnapshot,
     Event,
     ScrapeFailed,
     ScrapeSucceeded,
 )
 
 __all__ = [
-    "QUIET_GRACE_S",
     "CutRequest",
     "InstanceLedger",
+    "Restart",
     "SettleRule",
     "Settled",
     "Settlement",
@@ -44,19 +43,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 FAST_POLL_MS = 250
-QUIET_GRACE_S = 5.0
-"""How long before an idle sample a host's ingress must have ended its last forward to an
-engine for that sample to settle a request cut there before its first token: time enough for
-an engine to count a request whose connection was closed as it arrived."""
 
 
 class SettleRule(StrEnum):
     WHEN_IDLE = "when the engine reports idle"
     AT_RESTART = "at the engine's next stop or restart"
-    WHEN_QUIET_ON_HOST = (
-        "when its host's ingress has been quiet for 5 s and the engine idle, "
-        "or at the engine's next stop or restart"
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,16 +70,59 @@ class Settled:
     """When the sample that settled it was requested (None for a restart)."""
 
 
+ABSENCE_S = 3.0
+"""The collector's timeout of one request (the default of `ProviderOptions`; the fleet passes
+its own): an engine whose health failed for longer than this, before it answered again, was
+away (a restart), not slow."""
+_COUNTERS = (
+    "prompt_tokens_total",
+    "generated_tokens_total",
+    "prefix_cache_queried_tokens_total",
+    "prefix_cache_hit_tokens_total",
+)
+
+
+@dataclass(eq=False)
+class Restart:
+    """What an instance's samples prove of its engine's restarts (a new start marker comes as
+    its own event): a cumulative counter that went down since the sample before, or a
+    health check failing for longer than a poll's timeout before a sample came again."""
+
+    down_since: float | None = None
+    """When its health check started failing (None while it answers)."""
+    counters: tuple[float | None, ...] = ()
+    sampled_at: float | None = None
+
+    def down(self, at: float) -> None:
+        if self.down_since is None:
+            self.down_since = at
+
+    def sampled(self, snap: EngineSnapshot, absence_s: float) -> tuple[float, str] | None:
+        """What ``snap`` proves: the time the restart came after and the evidence; or None."""
+        m = snap.metrics
+        counters = tuple(getattr(m, name) for name in _COUNTERS)
+        before, self.counters = self.counters, counters
+        down, self.down_since = self.down_since, None
+        last, self.sampled_at = self.sampled_at, snap.requested_at
+        if down is not None and snap.requested_at - down > absence_s:
+            return down, f"engine back after {snap.requested_at - down:.1f} s away"
+        went_down = [
+            n
+            for n, a, b in zip(_COUNTERS, before, counters, strict=False)
+            if a is not None and b is not None and b < a
+        ]
+        if went_down and last is not None:
+            return last, f"engine restarted ({went_down[0]} went down)"
+        return None
+
+
 @dataclass(eq=False)
 class InstanceLedger:
     key: str
     running: int = 0
     cut: list[CutRequest] = field(default_factory=list)
-    down_since: float | None = None
-    """When the engine's health check started failing (None while it answers)."""
-    unanswered: SettleRule = SettleRule.AT_RESTART
-    """The rule of a request cut before the engine answered (an engine someone else runs on
-    a host: `SettleRule.WHEN_QUIET_ON_HOST`, set by its runner)."""
+    restart: Restart = field(default_factory=lambda: Restart())
+    """What its samples prove of its engine's restarts."""
     stopped: str | None = None
     """Set while its engine is provably stopped (the settling reason, ``engine stopped by the
     gateway``), until its next start: a request whose end is heard only now (a worker's word
@@ -108,6 +142,7 @@ class Settlement:
         *,
         poll: Callable[[str, int | None], None],
         fast_poll_ms: int = FAST_POLL_MS,
+        absence_s: float = ABSENCE_S,
         on_cut: Callable[[str, CutRequest], None] | None = None,
         on_settled: Callable[[str, list[CutRequest], str], None] | None = None,
     ) -> None:
@@ -128,6 +163,8 @@ class Settlement:
         """Called after each collector event has been applied (logging, tests)."""
         self.settled_observers: list[Callable[[str, list[CutRequest], str], None]] = []
         """Called with each batch of settled cut requests (tests)."""
+        self.restart_observers: list[Callable[[str], None]] = []  # a key: its restart proven
+        self.absence_s = absence_s  # an absence longer than this proves a restart (ABSENCE_S)
 
     def now(self) -> float:
         """The settlement's clock (cut times are on it)."""
@@ -139,7 +176,7 @@ class Settlement:
     def cut(
         self, ledger: InstanceLedger, request_id: str, *, answered: bool, reason: str
     ) -> CutRequest:
-        rule = SettleRule.WHEN_IDLE if answered else ledger.unanswered
+        rule = SettleRule.WHEN_IDLE if answered else SettleRule.AT_RESTART
         item = CutRequest(request_id, self._clock(), rule, reason)
         ledger.cut.append(item)
         if self._on_cut is not None:
@@ -174,32 +211,34 @@ class Settlement:
             observer(event)
 
     def _by_event(self, ledger: InstanceLedger, event: Event) -> None:
-        """A collector event of ``ledger``'s instance: an idle sample, a recovery from failed health
-        checks, or a restart (a failed health check is noted for the recovery)."""
+        """A collector event of ``ledger``'s instance: a sample (idle, or one that proves a
+        restart: `Restart`), a failed health check (noted), or a new process start marker."""
         match event:
             case ScrapeSucceeded(snapshot=snap):
-                recovered_from = ledger.down_since
-                ledger.down_since = None
-                if not ledger.cut:
-                    return
+                proof = ledger.restart.sampled(snap, self.absence_s)
+                if proof is not None:
+                    self.restarted(ledger, *proof)
                 idle = snap.metrics.idle is True
-                self.settle(
-                    ledger,
-                    lambda c: (
-                        (c.rule is SettleRule.WHEN_IDLE and idle and c.cut_at < snap.requested_at)
-                        or (recovered_from is not None and c.cut_at < recovered_from)
-                    ),
-                    "engine recovered" if recovered_from is not None else "engine idle",
-                    sample_requested_at=snap.requested_at,
-                )
+                if ledger.cut and idle:
+                    self.settle(
+                        ledger,
+                        lambda c: c.rule is SettleRule.WHEN_IDLE and c.cut_at < snap.requested_at,
+                        "engine idle",
+                        sample_requested_at=snap.requested_at,
+                    )
             case ScrapeFailed(check=check, at=at):
-                if check == "health" and ledger.down_since is None:
-                    ledger.down_since = at
+                if check == "health":
+                    ledger.restart.down(at)
             case EngineRestarted():
-                now = self.now()
-                self.settle(ledger, lambda c: c.cut_at < now, "engine restarted")
+                self.restarted(ledger, self.now(), "engine restarted")
             case ChecksCompleted():
                 pass
+
+    def restarted(self, ledger: InstanceLedger, before: float, why: str) -> None:
+        """``ledger``'s engine restarted after ``before``: what was cut before is settled."""
+        self.settle(ledger, lambda c: c.cut_at < before, why)
+        for observe in self.restart_observers:
+            observe(ledger.key)
 
     def settle(
         self,
@@ -239,12 +278,10 @@ def settle_remote(
     *,
     idle_after: float | None,
     restarted_before: float | None,
-    quiet_after: float | None = None,
 ) -> None:
     """A host's report on a remote instance: its ingress and engine were seen idle in a
-    sample taken no earlier than ``idle_after`` (and ``quiet_after``: that sample came
-    `QUIET_GRACE_S` after the ingress's last forward ended), or its engine restarted or stopped
-    no earlier than ``restarted_before`` (all on the settlement's clock)."""
+    sample taken no earlier than ``idle_after``, or its engine restarted or stopped no earlier
+    than ``restarted_before`` (both on the settlement's clock)."""
     if restarted_before is not None:
         settlement.settle(
             ledger, lambda c: c.cut_at < restarted_before, "engine restarted on its host"
@@ -255,11 +292,4 @@ def settle_remote(
             lambda c: c.rule is SettleRule.WHEN_IDLE and c.cut_at < idle_after,
             "engine and ingress idle on its host",
             sample_requested_at=idle_after,
-        )
-    if quiet_after is not None:
-        settlement.settle(
-            ledger,
-            lambda c: c.rule is SettleRule.WHEN_QUIET_ON_HOST and c.cut_at < quiet_after,
-            f"engine idle and ingress quiet for {QUIET_GRACE_S:g} s on its host",
-            sample_requested_at=quiet_after,
         )

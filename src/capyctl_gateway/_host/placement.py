@@ -17,8 +17,6 @@ from typing import Any
 
 import orjson
 
-from canopyx_provider import EngineRestarted, Event
-
 from .._deployments.routes import EngineInstance
 from .._errors import OrderRefusedError
 from .._fleet import Fleet, open_fleet
@@ -108,7 +106,7 @@ class Placement:
             open_fleet(config, env=os.environ, telemetry=Telemetry(), engine_logs=self._logs)
         )
         self.fleet, self._stack = fleet, stack
-        fleet.settlement.observers.append(self._restarted)
+        fleet.settlement.restart_observers.append(self._restarted)
         launched = {lc.inst: lc for life in fleet.lifecycle.lives.values() for lc in life.launched}
         for route in fleet.routes.values():
             for inst in route.instances:
@@ -119,13 +117,13 @@ class Placement:
                 )
         self.refresh()
 
-    def _restarted(self, e: Event) -> None:
-        """An engine someone else runs restarted (its collector saw a new process): a new
-        generation, which settles the requests cut before it on the server."""
-        if isinstance(e, EngineRestarted):
-            for p in self.placed.values():
-                if p.inst.key == e.key and p.launched is None:
-                    p.generation += 1
+    def _restarted(self, key: str) -> None:
+        """An engine someone else runs restarted (what its samples proved: a new process, a
+        counter that went down, an absence past a poll's timeout): a new generation, which
+        settles the requests cut before it on the server."""
+        for p in self.placed.values():
+            if p.inst.key == key and p.launched is None:
+                p.generation += 1
 
     def refresh(self) -> None:
         """Open, close or renew each gate to match its engine."""
@@ -177,9 +175,6 @@ def _report(p: Placed, now: float, pings: Sequence[tuple[int, float]]) -> Instan
         age_s=s.age_s if s is not None else None,
         ingress_in_flight=p.gate.in_flight,
         quiet_ping=quiet,
-        quiet_for_s=None
-        if quiet is None or requested_at is None
-        else requested_at - p.gate.last_end,
         prefix_queried=cache.queried_tokens if cache is not None else None,
         prefix_hits=cache.hit_tokens if cache is not None else None,
         pid=proc.pid if proc is not None else None,

@@ -90,8 +90,6 @@ class InstanceReport:
     """Set when the engine sample was taken after the host received this ping and after its
     ingress's last forward to the instance ended, with nothing in flight there: the evidence
     that settles a cut request (see `Machines`)."""
-    quiet_for_s: float | None = None
-    """With ``quiet_ping``: how long before the sample was requested that last forward ended."""
     prefix_queried: int | None = None
     """The engine's own prefix-cache counts in its latest sample (`CacheCounts`), however old;
     None where it publishes none."""
@@ -120,7 +118,6 @@ class InstanceReport:
             "age_s": self.age_s,
             "ingress_in_flight": self.ingress_in_flight,
             "quiet_ping": self.quiet_ping,
-            "quiet_for_s": self.quiet_for_s,
             "prefix_queried": self.prefix_queried,
             "prefix_hits": self.prefix_hits,
             "pid": self.pid,
@@ -154,7 +151,6 @@ class InstanceReport:
             age_s=opt_float("age_s"),
             ingress_in_flight=int(doc["ingress_in_flight"]),
             quiet_ping=opt_int("quiet_ping"),
-            quiet_for_s=opt_float("quiet_for_s"),
             prefix_queried=opt_int("prefix_queried"),
             prefix_hits=opt_int("prefix_hits"),
             pid=opt_int("pid"),

@@ -17,7 +17,7 @@ import orjson
 
 from .._deployments.routes import EngineInstance
 from .._deployments.runner import CacheCounts, LoadSample, ProcessView, Reported, Site, Tracked
-from .._deployments.settle import QUIET_GRACE_S, Settlement, SettleRule, settle_remote
+from .._deployments.settle import Settlement, settle_remote
 from .._errors import GatewayError, HostGoneError, OrderRefusedError
 from .._log import shown
 from .control import HostSession
@@ -112,8 +112,6 @@ class HostRunner(Reported):
         )
         self.latest: RemoteSample | None = None
         link.runners[(inst.deployment, inst.index)] = self
-        if inst.launch is None:  # nothing on its host stops or restarts it: quiet settles
-            inst.ledger.unanswered = SettleRule.WHEN_QUIET_ON_HOST
         # Nothing reaches it before its host's first report opens its gate: requests wait for
         # the host (as after a lost session) instead of failing on an address it never gave.
         inst.set_open(reachable=False, why=f"host {link.name} has not reported yet")
@@ -266,10 +264,11 @@ def _settle(
     session: HostSession,
 ) -> None:
     """Settle what the report proves done: with its engine stopped or replaced since the
-    report before, every request sent before that report; with a quiet sample taken after
-    the host received ping n, every request that had answered and was cut before the
-    server sent ping n; with that sample taken `QUIET_GRACE_S` after the ingress's last forward
-    ended, also every request cut before its first token on an engine someone else runs."""
+    report before (a new generation: a launched engine's new process, or a restart its host's
+    collector proved of an engine someone else runs), every request sent before that report;
+    with a quiet sample taken after the host received ping n, every request that had answered
+    and was cut before the server sent ping n. A request cut before its first token waits for
+    the first, as on one machine."""
     if not inst.ledger.cut:
         return
     restarted_before = None
@@ -277,16 +276,8 @@ def _settle(
         restarted_before = settlement.now()
     elif before is not None and before.report.generation != report.generation:
         restarted_before = before.received_wall
-    idle_after = quiet_after = None
+    idle_after = None
     quiet = report.quiet_ping
     if quiet is not None and report.running == 0 and report.waiting == 0:
         idle_after = session.pinged.get(quiet)
-        if (report.quiet_for_s or 0.0) >= QUIET_GRACE_S:
-            quiet_after = idle_after
-    settle_remote(
-        settlement,
-        inst.ledger,
-        idle_after=idle_after,
-        restarted_before=restarted_before,
-        quiet_after=quiet_after,
-    )
+    settle_remote(settlement, inst.ledger, idle_after=idle_after, restarted_before=restarted_before)
