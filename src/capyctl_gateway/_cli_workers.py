@@ -6,8 +6,9 @@ Each worker gets a Unix socketpair line to the authority (its end passed as an i
 descriptor) and binds the public port itself with ``SO_REUSEPORT``; the authority holds the
 port bound, never listening, so that the kernel gives it no connection and no other program
 takes the port while a worker restarts. A worker that exits unasked is started again (after
-`RESTART_FIRST_S`, doubling up to `RESTART_MAX_S` while it keeps failing); what it held is
-settled by the authority as a lost line's requests are.
+`RESTART_FIRST_S`, doubling up to `RESTART_MAX_S` while it keeps failing), and so is one that
+answers no ping for `FROZEN_S` (killed first); what it held is settled by the authority as a
+lost line's requests are.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import time
 from ._cli_common import settle_heap, use_uvloop
 from ._log import configure_logging, event
 from ._tasks import Supervisor
-from ._workers.authority import Authority
-from ._workers.messages import Quit, Stop
+from ._workers.authority import Authority, Line
+from ._workers.messages import FROZEN_S, PING_S, Quit, Stop
 from ._workers.worker import Worker, bound
 
 __all__ = ["RESTART_FIRST_S", "RESTART_MAX_S", "Workers", "main"]
@@ -43,17 +44,39 @@ class Workers:
         self, authority: Authority, count: int, host: str, port: int, log_format: str
     ) -> None:
         self.authority = authority
+        authority.pinging = True  # `_beat`, from their start
         self.count = count
         self.host, self.port, self.log_format = host, port, log_format
         self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.lines: dict[int, Line] = {}
         self._keepers = Supervisor("the workers' keeper")
         """One task a worker: waits for it to exit and starts it again (a fault is logged)."""
         self._stopping = False
 
     async def start(self) -> None:
         """Start every worker and wait until each listens (raises if one cannot)."""
+        self._keepers.keep(self._beat, every=PING_S, kind="heartbeat", what="pinging the workers")
         for index in range(self.count):
             await asyncio.wait_for(self._spawn(index), READY_TIMEOUT_S)
+
+    async def _beat(self) -> None:
+        """Ping every worker; one silent for `FROZEN_S` (stopped, its loop blocked) still
+        holds its share of the port and its clients: it is killed, and its keeper starts it
+        again (what it ran is settled as a lost line's requests are)."""
+        self.authority.ping()
+        now = asyncio.get_running_loop().time()
+        for index, line in self.lines.items():
+            proc = self.procs[index]
+            silent = now - line.heard_at
+            if silent > FROZEN_S and proc.returncode is None and not self._stopping:
+                event(
+                    "worker_frozen",
+                    "worker %d has not answered for %.1f s; killing it to start it again",
+                    *(index, silent),
+                    worker=index,
+                )
+                line.heard_at = now  # once: its keeper sees the exit
+                proc.kill()
 
     async def _spawn(self, index: int) -> None:
         ours, theirs = socket.socketpair()
@@ -67,7 +90,7 @@ class Workers:
         finally:
             theirs.close()
         self.procs[index] = proc
-        line = await self.authority.attach(ours, index, self.count)
+        line = self.lines[index] = await self.authority.attach(ours, index, self.count)
         if not await line.ready:
             await proc.wait()
             raise RuntimeError(
@@ -80,6 +103,7 @@ class Workers:
         while True:
             began = time.monotonic()
             code = await proc.wait()
+            self.lines.pop(index, None)  # its silence is no longer anyone's
             if self._stopping:
                 return
             if time.monotonic() - began > STEADY_S:

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import yaml
 from capyctl_gateway import GatewayConfig
 from capyctl_gateway._config import ConfigError
 from capyctl_gateway._config.bounds import Limits, fit_workers, shared_bounds
-from capyctl_gateway._workers.messages import Gone, Ready
+from capyctl_gateway._workers.messages import FROZEN_S, Gone, Ready
 from capyctl_gateway._workers.wire import MAX_MESSAGE_BYTES, Wire
 from capyctl_gateway._workers.worker import share
 from tests.eventually import eventually
@@ -77,12 +78,16 @@ async def stream(port: int, key: str, seconds: float, begun: asyncio.Event) -> s
 
 
 def start(
-    tmp_path: Path, dep: dict[str, Any] | None = None, **limits: Any
+    tmp_path: Path,
+    dep: dict[str, Any] | None = None,
+    queue: dict[str, Any] | None = None,
+    **limits: Any,
 ) -> tuple[subprocess.Popen[bytes], int, int, Path]:
     """``serve --workers 2`` for ``dep`` (a launched engine by default), with ``limits``."""
     config = tmp_path / "g.yaml"
     dep = dep or launched(served=served("w"), memory={"ready": "1GiB", "parked": 0})
-    config.write_text(yaml.safe_dump({"limits": limits, "deployments": [dep]}))
+    doc = {"limits": limits, "queue": queue or {}, "deployments": [dep]}
+    config.write_text(yaml.safe_dump(doc))
     state, port, mport = tmp_path / "state", free_port(), free_port()
     argv, env = serve_command(config, state, port, mport)
     gateway = subprocess.Popen([*argv, "--workers", "2"], stderr=subprocess.PIPE, env=env)
@@ -191,6 +196,90 @@ async def held(port: int, key: str, begun: asyncio.Event) -> None:
             async for line in r.aiter_lines():
                 if '"Hel"' in line:
                     begun.set()
+
+
+async def one(port: int, key: str) -> tuple[int | str, float]:
+    """One chat request on a connection of its own: its status (or the error that ended it)
+    and how long it took."""
+    began = time.monotonic()
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        async with httpx.AsyncClient(timeout=40, headers=headers) as c:
+            r = await c.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", json=said("hi", "my-model")
+            )
+        return r.status_code, time.monotonic() - began
+    except httpx.HTTPError as exc:
+        return type(exc).__name__, time.monotonic() - began
+
+
+async def test_a_frozen_worker_is_replaced_and_no_client_waits_on_it(tmp_path: Path) -> None:
+    """A worker stopped (SIGSTOP) kept its share of the port: the requests the kernel gave it
+    got no answer, and nothing replaced it (issue 34, item 5). It answers no ping: after
+    FROZEN_S it is killed, its clients' connections end, and a new worker serves."""
+    gateway, port, mport, state = start(tmp_path)
+    try:
+        key = listening(gateway, state)
+        assert (await one(port, key))[0] == 200
+        frozen = children(gateway.pid)[0]
+        os.kill(frozen, signal.SIGSTOP)
+        ends = await asyncio.gather(*(one(port, key) for _ in range(12)))
+        # Each ended: answered by the other worker, or its connection ended when the frozen
+        # one was killed, well before the clients' own 40 s.
+        assert all(took < FROZEN_S + 10 for _, took in ends), ends
+        assert any(status == 200 for status, _ in ends), ends
+        await eventually(
+            lambda: frozen not in children(gateway.pid) and len(children(gateway.pid)) == 2
+        )
+        again = await asyncio.gather(*(one(port, key) for _ in range(12)))
+        assert [status for status, _ in again] == [200] * 12, again
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGCONT)
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=60)
+        assert gateway.stderr is not None
+        with gateway.stderr:
+            assert b"worker_frozen" in gateway.stderr.read()
+
+
+async def test_with_its_authority_frozen_a_worker_answers_by_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """The authority stopped (SIGSTOP): requests with a 2 s deadline waited for it and were
+    answered 20 s later (issue 34, item 5). A worker holds the deadline itself: 503 at it; once
+    the authority has been silent for FROZEN_S, at once; and all is well when it wakes."""
+    gateway, port, _, state = start(tmp_path, queue={"request_deadline": "2s"})
+    try:
+        key = listening(gateway, state)
+        assert (await one(port, key))[0] == 200
+        os.kill(gateway.pid, signal.SIGSTOP)
+        try:
+            first = await asyncio.gather(*(one(port, key) for _ in range(6)))
+            assert all(s == 503 and 2 <= t < 4 for s, t in first), first
+
+            async def shed_at_once() -> tuple[int | str, float] | None:
+                got = await one(port, key)
+                return got if got[1] < 1 else None
+
+            shed = await eventually(shed_at_once, within=FROZEN_S + 10)
+            assert shed[0] == 503, shed
+        finally:
+            os.kill(gateway.pid, signal.SIGCONT)
+
+        async def served() -> tuple[int | str, float] | None:
+            got = await one(port, key)
+            return got if got[0] == 200 else None
+
+        await eventually(served)  # its next ping tells the workers it is back
+        woke = await asyncio.gather(*(one(port, key) for _ in range(6)))
+        assert [s for s, _ in woke] == [200] * 6, woke
+    finally:
+        gateway.send_signal(signal.SIGCONT)
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=60)
+        assert gateway.stderr is not None
+        gateway.stderr.close()
 
 
 async def test_a_stopping_gateway_drains_every_worker(tmp_path: Path) -> None:

@@ -36,12 +36,14 @@ from .messages import (
     Message,
     Next,
     Offer,
+    Ping,
+    Pong,
     Ready,
     Refused,
 )
 from .wire import Wire
 
-__all__ = ["Authority", "Grant"]
+__all__ = ["Authority", "Grant", "Line"]
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -145,6 +147,9 @@ class Line:
         self.ready: asyncio.Future[bool] = running_loop().create_future()
         """True once the worker listens; False when its line ended before."""
         self.fleet = authority.gateway.fleet
+        self.heard_at = running_loop().time()
+        """When the worker last answered a ping (or said it listens): its keeper's proof of
+        life (``_cli_workers.py``)."""
 
     def _message(self, m: Message) -> None:
         if isinstance(m, Admit):
@@ -160,7 +165,10 @@ class Line:
             task.add_done_callback(lambda _: self._forget(gid))
         elif isinstance(m, Counts):
             add(self.authority.gateway.telemetry, m.figures, running_loop().time())
+        elif isinstance(m, Pong):
+            self.heard_at = running_loop().time()
         elif isinstance(m, Ready):
+            self.heard_at = running_loop().time()
             if not self.ready.done():
                 self.ready.set_result(True)
         elif isinstance(m, End | Next | Gone):
@@ -243,6 +251,9 @@ class Authority:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.lines: set[Line] = set()
+        self.pinging = False
+        """Its workers' keeper pings them (``_cli_workers.py``; a test's workers may not)."""
+        self._pings = 0
 
     async def attach(self, sock: socket.socket, index: int, workers: int) -> Line:
         """Open the line to worker ``index`` of ``workers`` over ``sock`` and greet it: the
@@ -259,6 +270,7 @@ class Authority:
             "index": index,
             "started_at": gateway.started_at,
             "prefix_seed": gateway.prefix_seed,
+            "pinged": self.pinging,
         }
         line.wire.send(Hello(hello))
         return line
@@ -266,6 +278,12 @@ class Authority:
     def broadcast(self, message: Message) -> None:
         for line in self.lines:
             line.wire.send(message)
+
+    def ping(self) -> None:
+        """Ping every worker (every `PING_S`: its answer is its proof of life, and the ping
+        its authority's)."""
+        self._pings += 1
+        self.broadcast(Ping(self._pings))
 
 
 def _fitted(config: GatewayConfig, workers: int) -> GatewayConfig:

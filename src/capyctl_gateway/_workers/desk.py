@@ -30,7 +30,7 @@ from .._loop import running_loop
 from .._relay.ending import ended_by_gateway
 from .._relay.exchange import Exchange
 from .._tally import Tally
-from .messages import Admit, Answered, Counts, End, Gone, Next, Offer, Refused
+from .messages import FROZEN_S, Admit, Answered, Counts, End, Gone, Next, Offer, Refused
 from .wire import Wire
 
 if TYPE_CHECKING:
@@ -40,6 +40,9 @@ __all__ = ["MAX_URLS", "RemoteDesk"]
 
 MAX_URLS = 256
 """Parsed engine URLs a worker keeps: a few per instance; past it the cache starts over."""
+WORD_GRACE_S = 0.5
+"""How long past a request's deadline a worker waits for its authority's word on it before it
+answers 503 itself (the authority's own refusal at the deadline says more)."""
 
 
 class RemoteDesk:
@@ -58,6 +61,8 @@ class RemoteDesk:
         self._gid = itertools.count()
         self._urls: dict[str, URL] = {}
         """The engine URLs offers named, parsed once (at most `MAX_URLS`)."""
+        self.heard_at: float | None = None
+        """When the authority last pinged (None: it never did, as in a test's workers)."""
 
     def answer(self, m: Offer | Refused) -> None:
         """An ``OFFER`` or ``REFUSED`` for one of this worker's requests."""
@@ -94,6 +99,10 @@ class RemoteDesk:
         if wire.closed:
             raise UnavailableError("the gateway is stopping", code="shutting_down")
         asked_at = loop.time()
+        if self.heard_at is not None and asked_at - self.heard_at > FROZEN_S:
+            raise UnavailableError(  # shed at once: nothing here can place it
+                f"the gateway's authority has not answered for over {FROZEN_S:g} s"
+            )
         left = deadline - loop.time()
         dep, api, facts = call.dep.name, call.api.value, call.facts
         wire.send(Admit(gid, dep, api, call.rid, call.caller, left, facts.salt, facts.prefix))
@@ -103,7 +112,7 @@ class RemoteDesk:
         try:
             while True:
                 asked = self._asking[gid] = loop.create_future()
-                m = await asked
+                m = await _by(asked, deadline)
                 asking = False
                 _slot(tally, call, asked_at, m.waited, m.gated)
                 if isinstance(m, Refused):
@@ -164,3 +173,15 @@ def _slot(tally: Tally, call: Call, asked_at: float, waited: float | None, gated
 def _refusal(m: Refused) -> GatewayError:
     cls = EngineError if m.engine else GatewayError
     return cls(m.message, status=m.status, code=m.code, retryable=m.retryable, detail=m.detail)
+
+
+async def _by(asked: asyncio.Future[Offer | Refused], deadline: float) -> Offer | Refused:
+    """The authority's word on a request, by the request's deadline (and `WORD_GRACE_S`): a
+    frozen authority's requests are answered 503 at their deadline, not when it wakes."""
+    try:
+        async with asyncio.timeout_at(deadline + WORD_GRACE_S):
+            return await asked
+    except TimeoutError:
+        raise UnavailableError(
+            "no word from the gateway's authority within queue.request_deadline"
+        ) from None

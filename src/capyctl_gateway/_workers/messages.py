@@ -3,8 +3,14 @@ one `encode` (to the orjson array the line carries, its tag first) and one `deco
 `decode` dispatches on the tag; a message with an unknown tag or the wrong shape is a broken
 peer (`ValueError`, and the line is closed).
 
-Authority to worker: `Hello`, `Offer`, `Refused`, `Abort`, `Stop`, `Quit` (here). Worker to
-authority: `Ready`, `Admit`, `Next`, `End`, `Gone`, `Counts`, `Answered` (``words.py``).
+Authority to worker: `Hello`, `Offer`, `Refused`, `Abort`, `Stop`, `Quit`, `Ping` (here). Worker
+to authority: `Ready`, `Admit`, `Next`, `End`, `Gone`, `Counts`, `Answered`, `Pong`
+(``words.py``).
+
+Each side knows the other alive by what it hears: the authority pings every `PING_S`, and a
+worker it has not heard from for `FROZEN_S` is killed and started again (``_cli_workers.py``);
+a worker that has not heard its authority for `FROZEN_S` refuses new requests at once (503),
+and each request waiting for the authority's word ends at its deadline whatever it says.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .words import Admit, Answered, Counts, End, Gone, Next, Ready
+from .words import Admit, Answered, Counts, End, Gone, Next, Pong, Ready
 
 __all__ = [
+    "FROZEN_S",
+    "PING_S",
     "Abort",
     "Admit",
     "Answered",
@@ -25,12 +33,21 @@ __all__ = [
     "Message",
     "Next",
     "Offer",
+    "Ping",
+    "Pong",
     "Quit",
     "Ready",
     "Refused",
     "Stop",
     "decode",
 ]
+
+
+PING_S = 1.0
+"""How often the authority pings each worker."""
+FROZEN_S = 5.0
+"""Silence after which either side takes the other for frozen (a stopped process, a blocked
+loop): five pings missed."""
 
 
 # --- authority -> worker -------------------------------------------------------------------------
@@ -162,26 +179,30 @@ class Quit:
         return cls()
 
 
-Message = (
-    Hello
-    | Offer
-    | Refused
-    | Abort
-    | Stop
-    | Quit
-    | Ready
-    | Admit
-    | Next
-    | End
-    | Gone
-    | Counts
-    | Answered
-)
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """The authority's heartbeat (every `PING_S`): the worker answers `Pong` at once."""
+
+    TAG: ClassVar[str] = "P"
+    n: int
+
+    def encode(self) -> list[Any]:
+        return [self.TAG, self.n]
+
+    @classmethod
+    def decode(cls, m: list[Any]) -> Ping:
+        _, n = m
+        return cls(n)
+
+
+_TO_WORKER = Hello | Offer | Refused | Abort | Stop | Quit | Ping
+_TO_AUTHORITY = Ready | Admit | Next | End | Gone | Counts | Answered | Pong
+Message = _TO_WORKER | _TO_AUTHORITY
 _DECODERS = {
     kind.TAG: kind.decode
     for kind in (
-        *(Hello, Offer, Refused, Abort, Stop, Quit),
-        *(Ready, Admit, Next, End, Gone, Counts, Answered),
+        *(Hello, Offer, Refused, Abort, Stop, Quit, Ping),
+        *(Ready, Admit, Next, End, Gone, Counts, Answered, Pong),
     )
 }
 

@@ -1,9 +1,9 @@
 """What a worker says to its authority (``messages.py`` has the whole protocol): each message a
 frozen dataclass with one `encode` and one `decode`, as there.
 
-`Ready`, `Admit`, `Next`, `End`, `Gone`, `Counts`, and `Answered`: the engine's first output
-for a request, so that the authority knows it was answered even if the worker dies before
-its `End`.
+`Ready`, `Admit`, `Next`, `End`, `Gone`, `Counts`, `Answered` (the engine's first output for
+a request, so that the authority knows it was answered even if the worker dies before its
+`End`), and `Pong`, the answer to a ping.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from .._routing.prefix import pack, unpack
 from .._tally import Figures
 
-__all__ = ["Admit", "Answered", "Counts", "End", "Gone", "Next", "Ready"]
+__all__ = ["Admit", "Answered", "Counts", "End", "Gone", "Next", "Pong", "Ready"]
 
 
 # --- worker -> authority -------------------------------------------------------------------------
@@ -144,3 +144,19 @@ class Answered:
     def decode(cls, m: list[Any]) -> Answered:
         _, gid = m
         return cls(gid)
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """The worker's answer to ping ``n`` (it is alive)."""
+
+    TAG: ClassVar[str] = "B"
+    n: int
+
+    def encode(self) -> list[Any]:
+        return [self.TAG, self.n]
+
+    @classmethod
+    def decode(cls, m: list[Any]) -> Pong:
+        _, n = m
+        return cls(n)

@@ -26,7 +26,7 @@ from .._http.inference import Inference
 from .._http.server import GatewayRunner
 from .._loop import running_loop
 from .desk import RemoteDesk
-from .messages import Abort, Hello, Message, Offer, Quit, Ready, Refused, Stop
+from .messages import Abort, Hello, Message, Offer, Ping, Pong, Quit, Ready, Refused, Stop
 from .wire import Wire
 
 __all__ = ["END_GRACE_S", "Worker", "bound", "share"]
@@ -65,6 +65,10 @@ class Worker:
         elif isinstance(m, Abort):
             if desk is not None:
                 desk.abort(m.gid, m.why, m.code)
+        elif isinstance(m, Ping):
+            self.wire.send(Pong(m.n))  # alive
+            if desk is not None:
+                desk.heard_at = running_loop().time()
         elif isinstance(m, Hello | Stop | Quit):
             self.orders.put_nowait(m)
 
@@ -93,6 +97,8 @@ class Worker:
         self.prefix_seed = int(hello["prefix_seed"])
         engines = EngineClient(connect_timeout=config.queue.connect_timeout)
         self.desk = RemoteDesk(self.config, engines, self.wire)
+        if hello.get("pinged"):  # its silence from now on is its authority's (FROZEN_S)
+            self.desk.heard_at = running_loop().time()
         return hello
 
     async def serve(self, sock: socket.socket, on_ready: Callable[[], None] | None = None) -> None:
