@@ -227,7 +227,8 @@ async def test_the_lifecycle_under_a_random_schedule_loses_no_request(
     print(f"lifecycle model: seed {SEED}, {steps} steps on the {kind} runner")  # noqa: T201
     memory = {"ready": "1GiB", "parked": 0}
     deps = [
-        launched("a", served=served("a"), memory=memory, lifecycle={"drain_timeout": "2s"}),
+        launched("a", served=served("a"), memory=memory,
+                 lifecycle={"drain_timeout": "2s", "come_back": True}),
         launched("b", served=served("b"), memory=memory,
                  lifecycle={"drain_timeout": "2s", "ready_idle_timeout": "1s"}),
         launched("c", served=served("c"), memory=memory,

@@ -100,6 +100,9 @@ class Lifecycle(BaseModel):
     unresponsive_timeout: Seconds = 30.0
     """A ready engine on this machine that answers none of the collector's polls for this long
     is stopped (its process group killed) and started again for the next request."""
+    come_back: bool = False
+    """Switched out to make room for another deployment, it starts again by itself once the
+    memory budget has room for it (never switching another out for that)."""
 
 
 class Routing(BaseModel):

@@ -8,6 +8,8 @@
   could never start (every request would wait for room that cannot be made, then get a 503).
 - Deployments kept ready (``activation: always``) that together hold more ready memory on one
   machine than the budget: one of them could never start, and would try again for ever.
+- ``lifecycle.come_back`` with no budget, or on a deployment kept ready: no switch would ever
+  take it out.
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ def url_only_problem(deployments: Sequence[Deployment]) -> str | None:
 
 def budget_problem(d: Deployment, budget: int | None) -> str | None:
     """Why ``d`` cannot run under ``budget``: a launched deployment that does not say what it
-    holds, or one whose instances on one machine hold more ready than all of it."""
+    holds, or one whose instances on one machine hold more ready than all of it; or one marked
+    to come back that nothing would ever switch out."""
+    if d.lifecycle.come_back and (budget is None or d.lifecycle.activation == "always"):
+        why = "there is no resources.memory_budget" if budget is None else "it is kept ready"
+        return (
+            f"deployment {d.name!r}: lifecycle.come_back would do nothing: {why}, so no "
+            "switch ever takes it out"
+        )
     if budget is None or not d.launched:
         return None
     if d.memory is None:

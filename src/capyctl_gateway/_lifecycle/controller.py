@@ -36,6 +36,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._tasks import Supervisor
+from . import comeback
 from .budget import MemoryBudget
 from .crash import backoff_left, exit_watch
 from .rest import closing
@@ -78,7 +79,7 @@ class Lifecycle:
         }
         self.budget = MemoryBudget(config, self.lives, self._switch_out)
         self.engines = Transitions(self.lives, settlement, self.budget)
-        self.engines.observers.append(exit_watch(self))
+        self.engines.observers += (exit_watch(self), comeback.watch(self))
 
     # -- requests ------------------------------------------------------------------------
     def want(self, name: str) -> None:
@@ -188,7 +189,7 @@ class Lifecycle:
                 return None
             return f"deployment {name}, which it made room for, may no longer start"
 
-        return self.close(life, why, unless=unwanted)
+        return comeback.switched_out(life, self.close(life, why, unless=unwanted))
 
     # -- time -------------------------------------------------------------------------------
     def watch(self) -> asyncio.Task[None]:

@@ -86,6 +86,9 @@ class DeploymentLife:
     """An operator stopped it: requests get 409 deployment_stopped until an operator starts it."""
     operator_started: bool = False
     """An operator started it (what ``activation: explicit`` waits for)."""
+    displaced: bool = False
+    """A switch took it out for another deployment, and nothing has started it since: with
+    ``lifecycle.come_back`` it starts again once the budget has room (``comeback.py``)."""
 
     @property
     def parks(self) -> bool:
