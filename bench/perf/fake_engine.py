@@ -39,7 +39,9 @@ TEXT = " tok"
 PROMPT_TOKENS = 8
 MAX_CHUNKS = 100_000
 MAX_HEAD = 64 * 1024
-MAX_BODY = 8 * 1024 * 1024
+MAX_BODY = 128 * 1024 * 1024
+"""The largest body it reads (past the gateway's own 64 MiB limit: what the gateway forwards
+is read whole, as a real engine would)."""
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\n"
     b"content-type: text/event-stream; charset=utf-8\r\n"
