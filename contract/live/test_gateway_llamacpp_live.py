@@ -90,6 +90,28 @@ async def _until_idle(c: Collector, *, within: float) -> float:
             await anyio.sleep(0.1)  # read the engine's count every 100 ms
 
 
+async def both_hang_up(
+    gw: RunningGateway, server: LlamaServer, path: str, body: dict[str, object]
+) -> float:
+    """Two clients send ``body`` to ``path`` and hang up once the engine runs both; seconds
+    from then until llama.cpp reports idle (its own count, read every 100 ms)."""
+    headers = {"Authorization": f"Bearer {gw.key}"}
+    async with Collector(options=ProviderOptions(connect_attempts=1)) as c:
+        c.add("e", llama_cpp(server.base_url), model_id="tiny", poll=False)
+        assert (await c.check("e")).ok
+        async with httpx.AsyncClient(timeout=60) as http, anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(lambda: http.post(gw.url + path, json=body, headers=headers))
+            with anyio.fail_after(30):
+                while True:
+                    snap = await c.refresh("e")
+                    if snap is not None and snap.metrics.running_requests == 2:
+                        break
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()  # both clients hang up
+        return await _until_idle(c, within=5)
+
+
 @pytest.mark.parametrize("streamed", [True, False])
 async def test_a_hang_up_stops_the_engine(
     llama_gateway: RunningGateway, llama_server: LlamaServer, streamed: bool
@@ -100,25 +122,7 @@ async def test_a_hang_up_stops_the_engine(
     it; through the gateway it is asked for a stream, so it stops the same way both times.
     """
     body = {"model": "my-model", "messages": MESSAGES, "max_tokens": 30000, "stream": streamed}
-    headers = {"Authorization": f"Bearer {llama_gateway.key}"}
-    async with Collector(options=ProviderOptions(connect_attempts=1)) as c:
-        c.add("e", llama_cpp(llama_server.base_url), model_id="tiny", poll=False)
-        assert (await c.check("e")).ok
-        async with httpx.AsyncClient(timeout=60) as http, anyio.create_task_group() as tg:
-            for _ in range(2):
-                tg.start_soon(
-                    lambda: http.post(
-                        llama_gateway.url + "/v1/chat/completions", json=body, headers=headers
-                    )
-                )
-            with anyio.fail_after(30):
-                while True:
-                    snap = await c.refresh("e")
-                    if snap is not None and snap.metrics.running_requests == 2:
-                        break
-                    await anyio.sleep(0.05)
-            tg.cancel_scope.cancel()  # both clients hang up
-        seconds = await _until_idle(c, within=5)
+    seconds = await both_hang_up(llama_gateway, llama_server, "/v1/chat/completions", body)
     assert seconds < 1.0
 
 

@@ -35,11 +35,13 @@ from .verify import ChunkVerifier
 __all__ = [
     "SSE_HEADERS",
     "answer_figures",
+    "client_gone",
     "collect_chat",
     "note_outcome",
     "relay_chat",
     "start_stream",
     "stream_error",
+    "unverified",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,15 +100,11 @@ async def relay_chat(
             ex.writing = False
         return out
     except (ClientGoneError, ConnectionResetError):
-        if ex.writing and request.transport is not None:
-            request.transport.abort()  # it stopped reading: what is buffered will never drain
-        return out if out is not None else web.Response(status=499)
+        return client_gone(request, ex, out)
     except NotAcceptedError:
         raise
     except UnverifiedError as exc:
-        logger.warning("engine stream unverified (%s): %s%s", ex.where, exc, _said(exc))
-        err = UnverifiedError(f"the engine stream failed verification: {exc}", detail=exc.detail)
-        return await stream_error(request, out, err, headers)
+        return await stream_error(request, out, unverified(ex, exc), headers)
     except GatewayError as err:
         if out is None:
             raise  # nothing written yet: the HTTP surface answers it
@@ -137,6 +135,23 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_byt
     result = assembler.result()
     result["capyctl"] = {"metrics": answer_figures(ex, dep, verifier, sent_at)}
     return orjson.dumps(result)
+
+
+def client_gone(
+    request: web.Request, ex: Exchange, out: web.StreamResponse | None
+) -> web.StreamResponse:
+    """What a stream whose client went answers (nobody reads it): a write it stopped reading
+    is dropped with its connection, whatever is buffered."""
+    if ex.writing and request.transport is not None:
+        request.transport.abort()  # it stopped reading: what is buffered will never drain
+    return out if out is not None else web.Response(status=499)
+
+
+def unverified(ex: Exchange, exc: UnverifiedError) -> UnverifiedError:
+    """A stream's failed verification, logged with the engine's own words (the log's only),
+    as the client hears of it."""
+    logger.warning("engine stream unverified (%s): %s%s", ex.where, exc, _said(exc))
+    return UnverifiedError(f"the engine stream failed verification: {exc}", detail=exc.detail)
 
 
 def note_outcome(ex: Exchange, verifier: ChunkVerifier) -> None:

@@ -30,7 +30,13 @@ from .._errors import (
     UnverifiedError,
 )
 from .._relay.blocks import BlockReader
-from .._relay.chat import answer_figures, note_outcome, start_stream
+from .._relay.chat import (
+    answer_figures,
+    client_gone,
+    note_outcome,
+    start_stream,
+    unverified,
+)
 from .._relay.exchange import Exchange
 from .._relay.pump import Fold
 from .._relay.verify import ChunkVerifier
@@ -93,16 +99,11 @@ async def relay_response(
             ex.writing = False
         return out
     except (ClientGoneError, ConnectionResetError):
-        if ex.writing and request.transport is not None:
-            request.transport.abort()  # it stopped reading: what is buffered will never drain
-        return out if out is not None else web.Response(status=499)
+        return client_gone(request, ex, out)
     except NotAcceptedError:
         raise
-    except UnverifiedError as exc:
-        # In band even before anything was written, as on chat: a stream was asked for
-        logger.warning("engine stream unverified (%s): %s", ex.where, exc)
-        err = UnverifiedError(f"the engine stream failed verification: {exc}")
-        return await _fail(request, out, builder, err, headers)
+    except UnverifiedError as exc:  # in band even before anything was written, as on chat
+        return await _fail(request, out, builder, unverified(ex, exc), headers)
     except GatewayError as err:
         if out is None:
             raise  # nothing written yet: the HTTP surface answers it
