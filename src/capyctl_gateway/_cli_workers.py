@@ -33,6 +33,8 @@ RESTART_FIRST_S = 0.5
 RESTART_MAX_S = 10.0
 STEADY_S = 30.0
 """A worker up this long resets its restart delay."""
+MISSED = round(FROZEN_S / PING_S)
+"""Pings in a row a worker may leave unanswered before it is taken for frozen."""
 READY_TIMEOUT_S = 60.0
 """How long a worker gets to listen when the gateway starts."""
 
@@ -60,22 +62,23 @@ class Workers:
             await asyncio.wait_for(self._spawn(index), READY_TIMEOUT_S)
 
     async def _beat(self) -> None:
-        """Ping every worker; one silent for `FROZEN_S` (stopped, its loop blocked) still
-        holds its share of the port and its clients: it is killed, and its keeper starts it
-        again (what it ran is settled as a lost line's requests are)."""
+        """Ping every worker; one that answered none of the last `MISSED` pings (`FROZEN_S`:
+        stopped, its loop blocked) still holds its share of the port and its clients: it is
+        killed, and its keeper starts it again (what it ran is settled as a lost line's
+        requests are). A worker still starting is judged by `READY_TIMEOUT_S` alone; a stall
+        of the authority's own sends no pings, so it costs no worker its life."""
         self.authority.ping()
-        now = asyncio.get_running_loop().time()
-        for index, line in self.lines.items():
-            proc = self.procs[index]
-            silent = now - line.heard_at
-            if silent > FROZEN_S and proc.returncode is None and not self._stopping:
+        for index, line in list(self.lines.items()):
+            proc, missed = self.procs[index], self.authority.unanswered(line)
+            ready = line.ready.done() and line.ready.result()  # else READY_TIMEOUT_S bounds it
+            if ready and missed > MISSED and proc.returncode is None and not self._stopping:
                 event(
                     "worker_frozen",
-                    "worker %d has not answered for %.1f s; killing it to start it again",
-                    *(index, silent),
+                    "worker %d answered none of the last %d pings; killing it to start it again",
+                    *(index, missed),
                     worker=index,
                 )
-                line.heard_at = now  # once: its keeper sees the exit
+                del self.lines[index]  # once: its keeper sees the exit
                 proc.kill()
 
     async def _spawn(self, index: int) -> None:

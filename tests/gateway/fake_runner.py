@@ -205,7 +205,7 @@ class FakeRunner(SeenBy):
         return True
 
     def exited(self) -> str | None:
-        return self._exited
+        return self._exited if self._gone.is_set() else None  # seen once it is reported
 
     async def gone(self) -> str:
         await self._gone.wait()

@@ -19,6 +19,7 @@ import anyio
 import httpx
 import pytest
 
+from capyctl_gateway._routing.place import EXIT_SEEN_S
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, WORKERS, Gw
 from tests.gateway.fake_runner import Script
@@ -430,3 +431,22 @@ async def test_a_request_that_comes_while_an_exited_engine_is_stopped_is_answere
 
 async def _append(answers: list[httpx.Response], c: httpx.AsyncClient) -> None:
     answers.append(await c.post("/v1/chat/completions", json=chat()))
+
+
+async def test_a_refusal_whose_exit_is_never_seen_is_answered_as_any_other(
+    make_gateway: MakeGateway,
+) -> None:
+    """A launched engine's port refuses, but no exit comes (a port that refuses for another
+    reason): the request waits EXIT_SEEN_S for one, then gets 502 as any refusal did, not 503
+    at its deadline (found in review)."""
+    gw = await make_gateway({"deployments": [launched()], "queue": {"request_deadline": "20s"}})
+    assert gw.fakes is not None
+    inst = gw.gateway.fleet.routes["my-model"].instances[0]
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        gw.fakes.exit(inst.key, seen=False)
+        began = time.monotonic()
+        r = await c.post("/v1/chat/completions", json=chat())
+        took = time.monotonic() - began
+    assert (r.status_code, r.json()["code"]) == (502, "engine_error"), r.text
+    assert EXIT_SEEN_S <= took < EXIT_SEEN_S + 2

@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capyctl_gateway._errors import UnverifiedError
 from capyctl_gateway._responses.build import ResponseBuilder
 from capyctl_gateway._responses.request import check_responses
 from tests.gateway.openai_schemas import validate_event, validate_response
@@ -24,6 +26,23 @@ DELTA = st.one_of(
         TEXT,
     ),
 )
+
+
+def _resumes(deltas: list[dict[str, Any]]) -> bool:
+    """Whether a tool call's deltas come again after another item began (which a Response
+    cannot say: its done events were out)."""
+    kinds = [_kind(d) for d in deltas]
+    runs = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+    calls = [k for k in runs if k.startswith("call")]
+    return len(calls) != len(set(calls))
+
+
+def _kind(d: dict[str, Any]) -> str:
+    if "content" in d:
+        return "message"
+    if "reasoning" in d:
+        return "reasoning"
+    return f"call{d['tool_calls'][0]['index']}"
 
 
 def _runs(deltas: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -58,6 +77,11 @@ def test_any_run_of_deltas_makes_valid_numbered_events_and_whole_items(
     deltas: list[dict[str, Any]], finish: str
 ) -> None:
     b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=2**20, streaming=True)
+    if _resumes(deltas):
+        with pytest.raises(UnverifiedError, match="resumed after another item"):
+            for d in deltas:
+                b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+        return
     for d in deltas:
         b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
     b.add({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
@@ -100,3 +124,16 @@ def test_a_failure_discards_the_events_of_the_read_that_failed() -> None:
     ]
     assert [e["sequence_number"] for e in rest] == [numbers[-1] + 1, numbers[-1] + 2]
     assert [e["type"] for e in rest] == ["error", "response.failed"]
+
+
+def test_an_answer_the_engine_ended_otherwise_fails_never_looks_whole() -> None:
+    """vLLM's ``abort`` finish: the answer was cut short; it was reported completed."""
+    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=2**20, streaming=True)
+    b.add({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]})
+    b.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
+    response = b.finished(None)
+    validate_response(response)
+    assert response["status"] == "failed"
+    assert response["error"]["message"] == (
+        "engine_error: the engine ended the answer with finish_reason 'abort'"
+    )

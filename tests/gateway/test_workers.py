@@ -253,6 +253,7 @@ async def test_with_its_authority_frozen_a_worker_answers_by_the_deadline(
     try:
         key = listening(gateway, state)
         assert (await one(port, key))[0] == 200
+        workers = sorted(children(gateway.pid))
         os.kill(gateway.pid, signal.SIGSTOP)
         try:
             first = await asyncio.gather(*(one(port, key) for _ in range(6)))
@@ -274,12 +275,15 @@ async def test_with_its_authority_frozen_a_worker_answers_by_the_deadline(
         await eventually(served)  # its next ping tells the workers it is back
         woke = await asyncio.gather(*(one(port, key) for _ in range(6)))
         assert [s for s, _ in woke] == [200] * 6, woke
+        # Its own stall was no worker's silence: the same workers serve (none was killed).
+        assert sorted(children(gateway.pid)) == workers
     finally:
         gateway.send_signal(signal.SIGCONT)
         gateway.send_signal(signal.SIGTERM)
         gateway.wait(timeout=60)
         assert gateway.stderr is not None
-        gateway.stderr.close()
+        with gateway.stderr:
+            assert b"worker_frozen" not in gateway.stderr.read()
 
 
 async def test_a_stopping_gateway_drains_every_worker(tmp_path: Path) -> None:

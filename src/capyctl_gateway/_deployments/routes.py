@@ -152,7 +152,7 @@ class EngineInstance:
         )
         if now:
             self.opened += 1
-            self.waiters.notify()
+        self.waiters.notify()  # either way: a request waiting for this one looks again
 
     def bind(self, url: str) -> None:
         """Address the instance at ``url`` (a launched engine, once it has its port; one on a

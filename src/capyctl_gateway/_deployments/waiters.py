@@ -18,7 +18,7 @@ class Waiters:
         """Requests (with a running slot) waiting now: the lifecycle counts them as waiting."""
 
     def notify(self) -> None:
-        """An instance became available: requests waiting for one look again."""
+        """An instance opened or closed: requests waiting for one look again."""
         if self._changed is not None:
             self._changed.set()
             self._changed = None

@@ -5,8 +5,9 @@ A switch that came to rest marks the deployment displaced (`switched_out`). Afte
 transition that frees memory (a stop, a park, a failure), a look in the next loop turn (`watch`)
 starts each displaced deployment that fits now: it reserves the room and starts the activation
 in one step, so that it never switches another deployment out for that, and never races
-another activation for the room. Whatever starts or wakes it, or an operator's stop, ends its
-being displaced.
+another activation for the room. Whatever starts or wakes it ends its being displaced; while an
+operator's stop holds it (or ``activation: explicit`` waits for an operator), it does not come
+back.
 """
 
 from __future__ import annotations

@@ -63,12 +63,18 @@ class Launched:
     def enter(self, to: InstanceState, now: float) -> None:
         """Take state ``to`` (`Transitions.move`): a stop's future is made as it begins, and
         done as it ends."""
-        if self.stopping is not None and to is not InstanceState.STOPPING:
-            self.stopping.set_result(None)
-            self.stopping = None
-        elif to is InstanceState.STOPPING and self.stopping is None:
+        if to is not InstanceState.STOPPING:
+            self.stop_over()
+        elif self.stopping is None:
             self.stopping = asyncio.get_running_loop().create_future()
         self.state, self.since = to, now
+
+    def stop_over(self) -> None:
+        """The stop under way is over, however it ended (one that raised too): whoever waits
+        for it goes on."""
+        if self.stopping is not None:
+            self.stopping.set_result(None)
+            self.stopping = None
 
 
 @dataclass(eq=False)

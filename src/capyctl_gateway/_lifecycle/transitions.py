@@ -104,6 +104,7 @@ class Transitions:
             return
         finally:
             inst.unusable = None  # its next process is checked afresh
+            lc.stop_over()  # however it ended: an activation waiting for it goes on
         lc.unconfirmed = not proven
         if proven:  # a stopped engine runs nothing: every cut request it counted is settled
             why = f"engine stopped by {inst.runner.site.stopper}"

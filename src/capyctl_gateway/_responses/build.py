@@ -21,6 +21,8 @@ __all__ = ["ResponseBuilder"]
 _REASONING = ("reasoning_content", "reasoning")
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 """The engine's finish reasons that leave a Response incomplete, and OpenAI's word for each."""
+_WHOLE = (None, "stop", "tool_calls", "function_call")
+"""Those of an answer the engine ended whole; any other (vLLM's ``abort``) fails it."""
 
 
 class ResponseBuilder:
@@ -93,9 +95,13 @@ class ResponseBuilder:
         return any(item["type"] == "reasoning" for item in self._output.items)
 
     def finished(self, usage: dict[str, Any] | None) -> dict[str, Any]:
-        """The Response, whole (its last events made): completed, or incomplete where the
-        engine stopped at the token limit or its content filter."""
+        """The Response, whole (its last events made): completed, incomplete where the engine
+        stopped at the token limit or its content filter, failed where it ended the answer
+        any other way."""
         reason = _INCOMPLETE.get(self.finish)
+        if reason is None and self.finish not in _WHOLE:
+            why = f"the engine ended the answer with finish_reason {self.finish!r}"
+            return self.failed("engine_error", why)  # never a shortened answer that looks whole
         self._output.close("incomplete" if reason else "completed")
         r = self.response
         if usage is not None:

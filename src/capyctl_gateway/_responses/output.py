@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from .._errors import UnverifiedError
+
 __all__ = ["Events", "Output", "item_id"]
 
 _DELTA = b',"delta":'
@@ -94,12 +96,14 @@ class _Open:
 class Output:
     """The output items of one Response (``items``), one open at a time."""
 
-    __slots__ = ("_event", "_open", "items")
+    __slots__ = ("_calls", "_event", "_open", "items")
 
     def __init__(self, event: Events) -> None:
         self.items: list[dict[str, Any]] = []
         self._event = event
         self._open: _Open | None = None
+        self._calls: set[int] = set()
+        """The tool calls' indexes begun (a closed one cannot take deltas again)."""
 
     def text(self, kind: str, text: str) -> None:
         """Text of ``kind`` (``message`` or ``reasoning``)."""
@@ -113,6 +117,12 @@ class Output:
         """A tool call's delta (its ID and name come with its first)."""
         o = self._open
         if o is None or o.kind != index:
+            if index in self._calls:  # its done events are out: it cannot grow again
+                raise UnverifiedError(
+                    f"tool call {index} resumed after another item began (the Responses API "
+                    "has no way to say so)"
+                )
+            self._calls.add(index)
             o = self._start(index, call_id, name)
         elif name and not o.item["name"]:
             o.item["name"] = name

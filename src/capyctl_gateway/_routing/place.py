@@ -15,6 +15,7 @@ worker that holds the client (``_workers/``). Either way each offer is charged t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -27,7 +28,7 @@ from .._tally import Tally
 from .choose import Choice, choose
 from .lines import Named, candidates, log_route, skipped
 
-__all__ = ["MAX_OFFERS", "Placing", "place"]
+__all__ = ["EXIT_SEEN_S", "MAX_OFFERS", "Placing", "place"]
 
 MAX_OFFERS = 4
 """Instances a request is offered to, when the ones before provably never got it."""
@@ -60,7 +61,7 @@ async def place(
         fleet.lifecycle.want(name)  # refused now, or waits in the queue for its start
     async with route.queue.slot(deadline):
         tally.slot = stamp()
-        return await _offer(route, asked, deadline, attempt)
+        return await _offer(route, asked, deadline, attempt, lambda: fleet.lifecycle.want(name))
 
 
 async def _offer(
@@ -68,6 +69,7 @@ async def _offer(
     asked: Placing,
     deadline: float,
     attempt: Callable[[EngineInstance, Route], Awaitable[T]],
+    want: Callable[[], None],
 ) -> T:
     name = asked.dep.name
     if all(i.unusable for i in route.instances):
@@ -80,20 +82,29 @@ async def _offer(
     """Each instance whose engine provably never got the request, with its `opened` then."""
     details: list[str] = []
     loop = running_loop()
+    refused_at = 0.0
     while len(refused) < MAX_OFFERS:
         excluded = {i for i, opened in refused.items() if route.instances[i].opened == opened}
         choice = choose(route, asked.facts, excluded)
         if choice is None:
-            if excluded and not _coming_back(route, excluded):
-                break
+            until = deadline
+            if excluded:
+                back = _coming_back(route, excluded, refused_at)
+                if back is None:
+                    break
+                until = min(deadline, back)
             # None may take it now (its host is gone, its engine is parking, or the engine
-            # that refused it is launched and exited: it starts again): wait for one.
-            if not await route.waiters.wait(deadline - loop.time()):
+            # that refused it exited: it starts again): wait for one.
+            if not await route.waiters.wait(until - loop.time()):
+                if until < deadline:
+                    break  # its exit was not seen: a refusal like any other
                 raise UnavailableError(
                     f"deployment {name}: no instance could take the request within "
                     "queue.request_deadline",
                     detail="; ".join([*details, *skipped(route)]),
                 )
+            if excluded and asked.dep.launched:
+                want()  # an operator's stop meanwhile refuses it; a restart is under way
             continue
         instance = choice.instance
         _log_choice(asked, route, choice, excluded)
@@ -105,6 +116,7 @@ async def _offer(
             # The engine never saw it: another instance may serve it, within the deadline, or
             # this one once it has started again.
             refused[instance.index] = instance.opened
+            refused_at = loop.time()
             route.not_accepted(instance)
             details.append(exc.detail or exc.message)
             log_route("router_failover", asked, route, instance, exc.detail)
@@ -114,11 +126,24 @@ async def _offer(
     )
 
 
-def _coming_back(route: Route, excluded: set[int]) -> bool:
-    """Whether an instance whose engine refused the request is one the gateway runs: its
-    engine exited (a port that refuses), and the lifecycle starts it again once it sees the
-    exit, for the requests that wait for an instance."""
-    return any(route.instances[i].launch is not None for i in excluded)
+EXIT_SEEN_S = 1.0
+"""How long a request refused by a launched engine's port waits for that engine's exit to be
+seen (measured: 30-38 ms from the exit) before it takes the refusal as any other."""
+
+
+def _coming_back(route: Route, excluded: set[int], refused_at: float) -> float | None:
+    """Until when a request that every instance refused may wait for one to open again: the
+    deadline, where an engine the gateway runs refused it and is now seen gone (it exited,
+    and the lifecycle starts it again for the requests that wait); `EXIT_SEEN_S` after the
+    refusal, where such an engine still looks up (its exit may not be seen yet); None where
+    no engine the gateway runs refused it (a host's busy ingress, an engine someone else
+    runs: a refusal like any other)."""
+    launched = [route.instances[i] for i in excluded if route.instances[i].launch is not None]
+    if not launched:
+        return None
+    if any(not i.available for i in launched):
+        return math.inf
+    return refused_at + EXIT_SEEN_S
 
 
 def _log_choice(asked: Placing, route: Route, choice: Choice, refused: set[int]) -> None:

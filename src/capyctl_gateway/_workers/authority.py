@@ -147,9 +147,8 @@ class Line:
         self.ready: asyncio.Future[bool] = running_loop().create_future()
         """True once the worker listens; False when its line ended before."""
         self.fleet = authority.gateway.fleet
-        self.heard_at = running_loop().time()
-        """When the worker last answered a ping (or said it listens): its keeper's proof of
-        life (``_cli_workers.py``)."""
+        self.answered = 0
+        """The last ping the worker answered (its keeper's proof of life: `Authority.late`)."""
 
     def _message(self, m: Message) -> None:
         if isinstance(m, Admit):
@@ -166,9 +165,8 @@ class Line:
         elif isinstance(m, Counts):
             add(self.authority.gateway.telemetry, m.figures, running_loop().time())
         elif isinstance(m, Pong):
-            self.heard_at = running_loop().time()
+            self.answered = max(self.answered, m.n)
         elif isinstance(m, Ready):
-            self.heard_at = running_loop().time()
             if not self.ready.done():
                 self.ready.set_result(True)
         elif isinstance(m, End | Next | Gone):
@@ -260,6 +258,7 @@ class Authority:
         configuration, the key and how many workers share the listener's bounds. Wait for
         `Line.ready` before counting on it."""
         line = Line(self)
+        line.answered = self._pings  # it owes none of the pings before it
         await running_loop().create_unix_connection(lambda: line.wire, sock=sock)
         self.lines.add(line)
         gateway = self.gateway
@@ -284,6 +283,12 @@ class Authority:
         its authority's)."""
         self._pings += 1
         self.broadcast(Ping(self._pings))
+
+    def unanswered(self, line: Line) -> int:
+        """How many pings in a row ``line``'s worker has not answered: counted in pings, not
+        seconds, so that a stall of the authority's own (which sends none) is never the
+        worker's silence."""
+        return self._pings - line.answered
 
 
 def _fitted(config: GatewayConfig, workers: int) -> GatewayConfig:
