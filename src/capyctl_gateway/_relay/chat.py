@@ -25,7 +25,7 @@ from .._errors import (
     UnverifiedError,
     error_event,
 )
-from .assemble import Assembler
+from .assemble import Assembler, Folding
 from .blocks import BlockReader
 from .exchange import Exchange
 from .figures import Figures, chat_figures
@@ -37,6 +37,7 @@ __all__ = [
     "answer_figures",
     "client_gone",
     "collect_chat",
+    "fold",
     "note_outcome",
     "relay_chat",
     "start_stream",
@@ -116,14 +117,27 @@ async def relay_chat(
 async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_bytes: int) -> bytes:
     """Collect the engine's stream into one chat answer for a client that asked for none;
     returns the answer's JSON bytes. An answer whose chunks pass ``max_bytes`` is refused."""
+    assembler = Assembler()
+    verifier, sent_at = await fold(ex, dep, payload, assembler, max_bytes)
+    result = assembler.result()
+    result["capyctl"] = {"metrics": answer_figures(ex, dep, verifier, sent_at)}
+    return orjson.dumps(result)
+
+
+async def fold(
+    ex: Exchange, dep: Deployment, payload: bytes, into: Folding, max_bytes: int
+) -> tuple[ChunkVerifier, float]:
+    """Fold the engine's stream into ``into`` (a chat answer, or a Response) for a client that
+    asked for no stream: its verifier (what the figures read) and when the engine was asked.
+    A stream that fails verification is the engine's failure (502); one past ``max_bytes``
+    is refused."""
     verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
     reader = BlockReader(verifier)
-    assembler = Assembler()
     sent_at = stamp()
     try:
         async with ex:
             content = await ex.open_stream(payload)
-            done = await Fold(reader, ex, assembler, max_bytes).read(content)
+            done = await Fold(reader, ex, into, max_bytes).read(content)
             verifier.verify_end(done)
             ex.complete()
     except UnverifiedError as exc:
@@ -132,9 +146,7 @@ async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_byt
         raise EngineError(message, detail=exc.detail) from exc
     finally:
         note_outcome(ex, verifier)
-    result = assembler.result()
-    result["capyctl"] = {"metrics": answer_figures(ex, dep, verifier, sent_at)}
-    return orjson.dumps(result)
+    return verifier, sent_at
 
 
 def client_gone(

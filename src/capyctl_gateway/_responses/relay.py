@@ -14,7 +14,6 @@ OpenAI's ``server_error``, the one its schema has for a fault that is not the cl
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 
 import orjson
@@ -24,7 +23,6 @@ from .._clock import stamp
 from .._config import Deployment
 from .._errors import (
     ClientGoneError,
-    EngineError,
     GatewayError,
     NotAcceptedError,
     UnverifiedError,
@@ -33,20 +31,18 @@ from .._relay.blocks import BlockReader
 from .._relay.chat import (
     answer_figures,
     client_gone,
+    fold,
     note_outcome,
     start_stream,
     unverified,
 )
 from .._relay.exchange import Exchange
-from .._relay.pump import Fold
 from .._relay.verify import ChunkVerifier
 from .build import ResponseBuilder
 from .request import Echo
 from .usage import usage_of
 
 __all__ = ["collect_response", "relay_response"]
-
-logger = logging.getLogger("capyctl_gateway._relay.chat")
 
 
 def _builder(dep: Deployment, echo: Echo, cap: int, *, streaming: bool) -> ResponseBuilder:
@@ -116,21 +112,8 @@ async def collect_response(
     ex: Exchange, dep: Deployment, payload: bytes, *, echo: Echo, cap: int
 ) -> bytes:
     """The whole Response for a client that asked for no stream; its JSON bytes."""
-    verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
-    reader = BlockReader(verifier)
     builder = _builder(dep, echo, cap, streaming=False)
-    sent_at = stamp()
-    try:
-        async with ex:
-            content = await ex.open_stream(payload)
-            done = await Fold(reader, ex, builder, cap).read(content)
-            verifier.verify_end(done)
-            ex.complete()
-    except UnverifiedError as exc:
-        logger.warning("engine answer unverified (%s): %s", ex.where, exc)
-        raise EngineError(f"the engine answer failed verification: {exc}") from exc
-    finally:
-        note_outcome(ex, verifier)
+    verifier, sent_at = await fold(ex, dep, payload, builder, cap)
     figures = answer_figures(ex, dep, verifier, sent_at)
     response = builder.finished(usage_of(verifier.usage, figures, reasoned=builder.reasoned))
     response["capyctl"] = {"metrics": figures}
