@@ -81,6 +81,26 @@ async def test_unknown_routes_and_methods_carry_a_request_id(gateway: Gw) -> Non
     assert missing.headers["x-capyctl-request-id"] and wrong.headers["x-capyctl-request-id"]
 
 
+@pytest.mark.parametrize(
+    ("path", "code"),
+    [
+        ("/v1/models/a%0Ab", "unknown_model"),  # a model name with a line break in it
+        ("/v2/a%0Ab", "not_found"),
+        ("/v1/responses/resp%0A1", "not_found"),
+    ],
+)
+async def test_a_path_with_a_line_break_is_ours_to_answer(
+    gateway: Gw, path: str, code: str
+) -> None:
+    """The routes' patterns did not match a decoded line break (``.`` stops at one), so such a
+    path fell to aiohttp's own 404: no request ID, not our error's shape (found by the OpenAPI
+    fuzzing)."""
+    async with gateway.client() as c:
+        r = await c.get(path, headers={"X-Request-Id": "nl-1"})
+    assert (r.status_code, r.json()["code"]) == (404, code)
+    assert r.headers["x-capyctl-request-id"] and r.headers["x-request-id"] == "nl-1"
+
+
 # -- errors are per request --------------------------------------------------------------
 async def test_each_unauthorised_request_gets_its_own_error(gateway: Gw) -> None:
     # A shared exception instance would carry one request's traceback into the next one's.

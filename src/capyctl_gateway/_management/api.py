@@ -71,7 +71,7 @@ def create_management_app(gateway: Gateway) -> web.Application:
     add_live_routes(app, gateway)
     add_console_routes(app)
     add_ticket_routes(app, gateway, Tickets())
-    app.router.add_route("*", "/{tail:.*}", not_found)
+    app.router.add_route("*", "/{tail:[\\s\\S]*}", not_found)
     return app
 
 
@@ -91,5 +91,5 @@ def create_metrics_app(gateway: Gateway) -> web.Application:
     """``GET /metrics`` alone (same key), for a listener a Prometheus scraper can reach."""
     app = web.Application()
     app.router.add_get("/metrics", _metrics_handler(gateway))
-    app.router.add_route("*", "/{tail:.*}", not_found)
+    app.router.add_route("*", "/{tail:[\\s\\S]*}", not_found)
     return app
