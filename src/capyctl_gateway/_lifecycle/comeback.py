@@ -60,6 +60,12 @@ def watch(lifecycle: Lifecycle) -> Callable[[Launched], None]:
     def look() -> None:
         nonlocal looking
         looking = False
+        try:
+            bring_back()
+        except Exception as exc:  # a defect: logged with its traceback, counted; none waits
+            lifecycle.tasks.fault("activation", "bringing deployments back", exc)
+
+    def bring_back() -> None:
         lives = list(lifecycle.lives.values())
         busy = [t for life in lives for t in (life.activation, life.closing) if t and not t.done()]
         if busy:

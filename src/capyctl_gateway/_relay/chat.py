@@ -42,6 +42,7 @@ __all__ = [
     "relay_chat",
     "start_stream",
     "stream_error",
+    "stream_reader",
     "unverified",
 ]
 
@@ -59,8 +60,8 @@ async def relay_chat(
     headers: dict[str, str],
 ) -> web.StreamResponse:
     """Relay the engine's stream to a streaming client, chunk by verified chunk."""
-    verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
-    reader = BlockReader(verifier)
+    reader = stream_reader(dep)
+    verifier = reader.verifier
     out: web.StreamResponse | None = None
     sent_at = stamp()
     try:
@@ -131,8 +132,8 @@ async def fold(
     asked for no stream: its verifier (what the figures read) and when the engine was asked.
     A stream that fails verification is the engine's failure (502); one past ``max_bytes``
     is refused."""
-    verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
-    reader = BlockReader(verifier)
+    reader = stream_reader(dep)
+    verifier = reader.verifier
     sent_at = stamp()
     try:
         async with ex:
@@ -147,6 +148,12 @@ async def fold(
     finally:
         note_outcome(ex, verifier)
     return verifier, sent_at
+
+
+def stream_reader(dep: Deployment) -> BlockReader:
+    """The reader and verifier of one answer of ``dep``'s engine, its model renamed to the
+    deployment's (``reader.verifier``)."""
+    return BlockReader(ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name))
 
 
 def client_gone(

@@ -27,17 +27,16 @@ from .._errors import (
     NotAcceptedError,
     UnverifiedError,
 )
-from .._relay.blocks import BlockReader
 from .._relay.chat import (
     answer_figures,
     client_gone,
     fold,
     note_outcome,
     start_stream,
+    stream_reader,
     unverified,
 )
 from .._relay.exchange import Exchange
-from .._relay.verify import ChunkVerifier
 from .build import ResponseBuilder
 from .request import Echo
 from .usage import usage_of
@@ -62,8 +61,8 @@ async def relay_response(
     cap: int,
 ) -> web.StreamResponse:
     """Relay the engine's stream to a streaming client as the Responses API's events."""
-    verifier = ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name)
-    reader = BlockReader(verifier)
+    reader = stream_reader(dep)
+    verifier = reader.verifier
     builder = _builder(dep, echo, cap, streaming=True)
     out: web.StreamResponse | None = None
     sent_at = stamp()
