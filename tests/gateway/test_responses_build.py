@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capyctl_gateway._errors import UnverifiedError
+from capyctl_gateway._errors import EngineError, UnverifiedError
 from capyctl_gateway._responses.build import ResponseBuilder
 from capyctl_gateway._responses.request import check_responses
 from tests.gateway.openai_schemas import validate_event, validate_response
@@ -137,3 +137,21 @@ def test_an_answer_the_engine_ended_otherwise_fails_never_looks_whole() -> None:
     assert response["error"]["message"] == (
         "engine_error: the engine ended the answer with finish_reason 'abort'"
     )
+
+
+def test_tool_calls_without_arguments_still_reach_the_bound() -> None:
+    """Each tool call's delta makes an event and perhaps an item: empty arguments counted
+    nothing, so an engine could grow a Response's items without end."""
+    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=4096, streaming=False)
+    with pytest.raises(EngineError, match="over 4096 bytes"):
+        for i in range(1000):
+            call = {"index": i, "function": {"name": "f", "arguments": ""}}
+            b.add({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+    assert len(b.response["output"]) < 100
+
+
+def test_a_finish_reason_reaches_the_client_only_as_a_word() -> None:
+    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=2**20, streaming=False)
+    b.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "see http://10.0.0.7:8000/"}]})
+    message = b.finished(None)["error"]["message"]
+    assert "10.0.0.7" not in message and message.endswith("finish_reason '?'")

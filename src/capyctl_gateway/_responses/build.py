@@ -21,6 +21,9 @@ __all__ = ["ResponseBuilder"]
 _REASONING = ("reasoning_content", "reasoning")
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 """The engine's finish reasons that leave a Response incomplete, and OpenAI's word for each."""
+DELTA_COST = 64
+"""What a tool call's delta counts against the answer's bound beyond its arguments: one with
+none still makes an event, and perhaps an item (their number is bounded with the text)."""
 _WHOLE = (None, "stop", "tool_calls", "function_call")
 """Those of an answer the engine ended whole; any other (vLLM's ``abort``) fails it."""
 
@@ -79,7 +82,7 @@ class ResponseBuilder:
             for call in delta.get("tool_calls") or ():
                 fn = call.get("function") or {}
                 arguments = fn.get("arguments") or ""
-                self._grow(len(arguments))
+                self._grow(len(arguments) + DELTA_COST)  # empty deltas still make items
                 self._output.call(call["index"], call.get("id"), fn.get("name"), arguments)
             finish = choice.get("finish_reason")
             if finish is not None:
@@ -100,7 +103,10 @@ class ResponseBuilder:
         any other way."""
         reason = _INCOMPLETE.get(self.finish)
         if reason is None and self.finish not in _WHOLE:
-            why = f"the engine ended the answer with finish_reason {self.finish!r}"
+            said = (
+                self.finish if isinstance(self.finish, str) and self.finish.isidentifier() else "?"
+            )
+            why = f"the engine ended the answer with finish_reason {said[:32]!r}"  # its word only
             return self.failed("engine_error", why)  # never a shortened answer that looks whole
         self._output.close("incomplete" if reason else "completed")
         r = self.response
