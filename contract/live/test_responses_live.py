@@ -181,16 +181,22 @@ async def test_a_hang_up_closes_the_engine_connection(
 
 class _Cutter:
     """A TCP relay to the real engine that closes both sides once ``after`` bytes of the
-    engine's answer have passed: the engine's stream breaks mid-answer. Every connection and
-    task it made is closed and awaited before it ends (none is left for the collector)."""
+    engine's answer have passed: the engine's stream breaks mid-answer.
+
+    Every connection is registered the moment it is accepted (the accept callback is plain,
+    not a coroutine, so it runs inside ``connection_made``) and every task it starts is owned
+    here: on exit the tasks are cancelled and awaited and every transport aborted, those of
+    relays that never got to run included. None is left for the collector to find after the
+    loop has closed."""
 
     def __init__(self, target: tuple[str, int], after: int) -> None:
         self.target, self.after = target, after
         self.port = 0
         self.relays: set[asyncio.Task[None]] = set()
+        self.writers: set[asyncio.StreamWriter] = set()
 
     async def __aenter__(self) -> _Cutter:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._accepted, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -199,13 +205,20 @@ class _Cutter:
         for task in self.relays:
             task.cancel()
         await asyncio.gather(*self.relays, return_exceptions=True)
+        for writer in self.writers:
+            writer.transport.abort()
+        for writer in self.writers:
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
         await self.server.wait_closed()
 
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.add(writer)
+        self.relays.add(asyncio.create_task(self._relay(reader, writer)))
+
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        me = asyncio.current_task()
-        assert me is not None
-        self.relays.add(me)
         up_r, up_w = await asyncio.open_connection(*self.target)
+        self.writers.add(up_w)
 
         async def up() -> None:
             while data := await reader.read(65536):
@@ -220,12 +233,8 @@ class _Cutter:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            up_w.close()
+            up_w.transport.abort()
             writer.transport.abort()
-            for w in (up_w, writer):
-                with contextlib.suppress(ConnectionError):
-                    await w.wait_closed()
-            self.relays.discard(me)
 
 
 @pytest.fixture

@@ -40,13 +40,21 @@ class Freezer:
         """The link is back: what the connections still hold moves again."""
         self._flowing.set()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback, run as the connection is accepted: the writer is owned (and closed
+        # on exit) even when the task that connects upstream never gets to run.
+        self._writers.add(writer)
+        task = asyncio.get_running_loop().create_task(self._connect(reader, writer))
+        self._pipes.add(task)
+        task.add_done_callback(self._pipes.discard)
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
             writer.close()
             return
-        self._writers |= {writer, up_writer}
+        self._writers.add(up_writer)
         for src, dst in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.get_running_loop().create_task(self._pipe(src, dst))
             self._pipes.add(task)

@@ -246,19 +246,19 @@ async def test_models_lists_every_deployment_with_its_api(gateway: Gw, engine: F
 @pytest.fixture
 async def silent_engine() -> AsyncIterator[str]:
     """An origin that accepts connections and never answers: anything that waits on it hangs."""
-    done = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
 
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await done.wait()
-        writer.close()
+    def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # a plain callback: it runs as the connection is accepted
 
     server = await asyncio.start_server(hold, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        done.set()
         server.close()
+        for writer in held:
+            writer.transport.abort()
         await server.wait_closed()
 
 

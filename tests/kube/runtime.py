@@ -119,7 +119,10 @@ async def _check(
         tcp = spec["tcpSocket"]
         host, port = tcp.get("host") or ip, _port(c, tcp["port"])
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can lose a connection that is made
+            # as the probe is cancelled, and its writer would be left open for the collector
+            async with asyncio.timeout(timeout):
+                _, writer = await asyncio.open_connection(host, port)
         except (OSError, TimeoutError) as e:
             return False, f"dial tcp {host}:{port}: {e}"
         writer.close()
