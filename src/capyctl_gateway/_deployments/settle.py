@@ -12,6 +12,11 @@ therefore stays charged to its instance until the collector shows the engine sto
   before the engine answered again; one failed poll, a timeout, is not proof (`Restart`).
 
 While an instance has cut requests, the collector polls it every 250 ms.
+
+An instance counts at most `MAX_CUT` of them: an engine someone else runs (``url:``) may never
+restart, and every hang-up before its first token would be counted for good. Past the bound the
+oldest is let go (settled as `OVER_THE_BOUND`, a warning in the log): what it says of the
+engine is the oldest and least likely to still hold.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from enum import StrEnum
 from canopyx_provider import (
     ChecksCompleted,
     EngineRestarted,
-    EngineSnapshot,
     Event,
     ScrapeFailed,
     ScrapeSucceeded,
 )
+
+from .restart import ABSENCE_S, Restart
 
 __all__ = [
     "CutRequest",
@@ -43,6 +49,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 FAST_POLL_MS = 250
+MAX_CUT = 1024
+"""Cut requests one instance counts at most (its ledger, `status`, the store)."""
+OVER_THE_BOUND = f"let go: over {MAX_CUT} cut requests counted"
 
 
 class SettleRule(StrEnum):
@@ -68,52 +77,6 @@ class Settled:
     at: float
     sample_requested_at: float | None
     """When the sample that settled it was requested (None for a restart)."""
-
-
-ABSENCE_S = 3.0
-"""The collector's timeout of one request (the default of `ProviderOptions`; the fleet passes
-its own): an engine whose health failed for longer than this, before it answered again, was
-away (a restart), not slow."""
-_COUNTERS = (
-    "prompt_tokens_total",
-    "generated_tokens_total",
-    "prefix_cache_queried_tokens_total",
-    "prefix_cache_hit_tokens_total",
-)
-
-
-@dataclass(eq=False)
-class Restart:
-    """What an instance's samples prove of its engine's restarts (a new start marker comes as
-    its own event): a cumulative counter that went down since the sample before, or a
-    health check failing for longer than a poll's timeout before a sample came again."""
-
-    down_since: float | None = None
-    """When its health check started failing (None while it answers)."""
-    counters: tuple[float | None, ...] = ()
-    sampled_at: float | None = None
-
-    def down(self, at: float) -> None:
-        if self.down_since is None:
-            self.down_since = at
-
-    def sampled(self, snap: EngineSnapshot, absence_s: float) -> tuple[float, str] | None:
-        """What ``snap`` proves: the time the restart came after and the evidence; or None."""
-        m = snap.metrics
-        counters = tuple(getattr(m, name) for name in _COUNTERS)
-        before, self.counters = self.counters, counters
-        down, self.down_since = self.down_since, None
-        last, self.sampled_at = self.sampled_at, snap.requested_at
-        if down is not None and snap.requested_at - down > absence_s:
-            return down, f"engine back after {snap.requested_at - down:.1f} s away"
-        went_down = [
-            n
-            for n, a, b in zip(_COUNTERS, before, counters, strict=False)
-            if a is not None and b is not None and b < a
-        ]
-        if went_down and last is not None:
-            return last, f"engine restarted ({went_down[0]} went down)"
-        return None
 
 
 @dataclass(eq=False)
@@ -146,19 +109,16 @@ class Settlement:
         on_cut: Callable[[str, CutRequest], None] | None = None,
         on_settled: Callable[[str, list[CutRequest], str], None] | None = None,
     ) -> None:
-        """``poll(key, interval_ms)`` sets an instance's polling interval (None: the
-        collector's default); it is how settlement asks for faster samples while a cut
-        request waits to be settled."""
+        """``poll(key, interval_ms)`` sets an instance's polling interval (None: the default):
+        settlement asks for faster samples while a cut request waits to be settled."""
         self._clock = clock
         self._poll = poll
         self._on_cut = on_cut
-        self._on_settled = on_settled
-        """Where cut and settled requests are recorded to outlive the process (the store)."""
+        self._on_settled = on_settled  # where cuts are kept to outlive the process (the store)
         self.fast_poll_ms = fast_poll_ms
         self.ledgers: dict[str, InstanceLedger] = {}
         self.settled = 0
-        self.recent: deque[Settled] = deque(maxlen=256)
-        """The latest settlements, newest last."""
+        self.recent: deque[Settled] = deque(maxlen=256)  # the latest settlements, newest last
         self.observers: list[Callable[[Event], None]] = []
         """Called after each collector event has been applied (logging, tests)."""
         self.settled_observers: list[Callable[[str, list[CutRequest], str], None]] = []
@@ -166,8 +126,7 @@ class Settlement:
         self.restart_observers: list[Callable[[str], None]] = []  # a key: its restart proven
         self.absence_s = absence_s  # an absence longer than this proves a restart (ABSENCE_S)
 
-    def now(self) -> float:
-        """The settlement's clock (cut times are on it)."""
+    def now(self) -> float:  # the settlement's clock (cut times are on it)
         return self._clock()
 
     def ledger(self, key: str) -> InstanceLedger:
@@ -182,15 +141,11 @@ class Settlement:
         if self._on_cut is not None:
             self._on_cut(ledger.key, item)
         self._poll(ledger.key, self.fast_poll_ms)
-        logger.info(
-            "request %s cut (%s); charged to %s until settled %s",
-            request_id,
-            reason,
-            ledger.key,
-            rule.value,
-        )
+        why = f"{reason}; charged to {ledger.key} until settled {rule.value}"
+        logger.info("request %s cut (%s)", request_id, why)
         if ledger.stopped is not None:  # its engine is gone already: nothing runs it
             self.settle_all(ledger, ledger.stopped)
+        self._bound(ledger)
         return item
 
     def restore(self, ledger: InstanceLedger, cuts: list[CutRequest]) -> None:
@@ -198,6 +153,14 @@ class Settlement:
         ledger.cut.extend(cuts)
         if cuts:
             self._poll(ledger.key, self.fast_poll_ms)
+        self._bound(ledger)
+
+    def _bound(self, ledger: InstanceLedger) -> None:
+        """Keep ``ledger`` within `MAX_CUT`: the oldest cut requests past it are let go."""
+        if (over := len(ledger.cut) - MAX_CUT) > 0:
+            oldest = {id(c) for c in ledger.cut[:over]}
+            logger.warning("%s: %d cut request(s) %s", ledger.key, over, OVER_THE_BOUND)
+            self.settle(ledger, lambda c: id(c) in oldest, OVER_THE_BOUND)
 
     def settle_all(self, ledger: InstanceLedger, why: str) -> None:
         """The engine was stopped by the gateway: nothing it counted can still run."""
@@ -216,7 +179,9 @@ class Settlement:
         match event:
             case ScrapeSucceeded(snapshot=snap):
                 proof = ledger.restart.sampled(snap, self.absence_s)
-                if proof is not None:
+                if proof is not None:  # the why is a metric's label: its figure is logged
+                    gap = snap.requested_at - proof[0]
+                    logger.info("%s: %s (%.1f s before this sample)", event.key, proof[1], gap)
                     self.restarted(ledger, *proof)
                 idle = snap.metrics.idle is True
                 if ledger.cut and idle:
@@ -248,23 +213,22 @@ class Settlement:
         *,
         sample_requested_at: float | None = None,
     ) -> None:
-        """Settle the cut requests of ``ledger`` that ``done`` picks, for ``why`` (the
-        evidence: the functions below)."""
-        keep = [c for c in ledger.cut if not done(c)]
-        gone = len(ledger.cut) - len(keep)
+        """Settle the cut requests of ``ledger`` that ``done`` picks, for ``why``."""
+        keep: list[CutRequest] = []
+        gone: list[CutRequest] = []
+        for c in ledger.cut:
+            (gone if done(c) else keep).append(c)
         if not gone:
             return
         now = self._clock()
-        self.recent.extend(
-            Settled(c, why, now, sample_requested_at) for c in ledger.cut if c not in keep
-        )
+        self.recent.extend(Settled(c, why, now, sample_requested_at) for c in gone)
         if self._on_settled is not None:
-            self._on_settled(ledger.key, [c for c in ledger.cut if c not in keep], why)
+            self._on_settled(ledger.key, gone, why)
         for observe in self.settled_observers:
-            observe(ledger.key, [c for c in ledger.cut if c not in keep], why)
+            observe(ledger.key, gone, why)
         ledger.cut = keep
-        self.settled += gone
-        logger.info("%s: %d cut request(s) settled (%s)", ledger.key, gone, why)
+        self.settled += len(gone)
+        logger.info("%s: %d cut request(s) settled (%s)", ledger.key, len(gone), why)
         if not keep:
             self._poll(ledger.key, None)
 
