@@ -196,3 +196,11 @@ def test_list_keeps_the_engine_name_whole_in_80_columns() -> None:
     print_list(text, {"deployments": rows, "memory_held": 0, "memory_budget": None})
     out = text.export_text()
     assert "tensorfold" in out and "llamacpp" in out and "Qwen/Qwen3-4B-Instruct" in out
+    # Nor anything else: the table did not fit, so each deployment is two whole lines (the
+    # columns left to "run by" and "state" cut them to "the gate…", then to "t…").
+    assert "…" not in out
+    assert out.count("run by the gateway (launch)") == 2
+    assert out.count("stopped by an operator; 0/2 instances ready; memory held 4 GiB") == 2
+    wide = Console(width=160, record=True)
+    print_list(wide, {"deployments": rows, "memory_held": 0, "memory_budget": None})
+    assert "┃ run by" in wide.export_text()  # a terminal wide enough gets the table

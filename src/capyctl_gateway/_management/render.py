@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 __all__ = ["acted", "print_list", "print_status", "size"]
@@ -96,8 +97,28 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
 
 
 def print_list(console: Console, doc: dict[str, Any]) -> None:
-    """``capyctl-gateway list``: a table of every deployment, then the memory budget."""
-    rows = doc["deployments"]
+    """``capyctl-gateway list``: a table of every deployment, then the memory budget. Where
+    the table would not fit the terminal whole (80 columns and a model ID as the name), each
+    deployment is printed as two lines instead: a column too narrow cut every word short."""
+    table = _list_table(doc["deployments"])
+    whole = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    if whole <= console.width:
+        console.print(table)
+    else:
+        for d in doc["deployments"]:
+            what = f"api {d['api']}, engine {d['engine']}, run by {d['run_by']}"
+            console.print(f"{d['name']} ({d['id']}): {what}", soft_wrap=True)
+            held = "" if d.get("memory_held") is None else f"; memory held {_held(d)}"
+            ready = f"{d['ready']}/{d['instances']} instances ready"
+            console.print(f"  {d['state']}; {ready}{held}", soft_wrap=True)
+    _list_notes(console, doc)
+
+
+def _held(d: dict[str, Any]) -> str:
+    return "—" if d.get("memory_held") is None else size(d["memory_held"])
+
+
+def _list_table(rows: list[dict[str, Any]]) -> Table:
     table = Table()
     # The name, the ID and the engine whole, however narrow the terminal: the others give way.
     longest = max((len(d["name"]) for d in rows), default=10)
@@ -117,9 +138,13 @@ def print_list(console: Console, doc: dict[str, Any]) -> None:
             d["run_by"],
             d["state"],
             f"{d['ready']}/{d['instances']}",
-            "—" if d.get("memory_held") is None else size(d["memory_held"]),
+            _held(d),
         )
-    console.print(table)
+    return table
+
+
+def _list_notes(console: Console, doc: dict[str, Any]) -> None:
+    """What ``list`` prints under its deployments: hosts, pods and the memory budget."""
     for d in doc["deployments"]:
         for h in d.get("hosts", []):
             age = h["sample_age_s"]
