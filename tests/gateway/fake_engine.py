@@ -86,6 +86,8 @@ class FakeEngine:
     running: int = 0
     waiting: int = 0
     process_start: float = 1796000000.0
+    publishes_start: bool = True
+    """Whether ``/metrics`` carries ``process_start_time_seconds`` (the start marker)."""
     healthy: bool = True
     health_hold: asyncio.Event | None = None
     """Set: /health answers only once it is set (the collector's first look stays open)."""
@@ -113,9 +115,10 @@ class FakeEngine:
         if not self.metrics_served:
             return web.Response(status=503)
         labels = f'engine="0",model_name="{self.served}"'
+        marker = f"process_start_time_seconds {self.process_start}\n"
         text = (
-            f"process_start_time_seconds {self.process_start}\n"
-            f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
+            (marker if self.publishes_start else "")
+            + f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
             f"vllm:num_requests_waiting{{{labels}}} {float(self.waiting)}\n"
             f"vllm:kv_cache_usage_perc{{{labels}}} {self.kv_usage}\n"
             'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'

@@ -240,6 +240,40 @@ async def test_one_failed_health_poll_is_no_restart_but_a_long_absence_is(
     poll followed by a good one was taken as one and settled it (issue 34, item 9b); a busy
     engine's timeout reads the same. A restart is proven: here, by an absence longer than a
     poll's timeout before the engine answers again."""
+    engine.publishes_start = False  # no start marker: only the absence can prove it
+    gw, watch, book = await cut_before_first_token(engine, make_gateway)
+    engine.healthy = False
+    await watch.until(lambda: len(watch.failures) >= 1)
+    engine.healthy = True  # one failed poll: back at the next
+    seen = len(watch.samples)
+    await watch.until(lambda: len(watch.samples) >= seen + 3)
+    assert len(book.cut) == 1  # not a restart: still counted
+    await away_past_the_timeout(engine, watch)
+    await watch.until(lambda: not book.cut)
+    assert gw.gateway.fleet.settlement.recent[-1].why == "engine back after an absence"
+
+
+async def test_an_absence_is_no_restart_where_the_start_marker_stayed_the_same(
+    engine: FakeEngine, make_gateway: MakeGateway
+) -> None:
+    """An engine that publishes a start marker and is back with the same one after an absence
+    is the same process, back from a stall: what was cut before its first token may still
+    run there, and stays counted until the marker changes."""
+    gw, watch, book = await cut_before_first_token(engine, make_gateway)
+    await away_past_the_timeout(engine, watch)
+    seen = len(watch.samples)
+    await watch.until(lambda: len(watch.samples) >= seen + 3)
+    assert len(book.cut) == 1 and watch.restarts == 0
+    engine.process_start += 100
+    await watch.until(lambda: not book.cut)
+    assert gw.gateway.fleet.settlement.recent[-1].why == "engine restarted"
+
+
+async def cut_before_first_token(
+    engine: FakeEngine, make_gateway: MakeGateway
+) -> tuple[Gw, Watch, InstanceLedger]:
+    """A gateway polling every 50 ms with a 300 ms timeout, and one request cut before its
+    engine's first token (it settles at a proven restart)."""
     options = ProviderOptions(poll_interval_ms=50, request_timeout_ms=300, connect_attempts=1)
     gw = await make_gateway({"deployments": [deployments(engine.url)]}, collector=options)
     engine.script = [Hold()]
@@ -248,20 +282,17 @@ async def test_one_failed_health_poll_is_no_restart_but_a_long_absence_is(
     book = ledger(gw)
     await watch.until(lambda: bool(book.cut))
     assert book.cut[0].rule is SettleRule.AT_RESTART and book.cut[0].reason == "hang_up"
-    engine.healthy = False
-    await watch.until(lambda: len(watch.failures) >= 1)
-    engine.healthy = True  # one failed poll: back at the next
-    seen = len(watch.samples)
-    await watch.until(lambda: len(watch.samples) >= seen + 3)
-    assert len(book.cut) == 1  # not a restart: still counted
+    return gw, watch, book
+
+
+async def away_past_the_timeout(engine: FakeEngine, watch: Watch) -> None:
+    """The engine's health fails for longer than a poll's timeout (300 ms), then it answers."""
     engine.healthy = False
     down = len(watch.failures)
     await watch.until(
         lambda: len(watch.failures) > down and watch.failures[-1] - watch.failures[down] > 0.35
     )
-    engine.healthy = True  # away longer than a poll's timeout
-    await watch.until(lambda: not book.cut)
-    assert gw.gateway.fleet.settlement.recent[-1].why == "engine back after an absence"
+    engine.healthy = True
 
 
 async def test_a_counter_that_went_down_proves_a_restart() -> None:

@@ -25,12 +25,19 @@ _COUNTERS = (
 class Restart:
     """What an instance's samples prove of its engine's restarts (a new start marker comes as
     its own event): a cumulative counter that went down since the sample before, or a
-    health check failing for longer than a poll's timeout before a sample came again."""
+    health check failing for longer than a poll's timeout before a sample came again.
+
+    Where the engine publishes a start marker (vLLM, llama.cpp, SGLang), the marker is the
+    proof: the same marker after an absence is the same process back from a stall (a long
+    prefill can hold a health check past its timeout), and what it was cut from may still run.
+    """
 
     down_since: float | None = None
     """When its health check started failing (None while it answers)."""
     counters: tuple[float | None, ...] = ()
     sampled_at: float | None = None
+    marker: float | None = None
+    """The start marker of the sample before (None: the engine publishes none)."""
 
     def down(self, at: float) -> None:
         if self.down_since is None:
@@ -43,7 +50,9 @@ class Restart:
         before, self.counters = self.counters, counters
         down, self.down_since = self.down_since, None
         last, self.sampled_at = self.sampled_at, snap.requested_at
-        if down is not None and snap.requested_at - down > absence_s:
+        marker, self.marker = self.marker, snap.process_start
+        same_process = marker is not None and marker == snap.process_start
+        if down is not None and snap.requested_at - down > absence_s and not same_process:
             return down, "engine back after an absence"
         went_down = [
             n

@@ -9,7 +9,8 @@ therefore stays charged to its instance until the collector shows the engine sto
   machine and on a host alike: an engine that never started the request could still start
   it after looking idle. A restart is proven by a new process start marker, by a cumulative
   counter that went down, or by an absence (health failing) longer than a poll's timeout
-  before the engine answered again; one failed poll, a timeout, is not proof (`Restart`).
+  before the engine answered again (where the engine publishes no start marker); one failed
+  poll, a timeout, is not proof (`Restart`).
 
 While an instance has cut requests, the collector polls it every 250 ms.
 
