@@ -389,6 +389,28 @@ async def test_an_answer_past_the_bound_fails_whole_or_in_band(
     assert "over 4096 bytes" in events[-1]["response"]["error"]["message"]
 
 
+async def test_the_bound_counts_bytes_not_characters(engine: FakeEngine, make_gateway: Any) -> None:
+    """A stream's Response keeps its text, bounded in bytes: 3,000 characters of two-byte
+    text are 6,000 bytes, past a 4,096-byte bound (they were counted as 3,000, and passed);
+    1,800 of them (3,600 bytes) are within it. (A whole answer's engine read is bounded
+    before it is folded, in the bytes the engine sent.)"""
+    gw = await make_gateway(
+        {"limits": {"max_answer_bytes": 4096}, "deployments": [deployments(engine.url)]}
+    )
+    body = {"model": "my-model", "input": "x", "stream": True}
+    got = []
+    for n in (1000, 600):
+        engine.script = _script(*[{"content": "é" * n}] * 3)
+        async with gw.client() as c:
+            got.append(await c.post("/v1/responses", json=body))
+    past, within = got  # the engine sends all at once: past fails before the stream starts
+    assert past.status_code == 502 and "over 4096 bytes" in past.json()["message"]
+    assert within.status_code == 200
+    events, _ = events_of(within.text)
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "é" * 1800
+
+
 async def test_responses_count_under_their_own_api(gateway: Gw, engine: FakeEngine) -> None:
     engine.script = _script({"content": "ok"})
     async with gateway.client() as c:

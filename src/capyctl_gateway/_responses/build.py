@@ -82,7 +82,7 @@ class ResponseBuilder:
             for call in delta.get("tool_calls") or ():
                 fn = call.get("function") or {}
                 arguments = fn.get("arguments") or ""
-                self._grow(len(arguments) + DELTA_COST)  # empty deltas still make items
+                self._grow(_size(arguments) + DELTA_COST)  # empty deltas still make items
                 self._output.call(call["index"], call.get("id"), fn.get("name"), arguments)
             finish = choice.get("finish_reason")
             if finish is not None:
@@ -135,10 +135,15 @@ class ResponseBuilder:
 
     def _text(self, key: str, text: str | None) -> None:
         if text:
-            self._grow(len(text))
+            self._grow(_size(text))
             self._output.text("message" if key == "content" else "reasoning", text)
 
     def _grow(self, n: int) -> None:
         self._size += n
         if self._size > self._max:
             raise EngineError(f"the answer is over {self._max} bytes (limits.max_answer_bytes)")
+
+
+def _size(text: str) -> int:
+    """``text``'s size in UTF-8 bytes, the bound's unit (ASCII, the usual case, is not encoded)."""
+    return len(text) if text.isascii() else len(text.encode())
