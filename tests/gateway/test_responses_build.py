@@ -126,6 +126,48 @@ def test_a_failure_discards_the_events_of_the_read_that_failed() -> None:
     assert [e["type"] for e in rest] == ["error", "response.failed"]
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(DELTA, min_size=1, max_size=4), min_size=1, max_size=5))
+def test_a_failed_response_holds_what_its_client_was_sent(
+    reads: list[list[dict[str, Any]]],
+) -> None:
+    """Reads of deltas, each written as it is folded; the last fails. The events sent and the
+    failure's make one valid, gapless stream, and ``response.failed`` holds exactly the runs
+    of the deltas sent, not the text of the read that failed (it did)."""
+    *sent_reads, failing = reads
+    sent = [d for r in sent_reads for d in r]
+    if _resumes(sent + failing):
+        return  # a resumed call ends the stream as unverified: the test above
+    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=2**20, streaming=True)
+    out = b""
+    for read in sent_reads:
+        for d in read:
+            b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+        out += b.take()
+    for d in failing:
+        b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+    b.discard()
+    b.failed("engine_error", "gone")
+    out += b.take()
+    events = [orjson.loads(x.split(b"\n")[1][6:]) for x in out.split(b"\n\n")[:-1]]
+    for e in events:
+        validate_event(e)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    response = events[-1]["response"]
+    assert [_text_of(item) for item in response["output"]] == _runs(sent)
+    assert [item["status"] for item in response["output"]] == ["completed"] * (
+        len(response["output"]) - 1
+    ) + ["incomplete"] * bool(response["output"])
+    texts = [e["delta"] for e in events if e["type"].endswith(".delta")]
+    assert texts == [_delta_text(d) for d in sent]
+
+
+def _delta_text(d: dict[str, Any]) -> str:
+    text = d.get("content") or d.get("reasoning") or d["tool_calls"][0]["function"]["arguments"]
+    assert isinstance(text, str)
+    return text
+
+
 def test_an_answer_the_engine_ended_otherwise_fails_never_looks_whole() -> None:
     """vLLM's ``abort`` finish: the answer was cut short; it was reported completed."""
     b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=2**20, streaming=True)

@@ -38,30 +38,7 @@ class ResponseBuilder:
     ) -> None:
         self.events = Events(streaming=streaming)
         self._output = Output(self.events)
-        self.response: dict[str, Any] = {
-            "id": item_id("resp"),
-            "object": "response",
-            "created_at": created_at,
-            "status": "in_progress",
-            "background": False,
-            "error": None,
-            "incomplete_details": None,
-            "instructions": echo.instructions,
-            "max_output_tokens": echo.max_output_tokens,
-            "metadata": echo.metadata,
-            "model": model,
-            "output": self._output.items,
-            "parallel_tool_calls": echo.parallel_tool_calls,
-            "previous_response_id": None,
-            "reasoning": echo.reasoning,
-            "store": False,
-            "temperature": echo.temperature,
-            "text": echo.text,
-            "tool_choice": echo.tool_choice,
-            "tools": echo.tools,
-            "top_p": echo.top_p,
-            "truncation": "disabled",
-        }
+        self.response = _response(echo, model, created_at, self._output.items)
         self.finish: Any = None
         """The engine's finish reason, as sent."""
         self._size = 0
@@ -87,6 +64,17 @@ class ResponseBuilder:
             finish = choice.get("finish_reason")
             if finish is not None:
                 self.finish = finish
+
+    def take(self) -> bytes:
+        """The events made since the last take, to be written: what the client is sent."""
+        self._output.mark()
+        return self.events.take()
+
+    def discard(self) -> None:
+        """Forget what was made since the last take (the read that failed): its events, and
+        its text in the Response's items."""
+        self.events.discard()
+        self._output.rewind()
 
     def add_texts(self, key: str, texts: list[str], extra: dict[str, Any]) -> None:
         for text in texts:
@@ -147,3 +135,31 @@ class ResponseBuilder:
 def _size(text: str) -> int:
     """``text``'s size in UTF-8 bytes, the bound's unit (ASCII, the usual case, is not encoded)."""
     return len(text) if text.isascii() else len(text.encode())
+
+
+def _response(echo: Echo, model: str, created_at: int, output: list[Any]) -> dict[str, Any]:
+    """A Response in progress, its output items to come."""
+    return {
+        "id": item_id("resp"),
+        "object": "response",
+        "created_at": created_at,
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": echo.instructions,
+        "max_output_tokens": echo.max_output_tokens,
+        "metadata": echo.metadata,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": echo.parallel_tool_calls,
+        "previous_response_id": None,
+        "reasoning": echo.reasoning,
+        "store": False,
+        "temperature": echo.temperature,
+        "text": echo.text,
+        "tool_choice": echo.tool_choice,
+        "tools": echo.tools,
+        "top_p": echo.top_p,
+        "truncation": "disabled",
+    }

@@ -20,6 +20,7 @@ from .._errors import UnverifiedError
 __all__ = ["Events", "Output", "item_id"]
 
 _DELTA = b',"delta":'
+_NONE: frozenset[int] = frozenset()
 
 
 def item_id(prefix: str) -> str:
@@ -94,9 +95,11 @@ class _Open:
 
 
 class Output:
-    """The output items of one Response (``items``), one open at a time."""
+    """The output items of one Response (``items``), one open at a time. `mark` notes what
+    the client has been sent; `rewind` goes back to it, so that a Response that fails holds
+    what its client saw, not the text of the read that failed."""
 
-    __slots__ = ("_calls", "_event", "_open", "items")
+    __slots__ = ("_calls", "_event", "_mark", "_open", "items")
 
     def __init__(self, event: Events) -> None:
         self.items: list[dict[str, Any]] = []
@@ -104,6 +107,25 @@ class Output:
         self._open: _Open | None = None
         self._calls: set[int] = set()
         """The tool calls' indexes begun (a closed one cannot take deltas again)."""
+        self._mark: tuple[int, _Open | None, int, str, frozenset[int]] = (0, None, 0, "", _NONE)
+
+    def mark(self) -> None:
+        o = self._open
+        name = "" if o is None else o.item.get("name", "")
+        parts = 0 if o is None else len(o.parts)
+        self._mark = (len(self.items), o, parts, name, frozenset(self._calls))
+
+    def rewind(self) -> None:
+        """Back to the last `mark`: the items, the open one's text and its name as they were
+        (an item closed since is open again: its done events were never sent)."""
+        n, o, parts, name, calls = self._mark
+        del self.items[n:]
+        self._open, self._calls = o, set(calls)
+        if o is not None:
+            del o.parts[parts:]
+            o.item["status"] = "in_progress"
+            if "name" in o.item:
+                o.item["name"] = name
 
     def text(self, kind: str, text: str) -> None:
         """Text of ``kind`` (``message`` or ``reasoning``)."""

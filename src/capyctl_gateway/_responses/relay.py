@@ -78,7 +78,7 @@ async def relay_response(
                     ex.output(now)  # only output keeps a stream alive, not pings
                 if out is None and verifier.chunks:
                     out = await start_stream(request, headers)
-                if out is not None and not done and (events := builder.events.take()):
+                if out is not None and not done and (events := builder.take()):
                     ex.writing = True  # bounded by the idle deadline, like the engine's output
                     await out.write(events)
                     ex.writing = False
@@ -88,7 +88,7 @@ async def relay_response(
             if out is None:
                 out = await start_stream(request, headers)
             builder.finished(usage_of(verifier.usage, figures, reasoned=builder.reasoned))
-            last = builder.events.take() + b": x-capyctl-metrics " + orjson.dumps(figures) + b"\n\n"
+            last = builder.take() + b": x-capyctl-metrics " + orjson.dumps(figures) + b"\n\n"
             ex.writing = True
             await out.write_eof(last)
             ex.writing = False
@@ -126,10 +126,10 @@ async def _fail(
     err: GatewayError,
     headers: dict[str, str],
 ) -> web.StreamResponse:
-    builder.events.discard()  # what the failing read made is not sent
+    builder.discard()  # what the failing read made is not sent, nor kept in the Response
     if out is None:
         out = await start_stream(request, headers)
     builder.failed(err.code, err.message)
     with contextlib.suppress(ConnectionResetError):  # the client left too
-        await out.write_eof(builder.events.take())
+        await out.write_eof(builder.take())
     return out
