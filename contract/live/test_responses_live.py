@@ -106,6 +106,31 @@ async def test_plain_text_whole_and_streamed(gw: RunningGateway) -> None:
     assert deltas == events[-1]["response"]["output"][0]["content"][0]["text"]
 
 
+async def test_what_a_coding_agent_sends_with_every_turn(gw: RunningGateway) -> None:
+    """Codex's fields on every turn (include of encrypted reasoning, a prompt cache key,
+    store false, truncation disabled) reach a real engine, streamed, and come back echoed."""
+    async with client(gw) as c:
+        stream = await c.responses.create(
+            model="my-model",
+            instructions="You are a coding agent.",
+            input="Hello",
+            max_output_tokens=8,
+            stream=True,
+            store=False,
+            include=["reasoning.encrypted_content"],
+            prompt_cache_key="session-1",
+            truncation="disabled",
+        )
+        events = [
+            ev.model_dump(mode="json", exclude_unset=True, by_alias=True) async for ev in stream
+        ]
+    for ev in events:
+        validate_event(ev)
+    done = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete" and done["output"][0]["content"][0]["text"]
+    assert done["prompt_cache_key"] == "session-1" and done["store"] is False
+
+
 async def test_a_function_call_round_trip(gw: RunningGateway, target: tuple[str, str, str]) -> None:
     """The model calls the tool (vLLM: made to, by a named tool_choice), its output goes back,
     the final answer is text. llama-server b10798 does not constrain a call for a template

@@ -320,13 +320,59 @@ async def test_the_request_becomes_the_engines_chat_request(
     assert sent["reasoning_effort"] == "low" and sent["cache_salt"] == "tenant-1"
 
 
+async def test_what_a_coding_agent_sends_with_every_turn_is_taken(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    """A request shaped as Codex's: ``include`` of encrypted reasoning, ``prompt_cache_key``,
+    ``store: false``, ``parallel_tool_calls``, a reasoning item sent back with its encrypted
+    content (refused, the first three made every such request a 400). The key and ``user``
+    are echoed; ``user`` reaches the engine as chat's; the reasoning item does not."""
+    engine.script = _script({"content": "ok"})
+    body = {
+        "model": "my-model",
+        "instructions": "You are a coding agent.",
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "b"}]},
+        ],
+        "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": None,
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "0193a5c4-session",
+        "truncation": "disabled",
+        "user": "dev-7",
+    }
+    async with gateway.client() as c:
+        r = await c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    events, _ = events_of(r.text)
+    done = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert done["prompt_cache_key"] == "0193a5c4-session" and done["user"] == "dev-7"
+    assert done["output"][0]["content"][0]["text"] == "ok"
+    sent = engine.received[-1].body
+    assert sent["user"] == "dev-7" and "prompt_cache_key" not in sent and "include" not in sent
+    assert [m["role"] for m in sent["messages"]] == ["system", "user", "user"]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code", "words"),
     [
         ({"previous_response_id": "resp_1"}, 400, "invalid_request", "keeps no responses"),
         ({"conversation": "conv_1"}, 400, "invalid_request", "keeps no responses"),
         ({"background": True}, 400, "invalid_request", "keeps no responses"),
-        ({"include": ["x"]}, 400, "invalid_request", "`include` is not accepted"),
+        ({"include": ["file_search_call.results"]}, 400, "unsupported_parameter", "include"),
+        ({"include": "reasoning.encrypted_content"}, 400, "invalid_request", "list of strings"),
+        ({"truncation": "auto"}, 400, "unsupported_parameter", "never drops input"),
+        ({"truncation": "x"}, 400, "invalid_request", "truncation"),
+        ({"prompt_cache_key": "k" * 1025}, 400, "invalid_request", "prompt_cache_key"),
+        ({"user": 7}, 400, "invalid_request", "user"),
+        ({"safety_identifier": "u"}, 400, "invalid_request", "`safety_identifier` is not"),
         ({"tools": [{"type": "web_search"}]}, 400, "unsupported_parameter", "function tools"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "unsupported_parameter", ""),
         ({"input": []}, 400, "invalid_request", "input is required"),

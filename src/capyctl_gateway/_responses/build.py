@@ -162,4 +162,5 @@ def _response(echo: Echo, model: str, created_at: int, output: list[Any]) -> dic
         "tools": echo.tools,
         "top_p": echo.top_p,
         "truncation": "disabled",
+        **echo.hints,
     }

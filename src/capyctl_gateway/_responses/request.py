@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RefusedError, invalid
+from .hints import hints
 from .items import messages_of
 
 __all__ = ["RESPONSES_FIELDS", "Echo", "check_responses"]
@@ -22,6 +23,8 @@ RESPONSES_FIELDS = frozenset(
         "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
         "max_output_tokens", "temperature", "top_p", "text", "reasoning", "metadata",
         "stream", "cache_salt", "store",
+        # what agent clients send with every turn: see hints.py
+        "include", "prompt_cache_key", "truncation", "user",
         # refused unless empty (they need a stored response): see _STATEFUL
         "previous_response_id", "conversation", "background",
     }
@@ -53,6 +56,8 @@ class Echo:
     text: dict[str, Any]
     reasoning: dict[str, Any]
     metadata: dict[str, str]
+    hints: dict[str, Any]
+    """``prompt_cache_key`` and ``user`` where given (`hints`)."""
 
 
 def check_responses(body: dict[str, Any]) -> tuple[dict[str, Any], bool, Echo]:
@@ -95,6 +100,7 @@ def check_responses(body: dict[str, Any]) -> tuple[dict[str, Any], bool, Echo]:
     text = _text(body.get("text"), chat)
     reasoning = _reasoning(body.get("reasoning"), chat)
     metadata = _metadata(body.get("metadata"))
+    given = hints(body, chat)
     if "cache_salt" in body:
         chat["cache_salt"] = body["cache_salt"]  # checked by chat's rule (its caller)
     # The engine always streams, with usage: the Response reports it, and nothing of the
@@ -111,6 +117,7 @@ def check_responses(body: dict[str, Any]) -> tuple[dict[str, Any], bool, Echo]:
         text=text,
         reasoning=reasoning,
         metadata=metadata,
+        hints=given,
     )
     return chat, bool(stream), echo
 
