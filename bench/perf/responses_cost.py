@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         b = ResponseBuilder(echo, model="bench", created_at=0, max_bytes=2**62, streaming=True)
         reader.collect(role, 0.0, b)
         reader.collect(text, 0.0, b)
-        b.events.take()
+        b.take()
         return reader, b
 
     one_r, one_b = builder()
@@ -61,11 +61,11 @@ def main(argv: list[str] | None = None) -> None:
 
     def respond_one() -> None:
         one_r.collect(text, 1.0, one_b)
-        one_b.events.take()
+        one_b.take()
 
     def respond_many() -> None:
         many_r.collect(block16, 1.0, many_b)
-        many_b.events.take()
+        many_b.take()
 
     steps: list[tuple[str, Callable[[], object], int]] = [
         ("chat: relay one text chunk (verified, framed)", lambda: chat.relay(text, 1.0), 1),

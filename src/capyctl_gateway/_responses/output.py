@@ -20,7 +20,6 @@ from .._errors import UnverifiedError
 __all__ = ["Events", "Output", "item_id"]
 
 _DELTA = b',"delta":'
-_NONE: frozenset[int] = frozenset()
 
 
 def item_id(prefix: str) -> str:
@@ -107,24 +106,27 @@ class Output:
         self._open: _Open | None = None
         self._calls: set[int] = set()
         """The tool calls' indexes begun (a closed one cannot take deltas again)."""
-        self._mark: tuple[int, _Open | None, int, str, frozenset[int]] = (0, None, 0, "", _NONE)
+        self._mark: tuple[int, _Open | None, int, Any] = (0, None, 0, None)
 
     def mark(self) -> None:
+        """Note what the client has been sent (a tuple a write: this is on the hot path)."""
         o = self._open
-        name = "" if o is None else o.item.get("name", "")
-        parts = 0 if o is None else len(o.parts)
-        self._mark = (len(self.items), o, parts, name, frozenset(self._calls))
+        if o is None:
+            self._mark = (len(self.items), None, 0, None)
+        else:
+            self._mark = (len(self.items), o, len(o.parts), o.item.get("name"))
 
     def rewind(self) -> None:
-        """Back to the last `mark`: the items, the open one's text and its name as they were
-        (an item closed since is open again: its done events were never sent)."""
-        n, o, parts, name, calls = self._mark
+        """Back to the last `mark`, for a Response that fails there: the items, the open one's
+        text and its name as they were (an item closed since is open again: its done events
+        were never sent). Only the failure's close comes after, so no delta meets it."""
+        n, o, parts, name = self._mark
         del self.items[n:]
-        self._open, self._calls = o, set(calls)
+        self._open = o
         if o is not None:
             del o.parts[parts:]
             o.item["status"] = "in_progress"
-            if "name" in o.item:
+            if name is not None:
                 o.item["name"] = name
 
     def text(self, kind: str, text: str) -> None:
