@@ -7,8 +7,10 @@ for as long as the gateway ran."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
+import anyio
 import pytest
 
 from capyctl_gateway._deployments import settle
@@ -86,3 +88,28 @@ async def test_hang_ups_past_the_bound_on_a_url_engine(
     assert status is not None
     (inst,) = status["instances"]
     assert len(inst["cancelled"]) == 2
+
+
+async def test_many_hang_ups_at_once_past_the_bound_lose_none(
+    engine: FakeEngine, make_gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve clients at once, each hanging up before its first token, beside others that
+    are answered whole, with a bound of 3: every cut is either still counted or let go under
+    the bound's reason (none lost, none counted twice), and nothing stays running."""
+    monkeypatch.setattr(settle, "MAX_CUT", 3)
+    gw = await make_gateway({"deployments": [deployments(engine.url)]})
+    settlement = gw.gateway.fleet.settlement
+    book = settlement.ledgers["my-model/0"]
+    engine.script = [Hold()]
+    body = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
+    async with gw.client() as c, anyio.create_task_group() as tg:
+        for _ in range(12):
+            tg.start_soon(partial(c.post, "/v1/chat/completions", json=body))
+        await eventually(lambda: len(engine.received) == 12)
+        tg.cancel_scope.cancel()  # all twelve hang up, none answered
+    await eventually(lambda: book.running == 0 and settlement.settled == 9)
+    let_go = [s.cut.request_id for s in settlement.recent if s.why == OVER_THE_BOUND]
+    counted = [c.request_id for c in book.cut]
+    assert len(counted) == 3 and len(let_go) == 9
+    assert len(set(counted) | set(let_go)) == 12  # each cut request is in exactly one place
+    assert max(s.cut.cut_at for s in settlement.recent) <= min(c.cut_at for c in book.cut)
