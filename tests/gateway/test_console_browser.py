@@ -45,7 +45,13 @@ def state_is(text: str) -> str:
 
 
 @pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
+async def browser(
+    make_gateway: MakeGateway,
+    console_of: Callable[[Gw], Awaitable[Console]],  # noqa: F811
+) -> AsyncIterator[Browser]:
+    """Chromium, closed before the gateways and consoles it talks to (it asks for their
+    fixtures, so they are set up before it and torn down after): no page of it can open a
+    connection to a server while that server is being closed."""
     binary = chromium()
     if binary is None:
         if os.environ.get("CI"):
