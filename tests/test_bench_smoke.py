@@ -63,3 +63,40 @@ def test_the_aiohttp_floor_measures_both_sides() -> None:
     assert len(rows) == 5, proc.stdout.decode()
     for row in rows:
         assert float(row.rstrip(" |").rsplit("|", 1)[1]) > 0, row
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the harness reads /proc")
+def test_responses_beside_chat_measures_both_apis_and_stops_what_it_started(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "responses.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.perf.responses_e2e",
+        "--rounds",
+        "1",
+        "--duration",
+        "0.5",
+        "--warmup",
+        "0.2",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+
+    doc = json.loads(out.read_bytes())
+    (measured,) = doc["rounds"]
+    for scenario, chunks in (("ns", None), ("s16", 16), ("s256", 256)):
+        for api in ("chat", "responses"):
+            m = measured[scenario][api]
+            assert m["completed"] > 0 and m["failed"] == 0, (scenario, api, m)
+            assert m["cpu_s"] is not None and m["cpu_s"] > 0
+            if chunks is not None:  # every text event read, on either API
+                assert m["content_chunks"] == chunks * m["completed"], (scenario, api, m)
+    table = [ln for ln in proc.stdout.decode().splitlines() if ln.startswith("| s")]
+    assert len(table) == 2 and "not measured" not in "".join(table), proc.stdout.decode()
+    for pid in doc["meta"]["processes"].values():
+        assert not running(pid)
+        assert not [p for p in session_pids(pid) if running(p)]

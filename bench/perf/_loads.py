@@ -47,6 +47,8 @@ class Load:
     warmup_s: float
     delay_ms: float | None = None
     use_wrk: bool = False
+    api: str = "chat"
+    """What the SSE client asks: ``chat`` or ``responses`` (wrk sends chat only)."""
 
 
 @dataclass
@@ -145,6 +147,7 @@ def run_sse(target: Target, load: Load, engine_pid: int) -> Measure:
         argv += ["--delay-ms", str(load.delay_ms)]
     if not load.stream:
         argv.append("--no-stream")
+    argv += ["--api", load.api]
     timeout = load.warmup_s + load.duration_s + 60
     doc = orjson.loads(_run(argv, None, timeout).strip().splitlines()[-1])
     cpu = doc["cpu_s"]

@@ -45,7 +45,7 @@ from ._loads import Target
 from ._procfs import cpu_seconds, peak_rss_kib, rss_kib
 from ._procs import Proc, ProcessSet, StartupError, tidy
 from .run import _check_target, _machine, _terminate, start_engine, start_gateway
-from .sse_client import CONTENT, DONE_TAIL, ProtocolError, _Exchange, build_request, run_load
+from .sse_client import CHAT, ProtocolError, _Exchange, build_request, run_load
 
 __all__ = ["main"]
 
@@ -54,7 +54,6 @@ MB_IN_MIB = 1e6 / 2**20
 """The budget speaks of MB (10^6 bytes); RSS is measured in KiB and reported in MiB."""
 RSS_BUDGET_MB = 150.0
 FLAT_BUDGET = 0.05
-EMPTY_CONTENT = b'"content":""'
 
 Log = Callable[[str], None]
 
@@ -223,8 +222,8 @@ async def _one_stream(
     finally:
         transport.close()
     out.first, out.end = first, end
-    out.chunks = body.count(CONTENT) - body.count(EMPTY_CONTENT)
-    out.served = ok and body.endswith(DONE_TAIL) and out.chunks == chunks
+    out.chunks = CHAT.pieces(body)
+    out.served = ok and CHAT.whole(body) and out.chunks == chunks
     if not out.served:
         out.error = f"status ok={ok}, {out.chunks} content chunks: {body[:200]!r}"
     return out

@@ -1,7 +1,10 @@
 """A lean SSE load client: C keep-alive connections, each sending one streamed chat request after
 another, timing the first content chunk and the whole stream (raw asyncio protocol on uvloop).
+With ``--api responses`` the same request goes to ``POST /v1/responses`` instead (the gateway's
+only; an engine serves none).
 
-A stream counts as completed when the response is 200 and its body ends with ``data: [DONE]``.
+A stream counts as completed when the response is 200 and its body ends with ``data: [DONE]``
+(a Responses stream: holds its ``response.completed`` or ``response.incomplete`` event).
 Only streams that end inside the measured window count; a warm-up comes first. With ``--cpu-pid``
 the client reads those processes' CPU time from ``/proc`` at the exact start and end of the
 window, so the runner can charge CPU per request.
@@ -27,12 +30,38 @@ import orjson
 
 from ._procfs import cpu_seconds
 
-__all__ = ["LoadResult", "build_request", "main", "run_load"]
+__all__ = ["API", "LoadResult", "build_request", "main", "run_load"]
 
-CONTENT = b'"content":"'
 DONE_TAIL = b"data: [DONE]\n\n"
 LAST = b"\r\n0\r\n\r\n"
-PATH = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class Api:
+    """Where a request goes and how its answer is read."""
+
+    path: str
+    content: bytes
+    """What begins a piece of text (followed by anything but a closing quote: not empty)."""
+    empty: bytes
+    """The same with no text (counted out)."""
+
+    def whole(self, body: bytes) -> bool:
+        """Whether a streamed body ended as a whole answer does."""
+        if self.path == CHAT.path:
+            return body.endswith(DONE_TAIL)
+        # the end of a whole Response: completed, or incomplete at max_output_tokens (as chat
+        # ends on "length"); a failed one ends in response.failed
+        return b"event: response.completed\n" in body or b"event: response.incomplete\n" in body
+
+    def pieces(self, body: bytes) -> int:
+        """The pieces of text a streamed body holds."""
+        return body.count(self.content) - body.count(self.empty)
+
+
+CHAT = Api("/v1/chat/completions", b'"content":"', b'"content":""')
+RESPONSES = Api("/v1/responses", b'"type":"response.output_text.delta"', b'"delta":""')
+API = {"chat": CHAT, "responses": RESPONSES}
 
 
 def build_request(
@@ -44,17 +73,21 @@ def build_request(
     stream: bool = True,
     ttft_ms: float | None = None,
     delay_ms: float | None = None,
+    api: Api = CHAT,
 ) -> bytes:
-    """The bytes of one chat request (sent unchanged on every round trip)."""
+    """The bytes of one request (sent unchanged on every round trip): chat, or the same
+    question to the Responses API."""
     parts = urlsplit(url)
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Say something."}],
-        "max_tokens": chunks,
-    }
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+    body: dict[str, Any] = {"model": model}
+    if api is RESPONSES:
+        body |= {"input": "Say something.", "max_output_tokens": chunks}
+        if stream:
+            body["stream"] = True
+    else:
+        body |= {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": chunks}
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
     meta = {}
     if ttft_ms is not None:
         meta["bench_ttft_ms"] = str(ttft_ms)
@@ -64,7 +97,7 @@ def build_request(
         body["metadata"] = meta
     raw = orjson.dumps(body)
     head = [
-        f"POST {PATH} HTTP/1.1",
+        f"POST {api.path} HTTP/1.1",
         f"Host: {parts.netloc}",
         "Content-Type: application/json",
         "Accept: text/event-stream" if stream else "Accept: application/json",
@@ -100,7 +133,8 @@ def dechunk(raw: bytes) -> bytes | None:
 class _Exchange(asyncio.Protocol):
     """One keep-alive connection; one request at a time; a tiny HTTP/1.1 response parser."""
 
-    def __init__(self) -> None:
+    def __init__(self, content: bytes = CHAT.content) -> None:
+        self._content = content
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._fut: asyncio.Future[tuple[bool, float | None, float, bytes]] | None = None
@@ -195,18 +229,20 @@ class _Exchange(asyncio.Protocol):
                 self._finish(now, b"".join(self._pieces))
 
     def _look_for_content(self, now: float) -> None:
-        # The first chunk with text: '"content":"' followed by anything but the closing quote.
+        # The first chunk with text: '"content":"' followed by anything but the closing quote
+        # (a Responses stream: its first text delta event).
         body = b"".join(self._pieces) if len(self._pieces) > 1 else self._pieces[0]
-        pos = max(0, self._scan - len(CONTENT))
+        marker = self._content
+        pos = max(0, self._scan - len(marker))
         while True:
-            i = body.find(CONTENT, pos)
-            if i < 0 or i + len(CONTENT) >= len(body):
+            i = body.find(marker, pos)
+            if i < 0 or i + len(marker) >= len(body):
                 self._scan = len(body) if i < 0 else i
                 return
-            if body[i + len(CONTENT)] != 0x22:  # '"': an empty content string
+            if body[i + len(marker)] != 0x22:  # '"': an empty content string
                 self._first = now
                 return
-            pos = i + len(CONTENT)
+            pos = i + len(marker)
 
     def _finish(self, now: float, body: bytes) -> None:
         fut = self._fut
@@ -270,6 +306,7 @@ async def run_load(
     cpu_pids: list[int] | None = None,
     stream: bool = True,
     timeout_s: float = 30.0,
+    api: Api = CHAT,
 ) -> LoadResult:
     """Run the load; count only what ends inside the window (after the warm-up)."""
     if (duration_s is None) == (count is None):
@@ -311,7 +348,9 @@ async def run_load(
                         return
                     state["started"] += 1
                 if conn is None or conn.closed:
-                    _, proto = await loop.create_connection(_Exchange, host, port)
+                    _, proto = await loop.create_connection(
+                        lambda: _Exchange(api.content), host, port
+                    )
                     conn = proto
                 t0 = time.perf_counter()
                 try:
@@ -326,7 +365,7 @@ async def run_load(
                     continue
                 if not state["measuring"] or end < marks.get("t0", 0.0):
                     continue
-                if not ok or (stream and not body.endswith(DONE_TAIL)):
+                if not ok or (stream and not api.whole(body)):
                     result.failed += 1
                     result.first_error = result.first_error or body[:300].decode("replace")
                     continue
@@ -335,7 +374,7 @@ async def run_load(
                 if first is not None:
                     result.ttft_s.append(first - t0)
                 result.events += body.count(b"data: ")
-                result.content_chunks += body.count(CONTENT) - body.count(b'"content":""')
+                result.content_chunks += api.pieces(body)
         finally:
             if conn is not None and conn.transport is not None:
                 conn.transport.close()
@@ -368,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay-ms", type=float, default=None)
     parser.add_argument("--no-stream", action="store_true", help="non-streamed requests")
     parser.add_argument("--cpu-pid", type=int, action="append", default=[])
+    parser.add_argument("--api", choices=sorted(API), default="chat", help="the API asked")
     args = parser.parse_args(argv)
     if args.duration is None and args.count is None:
         args.duration = 5.0
@@ -379,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         stream=not args.no_stream,
         ttft_ms=args.ttft_ms,
         delay_ms=args.delay_ms,
+        api=API[args.api],
     )
     coro = run_load(
         args.url,
@@ -389,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         warmup_s=args.warmup,
         cpu_pids=args.cpu_pid,
         stream=not args.no_stream,
+        api=API[args.api],
     )
     try:
         import uvloop
