@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from ._loads import Measure
 
-__all__ = ["DISPLAY", "SCENARIOS", "markdown", "summarize"]
+__all__ = ["DISPLAY", "SCENARIOS", "markdown", "summarize", "write_json"]
 
 Round = Mapping[str, Mapping[str, Measure]]  # scenario -> target -> measure
 
@@ -243,3 +246,16 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def write_json(path: Path, meta: dict[str, Any], summary: Any, rounds: Sequence[Round]) -> None:
+    """Every measurement of a run, with its summary and what it ran on, as one JSON document."""
+    doc = {
+        "meta": meta,
+        "summary": summary,
+        "rounds": [
+            {sc: {name: m.as_dict() for name, m in per.items()} for sc, per in r.items()}
+            for r in rounds
+        ],
+    }
+    path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 
 from ._loads import Load, Measure, Target, run_sse
 from ._procs import ProcessSet, StartupError
+from ._report import write_json
 from .run import _machine, _terminate, start_engine, start_gateway
 
 __all__ = ["main"]
@@ -186,15 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(rounds)
     print(markdown(rows), flush=True)
     if args.json is not None:
-        doc = {
-            "meta": meta,
-            "summary": rows,
-            "rounds": [
-                {sc: {api: m.as_dict() for api, m in per.items()} for sc, per in r.items()}
-                for r in rounds
-            ],
-        }
-        args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        write_json(args.json, meta, rows, rounds)
     return 0
 
 

@@ -26,12 +26,11 @@ from types import FrameType
 from typing import Any
 
 import httpx
-import orjson
 
 from ._loads import Load, Measure, Target, run_sse, run_wrk, wrk_path
 from ._procfs import peak_rss_kib, rss_kib
 from ._procs import Proc, ProcessSet, StartupError, free_port
-from ._report import markdown, summarize
+from ._report import markdown, summarize, write_json
 
 __all__ = ["main"]
 
@@ -367,15 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown(summary, meta)
     print(report, flush=True)
     if args.json is not None:
-        doc = {
-            "meta": meta,
-            "summary": summary,
-            "rounds": [
-                {sc: {t: m.as_dict() for t, m in per.items()} for sc, per in r.items()}
-                for r in rounds
-            ],
-        }
-        args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        write_json(args.json, meta, summary, rounds)
     return 0
 
 
