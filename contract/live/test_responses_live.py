@@ -131,6 +131,37 @@ async def test_what_a_coding_agent_sends_with_every_turn(gw: RunningGateway) -> 
     assert done["prompt_cache_key"] == "session-1" and done["store"] is False
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_included_are_the_engines_own(gw: RunningGateway, stream: bool) -> None:
+    """``include`` of the text's logprobs, with two alternatives a token: the engine's own, one
+    a generated token (the 8 the limit allows), each with its two alternatives, in OpenAI's
+    shape; streamed, the delta events carry them all between them."""
+    ask: dict[str, Any] = {"model": "my-model", "input": "Hello", "max_output_tokens": 8}
+    ask |= {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    async with client(gw) as c:
+        if stream:
+            events = [
+                ev.model_dump(mode="json", exclude_unset=True, by_alias=True)
+                async for ev in await c.responses.create(**ask, stream=True)
+            ]
+            for ev in events:
+                validate_event(ev)
+            done = events[-1]["response"]
+            deltas = [ev for ev in events if ev["type"] == "response.output_text.delta"]
+            along = [t for ev in deltas for t in ev["logprobs"]]
+        else:
+            done = _valid(await c.responses.create(**ask))
+    part = done["output"][0]["content"][0]
+    tokens = part["logprobs"]
+    assert done["top_logprobs"] == 2 and len(tokens) == 8, tokens
+    for t in tokens:
+        assert t["logprob"] <= 0 and isinstance(t["token"], str)
+        assert len(t["top_logprobs"]) == 2 and all(a["logprob"] <= 0 for a in t["top_logprobs"])
+    assert b"".join(bytes(t["bytes"]) for t in tokens).decode(errors="replace") == part["text"]
+    if stream:
+        assert along == tokens
+
+
 async def test_a_function_call_round_trip(gw: RunningGateway, target: tuple[str, str, str]) -> None:
     """The model calls the tool (vLLM: made to, by a named tool_choice), its output goes back,
     the final answer is text. llama-server b10798 does not constrain a call for a template

@@ -360,6 +360,116 @@ async def test_what_a_coding_agent_sends_with_every_turn_is_taken(
     assert [m["role"] for m in sent["messages"]] == ["system", "user", "user"]
 
 
+def _lp(token: str, value: float, *, top: int = 0, raw: bool = True) -> dict[str, Any]:
+    """A chat logprob entry for ``token``, with ``top`` alternatives (``raw``: its bytes given,
+    else null as chat allows)."""
+    alts = [{"token": f"{token}~{i}", "logprob": value - 1 - i, "bytes": None} for i in range(top)]
+    given = list(token.encode()) if raw else None
+    return {"token": token, "logprob": value, "bytes": given, "top_logprobs": alts}
+
+
+def _with_logprobs(*pieces: tuple[str, list[dict[str, Any]]]) -> list[bytes]:
+    """A chat stream whose text chunks carry logprobs, as vLLM and llama-server send them."""
+    items = [event(chunk(delta={"role": "assistant", "content": ""}))]
+    for text, entries in pieces:
+        choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+        items.append(event(chunk(choices=[{**choice, "logprobs": {"content": entries}}])))
+    items.append(event(chunk(delta={}, finish="stop")))
+    return [*items, event(chunk(choices=[], usage=USAGE)), DONE]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_logprobs_asked_for_come_back_on_the_text(
+    gateway: Gw, engine: FakeEngine, stream: bool
+) -> None:
+    """``include: [message.output_text.logprobs]`` asks the engine for chat's logprobs (with
+    ``top_logprobs`` alternatives); each delta event carries its own, the text all of them, in
+    OpenAI's shape (bytes given where chat's are null)."""
+    first, second = (
+        [_lp("Hel", -0.5, top=2), _lp("lo", -0.25, top=2, raw=False)],
+        [_lp("é", -1.0, top=2)],
+    )
+    engine.script = _with_logprobs(("Hello", first), ("é", second))
+    body = {
+        "model": "my-model",
+        "input": "Greet.",
+        "stream": stream,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    async with gateway.client() as c:
+        r = await c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    sent = engine.received[-1].body
+    assert sent["logprobs"] is True and sent["top_logprobs"] == 2
+    if stream:
+        events, _ = events_of(r.text)
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        assert [(e["delta"], len(e["logprobs"])) for e in deltas] == [("Hello", 2), ("é", 1)]
+        (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+        assert done["logprobs"] == deltas[0]["logprobs"] + deltas[1]["logprobs"]
+        response = events[-1]["response"]
+    else:
+        response = r.json()
+        validate_response(response)
+    part = response["output"][0]["content"][0]
+    assert part["text"] == "Helloé" and response["top_logprobs"] == 2
+    tokens = part["logprobs"]
+    assert [(t["token"], t["logprob"], t["bytes"]) for t in tokens] == [
+        ("Hel", -0.5, [72, 101, 108]),
+        ("lo", -0.25, [108, 111]),  # null in chat: the token's own UTF-8
+        ("é", -1.0, [195, 169]),
+    ]
+    assert [a["token"] for a in tokens[0]["top_logprobs"]] == ["Hel~0", "Hel~1"]
+    assert tokens[2]["top_logprobs"][1] == {
+        "token": "é~1",
+        "logprob": -3.0,
+        "bytes": list("é~1".encode()),
+    }
+
+
+async def test_top_logprobs_without_the_include_asks_the_engine_for_none(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    engine.script = _script({"content": "ok"})
+    async with gateway.client() as c:
+        r = await c.post(
+            "/v1/responses", json={"model": "my-model", "input": "x", "top_logprobs": 3}
+        )
+    assert r.status_code == 200, r.text
+    assert r.json()["top_logprobs"] == 3
+    assert r.json()["output"][0]["content"][0]["logprobs"] == []
+    sent = engine.received[-1].body
+    assert "logprobs" not in sent and "top_logprobs" not in sent
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [{"token": "a"}],  # no logprob
+        [{"token": 7, "logprob": -1.0, "bytes": None, "top_logprobs": []}],
+        [{"token": "a", "logprob": -1.0, "bytes": [300], "top_logprobs": []}],
+        [{"token": "a", "logprob": "-1", "bytes": None, "top_logprobs": []}],
+    ],
+)
+async def test_logprobs_not_in_chats_shape_end_the_answer_unverified(
+    gateway: Gw, engine: FakeEngine, entries: list[Any]
+) -> None:
+    engine.script = _with_logprobs(("a", entries))
+    body = {
+        "model": "my-model",
+        "input": "x",
+        "stream": True,
+        "include": ["message.output_text.logprobs"],
+    }
+    async with gateway.client() as c:
+        r = await c.post("/v1/responses", json=body)
+    events, _ = events_of(r.text)
+    assert events[-2]["type"] == "error" and events[-2]["code"] == "stream_unverified"
+    assert events[-1]["type"] == "response.failed"
+    assert "a" not in [e.get("delta") for e in events]  # nothing of the read that failed
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code", "words"),
     [
@@ -373,6 +483,9 @@ async def test_what_a_coding_agent_sends_with_every_turn_is_taken(
         ({"prompt_cache_key": "k" * 1025}, 400, "invalid_request", "prompt_cache_key"),
         ({"user": 7}, 400, "invalid_request", "user"),
         ({"safety_identifier": "u"}, 400, "invalid_request", "`safety_identifier` is not"),
+        ({"top_logprobs": 21}, 400, "invalid_request", "top_logprobs"),
+        ({"top_logprobs": True}, 400, "invalid_request", "top_logprobs"),
+        ({"top_logprobs": "2"}, 400, "invalid_request", "top_logprobs"),
         ({"tools": [{"type": "web_search"}]}, 400, "unsupported_parameter", "function tools"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "unsupported_parameter", ""),
         ({"input": []}, 400, "invalid_request", "input is required"),

@@ -19,6 +19,7 @@ ECHO = check_responses({"model": "m", "input": "x"})[2]
 TEXT = st.text(min_size=1, max_size=8)
 DELTA = st.one_of(
     st.builds(lambda t: {"content": t}, TEXT),
+    st.builds(lambda t: {"content": t, "_lp": True}, TEXT),  # its logprobs with it
     st.builds(lambda t: {"reasoning": t}, TEXT),
     st.builds(
         lambda i, a: {"tool_calls": [{"index": i, "function": {"name": f"f{i}", "arguments": a}}]},
@@ -26,6 +27,16 @@ DELTA = st.one_of(
         TEXT,
     ),
 )
+
+
+def _choice(d: dict[str, Any]) -> dict[str, Any]:
+    """A chat choice of delta ``d`` (``_lp``: with one logprob entry, its text as the token)."""
+    choice = {"index": 0, "delta": {k: v for k, v in d.items() if k != "_lp"}}
+    choice["finish_reason"] = None
+    if d.get("_lp"):
+        entry = {"token": d["content"], "logprob": -1.0, "bytes": None, "top_logprobs": []}
+        choice["logprobs"] = {"content": [entry]}
+    return choice
 
 
 def _resumes(deltas: list[dict[str, Any]]) -> bool:
@@ -80,10 +91,10 @@ def test_any_run_of_deltas_makes_valid_numbered_events_and_whole_items(
     if _resumes(deltas):
         with pytest.raises(UnverifiedError, match="resumed after another item"):
             for d in deltas:
-                b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+                b.add({"choices": [_choice(d)]})
         return
     for d in deltas:
-        b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+        b.add({"choices": [_choice(d)]})
     b.add({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
     response = b.finished(None)
     validate_response(response)
@@ -142,10 +153,10 @@ def test_a_failed_response_holds_what_its_client_was_sent(
     out = b""
     for read in sent_reads:
         for d in read:
-            b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+            b.add({"choices": [_choice(d)]})
         out += b.take()
     for d in failing:
-        b.add({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+        b.add({"choices": [_choice(d)]})
     b.discard()
     b.failed("engine_error", "gone")
     out += b.take()
@@ -160,6 +171,13 @@ def test_a_failed_response_holds_what_its_client_was_sent(
     ) + ["incomplete"] * bool(response["output"])
     texts = [e["delta"] for e in events if e["type"].endswith(".delta")]
     assert texts == [_delta_text(d) for d in sent]
+    tokens = [
+        t["token"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for t in item["content"][0]["logprobs"]
+    ]  # the logprobs of what was sent, none of the failing read's
+    assert tokens == [d["content"] for d in sent if d.get("_lp")]
 
 
 def _delta_text(d: dict[str, Any]) -> str:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import EngineError
+from .._errors import EngineError, UnverifiedError
 from .._relay.verify import TemplateText
 from .output import Events, Output, item_id
 from .request import Echo
 
-__all__ = ["ResponseBuilder"]
+__all__ = ["ResponseBuilder", "logprobs_of"]
 
 _REASONING = ("reasoning_content", "reasoning")
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -55,7 +55,16 @@ class ResponseBuilder:
             delta = choice["delta"]
             for key in _REASONING:
                 self._text(key, delta.get(key))
-            self._text("content", delta.get("content"))
+            lp = choice.get("logprobs")
+            if lp is None:
+                self._text("content", delta.get("content"))
+            else:  # asked for (include): the text's, in OpenAI's shape
+                entries = logprobs_of(lp)
+                text = delta.get("content") or ""
+                if text or entries:
+                    tops = sum(len(e["top_logprobs"]) for e in entries)
+                    self._grow(_size(text) + DELTA_COST * (len(entries) + tops))
+                    self._output.text("message", text, entries)
             for call in delta.get("tool_calls") or ():
                 fn = call.get("function") or {}
                 arguments = fn.get("arguments") or ""
@@ -130,6 +139,31 @@ class ResponseBuilder:
         self._size += n
         if self._size > self._max:
             raise EngineError(f"the answer is over {self._max} bytes (limits.max_answer_bytes)")
+
+
+def logprobs_of(lp: Any) -> list[dict[str, Any]]:
+    """A chat choice's ``logprobs`` as the Response's text carries them: each token's text,
+    logprob, UTF-8 bytes and alternatives. Chat allows ``bytes`` null where a token has none of
+    its own: then they are its text's. A shape chat does not have is the engine's fault."""
+    try:
+        content = lp.get("content") or ()
+        return [
+            _token(e) | {"top_logprobs": [_token(t) for t in e.get("top_logprobs") or ()]}
+            for e in content
+        ]
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise UnverifiedError(f"the engine's logprobs are not chat's: {exc!r}"[:200]) from None
+
+
+def _token(entry: dict[str, Any]) -> dict[str, Any]:
+    token, logprob, given = entry["token"], entry["logprob"], entry.get("bytes")
+    if not isinstance(token, str) or type(logprob) not in (int, float):
+        raise TypeError("a token is not a string with a number")
+    if given is None:
+        given = list(token.encode())
+    elif not isinstance(given, list) or not all(type(b) is int and 0 <= b < 256 for b in given):
+        raise TypeError("bytes is not a list of bytes")
+    return {"token": token, "logprob": logprob, "bytes": given}
 
 
 def _size(text: str) -> int:

@@ -5,7 +5,8 @@ Each run of one kind of delta is one output item, in the order the engine sent t
 reasoning text a ``reasoning`` item (its text as ``reasoning_text`` content: the gateway makes
 no summaries), content text a ``message`` item with one ``output_text`` part, each tool call
 (by its index) a ``function_call`` item whose arguments are its deltas joined. A turn with text
-and calls keeps both. Events are numbered from 0 in the order made.
+and calls keeps both. Events are numbered from 0 in the order made. A message's text carries
+the engine's logprobs where it sent them (each delta event its own, the text all of them).
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ class Events:
 
 class _Open:
     """The output item being written: its kind (``message``, ``reasoning``, or a tool call's
-    index), its place in the output, and its text so far."""
+    index), its place in the output, and its text (and a message's logprobs) so far."""
 
-    __slots__ = ("delta_head", "delta_tail", "index", "item", "kind", "parts")
+    __slots__ = ("delta_head", "delta_tail", "index", "item", "kind", "logprobs", "parts")
 
     def __init__(self, kind: str | int, item: dict[str, Any], index: int) -> None:
         self.kind, self.item, self.index = kind, item, index
         self.parts: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
         # A text delta event's bytes but its number and text, made once per item: the event
         # as the general path writes it (a test holds them equal).
         name = "output_text" if kind == "message" else "reasoning_text"
@@ -106,36 +108,45 @@ class Output:
         self._open: _Open | None = None
         self._calls: set[int] = set()
         """The tool calls' indexes begun (a closed one cannot take deltas again)."""
-        self._mark: tuple[int, _Open | None, int, Any] = (0, None, 0, None)
+        self._mark: tuple[int, _Open | None, int, int, Any] = (0, None, 0, 0, None)
 
     def mark(self) -> None:
         """Note what the client has been sent (a tuple a write: this is on the hot path)."""
         o = self._open
         if o is None:
-            self._mark = (len(self.items), None, 0, None)
+            self._mark = (len(self.items), None, 0, 0, None)
         else:
-            self._mark = (len(self.items), o, len(o.parts), o.item.get("name"))
+            self._mark = (len(self.items), o, len(o.parts), len(o.logprobs), o.item.get("name"))
 
     def rewind(self) -> None:
         """Back to the last `mark`, for a Response that fails there: the items, the open one's
         text and its name as they were (an item closed since is open again: its done events
         were never sent). Only the failure's close comes after, so no delta meets it."""
-        n, o, parts, name = self._mark
+        n, o, parts, logprobs, name = self._mark
         del self.items[n:]
         self._open = o
         if o is not None:
             del o.parts[parts:]
+            del o.logprobs[logprobs:]
             o.item["status"] = "in_progress"
             if name is not None:
                 o.item["name"] = name
 
-    def text(self, kind: str, text: str) -> None:
-        """Text of ``kind`` (``message`` or ``reasoning``)."""
+    def text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """Text of ``kind`` (``message`` or ``reasoning``), and a message's ``logprobs`` for it
+        where the engine sent them (OpenAI's shape: `build.logprobs_of`)."""
         o = self._open
         if o is None or o.kind != kind:
             o = self._start(kind)
         o.parts.append(text)
-        self._event.delta(o.delta_head, text, o.delta_tail)
+        if logprobs is None:
+            self._event.delta(o.delta_head, text, o.delta_tail)
+            return
+        o.logprobs += logprobs  # a message's only: reasoning text has none in a Response
+        event = self._event
+        event(
+            "response.output_text.delta", **o.at(), content_index=0, delta=text, logprobs=logprobs
+        )
 
     def call(self, index: int, call_id: str | None, name: str | None, arguments: str) -> None:
         """A tool call's delta (its ID and name come with its first)."""
@@ -184,9 +195,10 @@ class Output:
         item["status"] = status
         event = self._event if events else _quiet
         if o.kind == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            lp = o.logprobs
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": lp}
             item["content"] = [part]
-            event("response.output_text.done", **at, content_index=0, text=text, logprobs=[])
+            event("response.output_text.done", **at, content_index=0, text=text, logprobs=lp)
             event("response.content_part.done", **at, content_index=0, part=part)
         elif o.kind == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": text}]

@@ -24,7 +24,7 @@ RESPONSES_FIELDS = frozenset(
         "max_output_tokens", "temperature", "top_p", "text", "reasoning", "metadata",
         "stream", "cache_salt", "store",
         # what agent clients send with every turn: see hints.py
-        "include", "prompt_cache_key", "truncation", "user",
+        "include", "prompt_cache_key", "truncation", "user", "top_logprobs",
         # refused unless empty (they need a stored response): see _STATEFUL
         "previous_response_id", "conversation", "background",
     }
