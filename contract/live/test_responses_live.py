@@ -157,7 +157,8 @@ async def test_logprobs_included_are_the_engines_own(gw: RunningGateway, stream:
     for t in tokens:
         assert t["logprob"] <= 0 and isinstance(t["token"], str)
         assert len(t["top_logprobs"]) == 2 and all(a["logprob"] <= 0 for a in t["top_logprobs"])
-    assert b"".join(bytes(t["bytes"]) for t in tokens).decode(errors="replace") == part["text"]
+        if "\ufffd" not in t["token"]:  # a whole piece of text: its bytes are its own
+            assert bytes(t["bytes"]) == t["token"].encode()
     if stream:
         assert along == tokens
 
