@@ -1,4 +1,5 @@
-"""The fields agent clients send on every turn that change nothing the engine makes (pure).
+"""The fields agent clients send on every turn, most of which change nothing the engine makes,
+and the logprobs a client may ask for with one of them (pure).
 
 Coding agents (Codex among them) send ``include``, ``prompt_cache_key`` and sometimes
 ``truncation`` and ``user`` with each request: refused, they made the Responses surface unusable
