@@ -22,6 +22,7 @@ import resource
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -45,22 +46,24 @@ class Api:
     """What begins a piece of text (followed by anything but a closing quote: not empty)."""
     empty: bytes
     """The same with no text (counted out)."""
-
-    def whole(self, body: bytes) -> bool:
-        """Whether a streamed body ended as a whole answer does."""
-        if self.path == CHAT.path:
-            return body.endswith(DONE_TAIL)
-        # the end of a whole Response: completed, or incomplete at max_output_tokens (as chat
-        # ends on "length"); a failed one ends in response.failed
-        return b"event: response.completed\n" in body or b"event: response.incomplete\n" in body
+    whole: Callable[[bytes], bool]
+    """Whether a streamed body ended as a whole answer does."""
 
     def pieces(self, body: bytes) -> int:
         """The pieces of text a streamed body holds."""
         return body.count(self.content) - body.count(self.empty)
 
 
-CHAT = Api("/v1/chat/completions", b'"content":"', b'"content":""')
-RESPONSES = Api("/v1/responses", b'"type":"response.output_text.delta"', b'"delta":""')
+def _whole_response(body: bytes) -> bool:
+    # completed, or incomplete at max_output_tokens (as chat ends on "length"); a failed
+    # Response ends in response.failed
+    return b"event: response.completed\n" in body or b"event: response.incomplete\n" in body
+
+
+CHAT = Api("/v1/chat/completions", b'"content":"', b'"content":""', lambda b: b.endswith(DONE_TAIL))
+RESPONSES = Api(
+    "/v1/responses", b'"type":"response.output_text.delta"', b'"delta":""', _whole_response
+)
 API = {"chat": CHAT, "responses": RESPONSES}
 
 

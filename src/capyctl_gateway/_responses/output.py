@@ -143,8 +143,7 @@ class Output:
             self._event.delta(o.delta_head, text, o.delta_tail)
             return
         o.logprobs += logprobs  # a message's only: reasoning text has none in a Response
-        event = self._event
-        event(
+        self._event(
             "response.output_text.delta", **o.at(), content_index=0, delta=text, logprobs=logprobs
         )
 

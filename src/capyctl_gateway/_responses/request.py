@@ -23,7 +23,7 @@ RESPONSES_FIELDS = frozenset(
         "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
         "max_output_tokens", "temperature", "top_p", "text", "reasoning", "metadata",
         "stream", "cache_salt", "store",
-        # what agent clients send with every turn: see hints.py
+        # what agent clients send with every turn, and the text's logprobs: see hints.py
         "include", "prompt_cache_key", "truncation", "user", "top_logprobs",
         # refused unless empty (they need a stored response): see _STATEFUL
         "previous_response_id", "conversation", "background",
@@ -57,7 +57,7 @@ class Echo:
     reasoning: dict[str, Any]
     metadata: dict[str, str]
     hints: dict[str, Any]
-    """``prompt_cache_key`` and ``user`` where given (`hints`)."""
+    """``prompt_cache_key``, ``user`` and ``top_logprobs`` where given (`hints`)."""
 
 
 def check_responses(body: dict[str, Any]) -> tuple[dict[str, Any], bool, Echo]:
