@@ -210,6 +210,20 @@ def test_tool_calls_without_arguments_still_reach_the_bound() -> None:
     assert len(b.response["output"]) < 100
 
 
+def test_logprobs_count_against_the_bound_with_their_alternatives() -> None:
+    """Logprobs are kept for the whole text: a token of one character with 20 alternatives
+    counts 21 entries against the bound, so its text alone could not hold them within it."""
+    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=4096, streaming=True)
+    alts = [{"token": "x", "logprob": -2.0, "bytes": None} for _ in range(20)]
+    entry = {"token": "a", "logprob": -1.0, "bytes": None, "top_logprobs": alts}
+    choice = {"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry]}}
+    with pytest.raises(EngineError, match="over 4096 bytes"):
+        for _ in range(1000):
+            b.add({"choices": [choice]})
+    # 1 + 21 x 64 bytes a token: three fit in 4,096, the fourth is refused before it is kept
+    assert b.take().count(b"event: response.output_text.delta\n") == 3
+
+
 def test_a_finish_reason_reaches_the_client_only_as_a_word() -> None:
     b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=2**20, streaming=False)
     b.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "see http://10.0.0.7:8000/"}]})
