@@ -116,7 +116,7 @@ class DeploymentLife:
         if self.operator_stopped:
             return DeploymentStoppedError(
                 f"deployment {name} was stopped by an operator; "
-                f"`capyctl-gateway start {name}` starts it again"
+                f"`capyctl start {name}` starts it again"
             )
         if self.deployment.lifecycle.activation == "explicit" and not self.operator_started:
             return DeploymentStoppedError(

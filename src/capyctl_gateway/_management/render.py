@@ -144,7 +144,8 @@ def _list_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def _list_notes(console: Console, doc: dict[str, Any]) -> None:
-    """What ``list`` prints under its deployments: hosts, pods and the memory budget."""
+    """What ``list`` prints under its deployments: hosts, pods and the memory budget (where
+    something counts memory: a budget, or a deployment with ``memory:``)."""
     for d in doc["deployments"]:
         for h in d.get("hosts", []):
             age = h["sample_age_s"]
@@ -162,6 +163,8 @@ def _list_notes(console: Console, doc: dict[str, Any]) -> None:
                 soft_wrap=True,
             )
     budget = doc["memory_budget"]
+    if budget is None and all(d.get("memory_held") is None for d in doc["deployments"]):
+        return  # nothing counts memory (no budget, no `memory:`): no figure, not a zero
     console.print(
         f"memory held by launched deployments: {size(doc['memory_held'])}"
         + ("" if budget is None else f" of a budget of {size(budget)}")

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._fleet import Fleet
 from .._lifecycle.crash import backoff_left
-from .._lifecycle.states import DeploymentLife
+from .._lifecycle.states import STARTABLE, DeploymentLife
 from .._log import shown
 
 __all__ = ["deployment_status", "instance_hosts", "shown"]
@@ -53,6 +53,8 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
         lc = launched.get(inst.index)
         if lc is not None:
             row["lifecycle"] = lc.state.value
+            if lc.state in STARTABLE and not lc.unconfirmed:
+                row["url"] = None  # its engine is gone: the address it had is no one's now
             if "state" not in seen:  # nothing watches it: the lifecycle's word
                 row["state"] = lc.state.value
             if lc.failure is not None:
