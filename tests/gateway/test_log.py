@@ -145,8 +145,28 @@ def test_a_handler_above_info_gets_no_events(sink: Writes) -> None:
         ("llama-server -hft hf_abc --port 8", "llama-server -hft *** --port 8"),
         ("{'api_key': ['sk-live-1'], 'port': 8}", "{'api_key': ['***'], 'port': 8}"),
         ('"api_key": ["sk-live-1"]', '"api_key": ["***"]'),
-        ("from https://user:s3cret@example.org/x", "from https://user:***@example.org/x"),
+        # issue 42, item 12: a URL's whole userinfo (a token is often its user name), reprs of
+        # tuples and lists (an argv, a header pair, a list's later items), Token headers
+        ("from https://user:s3cret@example.org/x", "from https://***@example.org/x"),
         ("at https://example.org:8443/x and a@b", None),
+        (
+            "git clone https://ghp_abc123@github.com/o/r.git",
+            "git clone https://***@github.com/o/r.git",
+        ),
+        ("fetch http://hf_abc@10.0.0.7:8000/m", "fetch http://***@10.0.0.7:8000/m"),
+        ("('llama-server', '--api-key', 'sk-live-1')", "('llama-server', '--api-key', '***')"),
+        ('["--hf-token", "hf_abc", "--port", "8"]', '["--hf-token", "***", "--port", "8"]'),
+        ("('api_key', 'sk-live-1')", "('api_key', '***')"),
+        ("['--echo-env', 'ENGINE_KEY', '--port', '8']", None),
+        ("{'api_keys': ['sk-1', 'sk-2', 'sk-3']}", "{'api_keys': ['***', '***', '***']}"),
+        ('"api_key": ["sk-1", "sk-2"]', '"api_key": ["***", "***"]'),
+        ("Authorization: Token abc.def", "Authorization: Token ***"),
+        ("authorization=Token abc.def rest", "authorization=Token *** rest"),
+        ("[('Authorization', 'Token abc')]", "[('Authorization', 'Token ***')]"),
+        ("Proxy-Authorization: s3cret", "Proxy-Authorization: ***"),
+        # counts stay readable in those forms too
+        ("('--max-tokens', '64')", None),
+        ("{'max_tokens': [64, 128]}", None),
     ],
 )
 def test_masked_hides_secrets_and_leaves_token_counts(text: str, want: str | None) -> None:
@@ -193,3 +213,18 @@ def test_secrets_in_takes_plural_token_variables_but_not_counts() -> None:
         "abc",
         "v",
     ]
+
+
+def test_a_urls_userinfo_in_a_command_is_a_secret() -> None:
+    """A token given as a URL's user name (or user and password) in an argument or a variable
+    is found, so a pod's command that carries one is refused and a log masks it."""
+    argv = ["hf", "download", "https://hf_abc@huggingface.co/m", "--url=http://u:p4ss@h:8/x"]
+    env = {"MODEL_URL": "https://tok_9@example.org/m", "PATH": "/bin"}
+    assert sorted(secrets_in(argv, env)) == ["hf_abc", "tok_9", "u:p4ss"]
+    assert shown(argv) == [
+        "hf",
+        "download",
+        "https://***@huggingface.co/m",
+        "--url=http://***@h:8/x",
+    ]
+    assert secrets_in(["e", "https://example.org:8443/x", "a@b"], {"X": "http://h/x@y"}) == []

@@ -140,6 +140,9 @@ def test_pods_count_in_their_own_pool_and_park_auto_stops_them() -> None:
     [
         (lambda i: i["launch"]["command"].extend(["--api-key", "sk-live-123"]), "pod.secret_env"),
         (lambda i: i["launch"].update(env={"HF_TOKEN": "hf_abc"}), "pod.secret_env"),
+        # issue 42, item 12: a URL's userinfo lands in the Pod spec as any other argument
+        (lambda i: i["launch"]["command"].append("https://hf_abc@hf.co/m"), "pod.secret_env"),
+        (lambda i: i["launch"].update(env={"MODEL_URL": "https://u:hf_abc@h/m"}), "pod.secret_env"),
         (lambda i: i.update(host="gpu-1"), "not on a host"),
         (lambda i: i["pod"].update(namespace="Bad_NS"), "not a Kubernetes name"),
         (lambda i: i["pod"].update(resources={"limits": {"memory": "lots"}}), "quantity"),
