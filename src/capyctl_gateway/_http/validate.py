@@ -160,7 +160,7 @@ def resolve(
         raise invalid("model is required and must be a non-empty string")
     deployment = config.deployment(model)
     if deployment is None:
-        raise UnknownModelError(f"no deployment serves model {model!r}")
+        raise UnknownModelError(f"no deployment serves model {model[:128]!r}")
     if deployment.api is not api:
         served = deployment.api
         raise RefusedError(
@@ -175,7 +175,7 @@ def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
     """The chat checks after `resolve` (which found ``deployment``), in the documented order."""
     for key in body:
         if key not in CHAT_FIELDS:
-            raise invalid(f"request field `{key}` is not accepted")
+            raise invalid(f"request field `{key[:64]}` is not accepted")
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise invalid("messages is required and must be a list")
@@ -212,7 +212,7 @@ def check_decision(body: dict[str, Any], deployment: Deployment) -> DecisionRequ
     """The decision checks after `resolve` (which found ``deployment``)."""
     for key in body:
         if key not in DECISION_FIELDS:
-            raise invalid(f"request field `{key}` is not accepted")
+            raise invalid(f"request field `{key[:64]}` is not accepted")
     for key in ("images", "files"):
         value = body.get(key)
         if value is not None and (

@@ -45,6 +45,8 @@ def messages_of(given: Any, instructions: str | None) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise invalid(f"input[{i}] must be an object")
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise invalid(f"input[{i}].type must be a string")
         if kind == "message":
             messages.append(_message(item, i))
         elif kind == "function_call":
@@ -53,7 +55,7 @@ def messages_of(given: Any, instructions: str | None) -> list[dict[str, Any]]:
             messages.append(_output(item, i))
         elif kind != "reasoning":
             raise RefusedError(
-                f"input[{i}]: items of type {kind!r} are not served (the gateway keeps no "
+                f"input[{i}]: items of type {kind[:64]!r} are not served (the gateway keeps no "
                 "responses and runs no tools)",
                 code="unsupported_parameter",
             )
@@ -63,7 +65,7 @@ def messages_of(given: Any, instructions: str | None) -> list[dict[str, Any]]:
 def _keys(item: dict[str, Any], allowed: frozenset[str], i: int) -> None:
     for key in item:
         if key not in allowed:
-            raise invalid(f"input[{i}]: field `{key}` is not accepted")
+            raise invalid(f"input[{i}]: field `{key[:64]}` is not accepted")
 
 
 def _string(item: dict[str, Any], key: str, i: int) -> str:
@@ -75,7 +77,8 @@ def _string(item: dict[str, Any], key: str, i: int) -> str:
 
 def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
     _keys(item, _MESSAGE_KEYS, i)
-    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    given = item.get("role")
+    role = _ROLES.get(given) if isinstance(given, str) else None
     if role is None:
         raise invalid(f"input[{i}].role must be user, assistant, system or developer")
     content = item.get("content")
@@ -96,7 +99,9 @@ def _part(part: Any, i: int, j: int) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise invalid(f"{where} must be an object")
     kind = part.get("type")
-    key = _TEXT_PARTS.get(kind)  # type: ignore[arg-type]
+    if not isinstance(kind, str):
+        raise invalid(f"{where}.type must be a string")
+    key = _TEXT_PARTS.get(kind)
     if key is not None:
         text = part.get(key)
         if not isinstance(text, str):
@@ -111,7 +116,7 @@ def _part(part: Any, i: int, j: int) -> dict[str, Any]:
             image["detail"] = part["detail"]
         return {"type": "image_url", "image_url": image}
     raise RefusedError(
-        f"{where}: parts of type {kind!r} are not served", code="unsupported_parameter"
+        f"{where}: parts of type {kind[:64]!r} are not served", code="unsupported_parameter"
     )
 
 

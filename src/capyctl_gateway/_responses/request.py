@@ -66,7 +66,7 @@ def check_responses(body: dict[str, Any]) -> tuple[dict[str, Any], bool, Echo]:
     writes), whether the client asked for a stream, and what the Response echoes."""
     for key in body:
         if key not in RESPONSES_FIELDS:
-            raise invalid(f"request field `{key}` is not accepted")
+            raise invalid(f"request field `{key[:64]}` is not accepted")
     for key in _STATEFUL:
         if body.get(key) not in (None, False):
             raise invalid(_NO_STATE.format(key))
@@ -149,14 +149,16 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else None
+            if not isinstance(kind, str):
+                raise invalid(f"tools[{i}] must be an object with a string type")
             raise RefusedError(
-                f"tools[{i}]: only function tools are served (not {kind!r}): the gateway "
+                f"tools[{i}]: only function tools are served (not {kind[:64]!r}): the gateway "
                 "runs no tools itself",
                 code="unsupported_parameter",
             )
         for key in tool:
             if key not in ("type", "name", "description", "parameters", "strict"):
-                raise invalid(f"tools[{i}]: field `{key}` is not accepted")
+                raise invalid(f"tools[{i}]: field `{key[:64]}` is not accepted")
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise invalid(f"tools[{i}].name must be a non-empty string")
@@ -205,8 +207,10 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
             "name",
         }
     ):
-        if not any(t["name"] == choice["name"] for t in tools):
-            raise invalid(f"tool_choice names the function {choice['name']!r}, not in tools")
+        name = choice["name"]
+        if not any(t["name"] == name for t in tools):
+            said = repr(name[:64]) if isinstance(name, str) else "(not a string)"
+            raise invalid(f"tool_choice names the function {said}, not in tools")
         return {"type": "function", "name": choice["name"]}
     raise invalid(
         'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}'
