@@ -96,12 +96,21 @@ RESPONSES_BODY: dict[str, Any] = {
             "role": "assistant",
             "id": "msg_1",
             "status": "completed",
+            "phase": None,
             "content": [
                 {"type": "output_text", "text": "ok", "annotations": [], "logprobs": []},
                 {"type": "refusal", "refusal": "no"},
             ],
         },
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "id": "fc_1"},
+        {
+            "type": "function_call",
+            "call_id": "c",
+            "name": "f",
+            "arguments": "{}",
+            "id": "fc_1",
+            "caller": {"type": "direct"},
+            "async_": None,
+        },
         {"type": "function_call_output", "call_id": "c", "output": "42"},
         {
             "type": "function_call_output",

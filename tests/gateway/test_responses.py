@@ -626,3 +626,53 @@ async def test_the_openai_client_reads_whole_streamed_and_sync_responses(
             return client.responses.create(model="my-model", input="Weather?").output_text
 
     assert await to_thread.run_sync(sync) == "Let me look."
+
+
+async def test_items_the_openai_client_returns_are_taken_back_as_input(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    """The multi-turn recipe of responses.md: each output item as the openai client returns it
+    (``model_dump()``, its None fields and its own names such as ``async_`` included; from a
+    whole Response, a streamed one and the stream helper's parsed one) is sent back with the
+    next turn and taken (``phase`` was refused: 400)."""
+    base = gateway.url + "/v1"
+    async with AsyncOpenAI(base_url=base, api_key=gateway.key, max_retries=0) as client:
+        engine.script = MIXED
+        whole = await client.responses.create(model="my-model", input="Weather?")
+        stream = await client.responses.create(model="my-model", input="Weather?", stream=True)
+        streamed = [ev.response async for ev in stream if ev.type == "response.completed"]
+        async with client.responses.stream(model="my-model", input="Weather?") as helper:
+            parsed = await helper.get_final_response()
+        for reply in (whole, *streamed, parsed):
+            dumped = [item.model_dump() for item in reply.output]
+            assert any("phase" in d for d in dumped) and any("async_" in d for d in dumped)
+            history: Any = [  # plain dicts, as the recipe sends them
+                {"role": "user", "content": "Weather?"},
+                *dumped,
+                {"type": "function_call_output", "call_id": "call_9", "output": "sunny"},
+                {"type": "function_call_output", "call_id": "call_10", "output": "noon"},
+            ]
+            engine.script = _script({"content": "Sunny."})
+            again = await client.responses.create(model="my-model", input=history)
+            assert again.output_text == "Sunny."
+            assert engine.received[-1].body["messages"] == [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": "Let me look.",
+                    "tool_calls": [
+                        {
+                            "id": "call_9",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+                        },
+                        {
+                            "id": "call_10",
+                            "type": "function",
+                            "function": {"name": "time", "arguments": "{}"},
+                        },
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_9", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "call_10", "content": "noon"},
+            ]

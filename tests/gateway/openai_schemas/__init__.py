@@ -22,7 +22,14 @@ from jsonschema.exceptions import best_match, relevance  # type: ignore[import-u
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 
-__all__ = ["BUNDLE", "EVENT_SCHEMAS", "SOURCE", "validate_event", "validate_response"]
+__all__ = [
+    "BUNDLE",
+    "EVENT_SCHEMAS",
+    "SOURCE",
+    "validate_as",
+    "validate_event",
+    "validate_response",
+]
 
 _URI = "urn:openai-openapi:responses"
 _UNIONS = frozenset({"oneOf", "anyOf"})
@@ -74,6 +81,15 @@ def validate_event(obj: Any) -> None:
             f"{kind!r} is no streaming event type of OpenAI's ResponseStreamEvent "
             f"({len(EVENT_SCHEMAS)} are; spec commit {SOURCE['commit'][:12]})"
         )
+    _validate(name, obj)
+
+
+def validate_as(name: str, obj: Any) -> None:
+    """Raise ValidationError unless obj is what the schema ``name`` of responses.json admits
+    (an input item or a content part, say)."""
+    if name not in _VALIDATORS:
+        ref = {"$ref": f"{_URI}#/$defs/{name}"}
+        _VALIDATORS[name] = Draft202012Validator(ref, registry=_REGISTRY)
     _validate(name, obj)
 
 
