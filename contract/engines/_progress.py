@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Self, TextIO
 
@@ -29,7 +29,7 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from contract.engines._pace import TimeLeft
+from contract.engines._pace import StepTimes, TimeLeft
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,12 +47,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Stage:
-    """Where a long step is: a phase name, the step count if the tool prints one, a detail."""
+    """Where a long step is: a phase name, the step count if the tool prints one, a detail, and
+    what the step just done made (``unit``: the output a build's status line names, by which
+    :class:`TimeLeft` weighs it; not shown)."""
 
     phase: str
     done: int | None = None
     total: int | None = None
     detail: str = ""
+    unit: str = field(default="", compare=False)
 
     @property
     def steps(self) -> str:
@@ -84,11 +87,21 @@ def _target(rest: str) -> str:
     return f"{words[0].lower()} {name}" if len(words) > 1 else name
 
 
+def _unit(rest: str) -> str:
+    """The output a status line names, relative to the build directory (pip builds in a new
+    temporary directory each time, and some steps name their outputs by absolute path)."""
+    words = rest.split()
+    return _BUILD_DIR.sub("", words[-1]) if words else ""
+
+
+_BUILD_DIR = re.compile(r"^/.*/build/")
+
+
 def parse_build_line(line: str) -> Stage | None:
     """The stage one line of ``pip wheel -v`` shows while it builds a CMake project."""
     text = line.strip()
     if m := _NINJA_STEP.match(text):
-        return Stage("compiling", int(m[1]), int(m[2]), _target(m[3]))
+        return Stage("compiling", int(m[1]), int(m[2]), _target(m[3]), unit=_unit(m[3]))
     if m := _MAKE_PERCENT.match(text):
         return Stage("compiling", int(m[1]), 100, _target(m[2]))
     for prefix, phase in _BUILD_PHASES:
@@ -141,6 +154,7 @@ class StepProgress:
         log_path: where the full output goes; shown at the start, on plain lines and at the end.
         estimate: what to expect of its duration, shown at the start: a measured figure, or
             none (the line shows the time left once :class:`TimeLeft` has measured it).
+        times: what each step took in a measured run, to weigh the steps by (:class:`TimeLeft`).
         stream: where to write (default: stderr).
         live: a redrawn rich line (default: when ``stream`` is a terminal) or plain lines.
         interval_s: plain mode prints at least this often while the phase stays the same.
@@ -156,6 +170,7 @@ class StepProgress:
         live: bool | None = None,
         interval_s: float = 20.0,
         clock: Callable[[], float] = time.monotonic,
+        times: StepTimes | None = None,
     ) -> None:
         self.title = title
         self.log_path = log_path
@@ -173,7 +188,7 @@ class StepProgress:
         self._rich: Progress | None = None
         self._task: TaskID | None = None
         self._total: int | None = None
-        self._left = TimeLeft()
+        self._left = TimeLeft(times=times)
 
     def elapsed_s(self) -> float:
         return self._clock() - self._t0

