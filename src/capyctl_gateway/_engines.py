@@ -77,6 +77,9 @@ class EngineFacts:
     null_chunk_keys: frozenset[str] = frozenset()
     """Fields the engine writes into every chunk's first one as null (vLLM's token ids, which
     no request the gateway forwards asks for): relayed only while null."""
+    finish_reasons: frozenset[str] = frozenset({"stop", "length", "tool_calls"})
+    """The finish reasons the engine's sources say it sends (a tool call answer's
+    ``tool_calls`` included): any other ends the stream unverified."""
 
 
 FACTS: dict[EngineKind, EngineFacts] = {
@@ -95,6 +98,8 @@ FACTS: dict[EngineKind, EngineFacts] = {
         # system_fingerprint on the usage chunk (captured from 0.31.0; not in the spec's table)
         chunk_keys=frozenset({"metrics", "system_fingerprint"}),
         null_chunk_keys=frozenset({"prompt_token_ids", "prompt_text"}),
+        # vllm/v1/engine: FINISH_REASON_STRINGS
+        finish_reasons=frozenset({"stop", "length", "tool_calls", "abort", "error", "repetition"}),
     ),
     EngineKind.SGLANG: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),
@@ -108,6 +113,8 @@ FACTS: dict[EngineKind, EngineFacts] = {
         sleep_flags=("--enable-memory-saver",),
         park_by="release",
         cached_only_when_some=True,
+        # FINISH_MATCHED_* say stop, FINISH_LENGTH length, FINISH_ABORT abort
+        finish_reasons=frozenset({"stop", "length", "tool_calls", "abort"}),
     ),
     EngineKind.LLAMACPP: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),

@@ -1,8 +1,9 @@
 """The verifier's rules from the spec's "Streamed fields" and "When a request is cut short".
 
-* Fields beside delta in a choice are relayed as the engine sent them: an index or a
-  finish_reason the gateway does not know does not end a stream (and an assembled answer keeps
-  the engine's finish_reason); the choice itself, its delta and the delta's keys stay checked.
+* Fields beside delta in a choice are relayed as the engine sent them (and an assembled answer
+  keeps the engine's finish_reason), once checked: a finish_reason its engine does not document
+  ends the stream (issue 42, item 10); the choice itself, its delta and the delta's keys stay
+  checked.
 * A stream that produced part of the answer, text or a tool call, has answered.
 * A chunk is relayed unchanged except model: the engine's bytes, numbers and escapes included,
   with only the top-level model value renamed.
@@ -51,13 +52,26 @@ def relay_all(v: ChunkVerifier, raws: list[bytes]) -> list[bytes]:
 # Fields beside delta ------------------------------------------------------------------------
 
 
+DOCUMENTED = [
+    (VLLM, ("stop", "length", "tool_calls", "abort", "error", "repetition")),
+    (EngineKind.SGLANG, ("stop", "length", "tool_calls", "abort")),
+    (LLAMA, ("stop", "length", "tool_calls")),
+    (EngineKind.TENSORFOLD, ("stop", "length", "tool_calls")),
+]
+"""Each engine's finish reasons, from its sources: vLLM's FINISH_REASON_STRINGS, SGLang's
+FINISH_* classes, llama-server's and TensorFold's chat handlers; each adds tool_calls where
+the answer is a tool call."""
+
+
 @pytest.mark.parametrize(
-    "finish", [b'"abort"', b'"function_call"', b'"cancelled by admin"', b'""', b"7", b'{"x":[]}']
+    ("kind", "finish"), [(kind, finish) for kind, known in DOCUMENTED for finish in known]
 )
-def test_a_finish_reason_the_gateway_does_not_know_is_relayed_as_sent(finish: bytes) -> None:
-    v = verifier()
+def test_a_finish_reason_its_engine_documents_is_relayed_as_sent(
+    kind: EngineKind, finish: str
+) -> None:
+    v = verifier(kind)
     text = vllm(b'{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}')
-    last = vllm(b'{"index":0,"delta":{},"logprobs":null,"finish_reason":' + finish + b"}")
+    last = vllm(b'{"index":0,"delta":{},"finish_reason":"' + finish.encode() + b'"}')
     events = relay_all(v, [ROLE, text, last])
     assert events[2] == renamed(last)
     assert v.finished  # any finish_reason but null finishes the choice
@@ -67,14 +81,31 @@ def test_a_finish_reason_the_gateway_does_not_know_is_relayed_as_sent(finish: by
         v.relay(text, 3.0)
 
 
-@pytest.mark.parametrize("index", [b"1", b"-1", b'"0"', None])
-def test_a_choice_index_other_than_0_is_relayed_as_sent(index: bytes | None) -> None:
-    v = verifier()
-    lead = b"" if index is None else b'"index":' + index + b","
-    text = vllm(b"{" + lead + b'"delta":{"content":"Hi"},"finish_reason":null}')
-    last = vllm(b"{" + lead + b'"delta":{},"finish_reason":"stop"}')
-    assert relay_all(v, [text, last]) == [renamed(text), renamed(last)]
-    assert v.first_text_at == 0.0 and v.finished
+@pytest.mark.parametrize(
+    ("kind", "finish"),
+    [
+        (VLLM, b'"cancelled by admin"'),
+        (VLLM, b'""'),
+        (VLLM, b"7"),
+        (VLLM, b'{"x":[]}'),
+        (VLLM, b'"function_call"'),  # the gateway refuses functions: no answer ends in one
+        (VLLM, b'"content_filter"'),  # OpenAI's; no engine served here sends it
+        (LLAMA, b'"abort"'),
+        (EngineKind.SGLANG, b'"error"'),
+        (EngineKind.TENSORFOLD, b'"abort"'),
+    ],
+)
+def test_a_finish_reason_its_engine_does_not_document_is_unverified(
+    kind: EngineKind, finish: bytes
+) -> None:
+    """Issue 42, item 10: a finish reason was relayed as sent, whatever it was."""
+    v = verifier(kind)
+    v.relay(ROLE, 0.0)
+    last = vllm(b'{"index":0,"delta":{"content":"Hi"},"finish_reason":' + finish + b"}")
+    with pytest.raises(UnverifiedError, match="finish_reason") as refused:
+        v.relay(last, 1.0)
+    assert finish.decode() not in refused.value.message  # the engine's word: the log's only
+    assert not v.finished
 
 
 def test_an_assembled_answer_keeps_the_engine_s_finish_reason() -> None:
@@ -347,7 +378,7 @@ def write(doc: dict[str, Any], style: int) -> bytes:
         min_size=1,
         max_size=6,
     ),
-    st.text(min_size=1, max_size=8),
+    st.sampled_from(["stop", "length", "tool_calls"]),
     st.one_of(st.none(), values),
 )
 def test_every_relayed_chunk_is_the_engine_s_own_bytes(

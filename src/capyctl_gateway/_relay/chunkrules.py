@@ -11,7 +11,7 @@ import orjson
 from .._errors import UnverifiedError
 
 __all__ = [
-    "check_choice",
+    "ChoiceRules",
     "check_fields",
     "check_frame",
     "check_tool_calls",
@@ -123,40 +123,55 @@ def check_fields(chunk: dict[str, Any], allowed: frozenset[str], nulls: frozense
             )
 
 
-def check_choice(
-    choice: Any, delta_keys: frozenset[str], text_keys: tuple[str, ...]
-) -> tuple[bool, bool, bool]:
-    """Check a chunk's one choice; return whether it carries text, tool calls, and a finish.
+class ChoiceRules:
+    """The rules on a stream's one choice (one object per stream).
 
-    Beside the delta, a choice is relayed as the engine sent it: its index, and a
-    finish_reason the gateway does not know (vLLM's "abort"), are the engine's to say.
+    Beside the delta, a choice is relayed as the engine sent it, once its finish_reason is one
+    its engine documents (``finishes``; vLLM's "abort" among them).
     """
-    if type(choice) is not dict:
-        raise UnverifiedError("the choice is not an object")
-    delta = choice.get("delta")
-    if type(delta) is not dict:
-        raise UnverifiedError("the choice has no delta")
-    if not delta_keys.issuperset(delta):
-        key = next(k for k in delta if k not in delta_keys)
-        raise UnverifiedError(  # the engine's words name the key: the log's only
-            "the delta carries a key this engine is not verified to send",
-            detail=f"the key {key[:64]!r}",
-        )
-    role = delta.get("role")
-    if role is not None and role != "assistant":
-        raise UnverifiedError("the delta names a role other than assistant")
-    text = False
-    for key in text_keys:  # the others are not in the delta: checked above
-        value = delta.get(key)
-        if value is not None:
-            if type(value) is not str:
-                raise UnverifiedError(f"delta {key} is not a string")
-            if value:
-                text = True
-    calls = delta.get("tool_calls")
-    if calls is not None:
-        check_tool_calls(calls)
-    return text, bool(calls), choice.get("finish_reason") is not None
+
+    __slots__ = ("delta_keys", "finishes", "text_keys")
+
+    def __init__(
+        self, delta_keys: frozenset[str], text_keys: tuple[str, ...], finishes: frozenset[str]
+    ) -> None:
+        self.delta_keys, self.text_keys, self.finishes = delta_keys, text_keys, finishes
+
+    def check(self, choice: Any) -> tuple[bool, bool, bool]:
+        """Check a chunk's one choice; return whether it carries text, tool calls, and a
+        finish."""
+        if type(choice) is not dict:
+            raise UnverifiedError("the choice is not an object")
+        finish = choice.get("finish_reason")
+        if finish is not None and (type(finish) is not str or finish not in self.finishes):
+            raise UnverifiedError(  # the engine's word: the log's only
+                "the choice's finish_reason is not one this engine is verified to send",
+                detail=f"finish_reason {str(finish)[:64]!r}",
+            )
+        delta = choice.get("delta")
+        if type(delta) is not dict:
+            raise UnverifiedError("the choice has no delta")
+        if not self.delta_keys.issuperset(delta):
+            key = next(k for k in delta if k not in self.delta_keys)
+            raise UnverifiedError(  # the engine's words name the key: the log's only
+                "the delta carries a key this engine is not verified to send",
+                detail=f"the key {key[:64]!r}",
+            )
+        role = delta.get("role")
+        if role is not None and role != "assistant":
+            raise UnverifiedError("the delta names a role other than assistant")
+        text = False
+        for key in self.text_keys:  # the others are not in the delta: checked above
+            value = delta.get(key)
+            if value is not None:
+                if type(value) is not str:
+                    raise UnverifiedError(f"delta {key} is not a string")
+                if value:
+                    text = True
+        calls = delta.get("tool_calls")
+        if calls is not None:
+            check_tool_calls(calls)
+        return text, bool(calls), finish is not None
 
 
 def check_tool_calls(calls: Any) -> None:

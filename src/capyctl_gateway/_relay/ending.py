@@ -31,6 +31,7 @@ from .._errors import (
 from .._loop import running_loop
 from .._telemetry import Ending
 from .deadline import Deadline
+from .refusal import EngineRefusalError, fit_for_client, fit_for_log
 
 if TYPE_CHECKING:
     from .exchange import Answer, Exchange
@@ -45,6 +46,8 @@ _NEVER_CONNECTED = (
     EngineConnectError,
 )
 _BROKEN = (aiohttp.ClientError, EngineConnectionError)
+MAX_DETAIL = 200
+"""What the log keeps of what an engine said in a stream that failed verification."""
 
 
 def ended_by_gateway(code: str, why: str) -> GatewayError:
@@ -97,9 +100,14 @@ def _mapped(ex: Exchange, exc: BaseException) -> tuple[Ending, BaseException]:
         return Ending.HANG_UP, exc  # aiohttp cancels the handler when the client goes away
     if isinstance(exc, EngineRejectedError):
         out.answered = out.completed = True
+        if isinstance(exc, EngineRefusalError):  # the engine's words: masked, then cut
+            said = fit_for_client(exc.said, ex._headers, ex._url)
+            return Ending.REFUSED, EngineRejectedError(exc.status, said)
         return Ending.REFUSED, exc
     if isinstance(exc, UnverifiedError):
         out.error = str(exc)
+        if exc.detail:  # what the engine said, for the log: without its key, and short
+            exc.detail = fit_for_log(exc.detail, ex._headers)[:MAX_DETAIL]
         return Ending.UNVERIFIED, exc
     if isinstance(exc, EngineError):  # a host's ingress that did not forward it included
         return Ending.ENGINE_ERROR, exc

@@ -4,13 +4,17 @@ any other status, and a host's ingress that did not forward the request at all."
 from __future__ import annotations
 
 import asyncio
+import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from .._engine_client import EngineConnectionError
 from .._errors import EngineError, EngineRejectedError, NotAcceptedError
+from .._log import masked
 from .._machines.protocol import NOT_FORWARDED
 
 if TYPE_CHECKING:
@@ -19,7 +23,10 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_ERROR_BODY",
     "REJECTION_STATUSES",
+    "EngineRefusalError",
     "engine_message",
+    "fit_for_client",
+    "fit_for_log",
     "forwarded",
     "refusal",
 ]
@@ -27,6 +34,44 @@ __all__ = [
 REJECTION_STATUSES = frozenset({400, 413, 422})
 """An engine answering one of these refused the request itself: its status is kept."""
 MAX_ERROR_BODY = 16 * 1024
+_ADDRESS = re.compile(
+    r"(?i)\b(?:[a-z][a-z0-9+.-]*://)?(?:(?:\d{1,3}\.){3}\d{1,3}|localhost)(?::\d+)?\b"
+    r"|(?:[a-z][a-z0-9+.-]*://)?\[[0-9a-f:.]+\](?::\d+)?"
+)
+"""An IP address or ``localhost``, with its scheme and port where written: an address an
+engine's words may name (its own, its host's), never a client's to read."""
+
+
+class EngineRefusalError(EngineRejectedError):
+    """An engine's refusal as it said it (``said``, whole), on its way to the exchange, which
+    answers the client an `EngineRejectedError` of it fit for a client (`fit_for_client`).
+    Its own message says nothing of the engine's words, so no traceback carries them."""
+
+    def __init__(self, status: int, said: str) -> None:
+        super().__init__(status, "")
+        self.said = said
+
+
+def fit_for_log(said: str, headers: Mapping[str, str]) -> str:
+    """An engine's words with the engine key the gateway sends it (in ``headers``) masked, and
+    whatever `masked` masks: the log names addresses, never keys."""
+    return masked(said, [_key(headers)])
+
+
+def fit_for_client(said: str, headers: Mapping[str, str], url: URL) -> str:
+    """An engine's words with what a client must never read masked: the engine key the gateway
+    sends it (in ``headers``), its address (``url``: whole, as host:port and, where it is an
+    address or a dotted name, its host) and any IP address, and whatever `masked` masks."""
+    secrets = [_key(headers), str(url.origin()), f"{url.host}:{url.port}"]
+    host = url.host or ""
+    if "." in host or ":" in host or host == "localhost":
+        secrets.append(host)
+    return _ADDRESS.sub("***", masked(said, secrets))
+
+
+def _key(headers: Mapping[str, str]) -> str:
+    """The engine key in the ``Authorization`` header the gateway sends its engine ("")."""
+    return headers.get("Authorization", "").partition(" ")[2]
 
 
 def forwarded(ex: Exchange, resp: Answer) -> None:
@@ -48,7 +93,7 @@ async def refusal(resp: Answer, where: str, raw: bytes | None = None) -> EngineE
             except (TimeoutError, aiohttp.ClientError, EngineConnectionError):
                 raw = b""
         if raw:
-            return EngineRejectedError(resp.status, engine_message(raw))
+            return EngineRefusalError(resp.status, engine_message(raw))
     return EngineError(
         f"{where}: the engine answered HTTP {resp.status}", detail=f"status {resp.status}"
     )

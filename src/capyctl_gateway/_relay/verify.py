@@ -21,7 +21,8 @@ import orjson
 
 from .._engines import EngineKind, facts
 from .._errors import EngineRejectedError, UnverifiedError
-from .chunkrules import check_choice, check_fields, check_frame, client_bytes
+from .chunkrules import ChoiceRules, check_fields, check_frame, client_bytes
+from .refusal import EngineRefusalError
 from .template import CHUNK_FRAME, ENGINE_OBJECTS, TEXT_KEYS, Template, TemplateText
 
 __all__ = ["ChunkVerifier", "EngineRejectedError", "TemplateText", "UnverifiedError"]
@@ -32,7 +33,7 @@ class ChunkVerifier:
 
     __slots__ = (
         "_chunk_keys",
-        "_delta_keys",
+        "_rules",
         "answered",
         "chunks",
         "engine_objects",
@@ -43,7 +44,6 @@ class ChunkVerifier:
         "last_at",
         "_model_raw",
         "_public_json",
-        "_text_keys",
         "public",
         "served",
         "template",
@@ -51,9 +51,8 @@ class ChunkVerifier:
     )
 
     def __init__(self, kind: EngineKind, *, served: str, public: str) -> None:
-        self._delta_keys, self._text_keys, self._public_json, self._model_raw = _fixed(
-            kind, served, public
-        )
+        delta_keys, text_keys, self._public_json, self._model_raw = _fixed(kind, served, public)
+        self._rules = ChoiceRules(delta_keys, text_keys, facts(kind).finish_reasons)
         self._chunk_keys = _chunk_keys(kind)
         self.served = served
         self.public = public
@@ -156,7 +155,7 @@ class ChunkVerifier:
         return chunk, client_bytes(raw, chunk, self._model_raw, self._public_json)
 
     def _choice(self, choice: Any, now: float) -> bool:
-        text, calls, finish = check_choice(choice, self._delta_keys, self._text_keys)
+        text, calls, finish = self._rules.check(choice)
         if text:
             if self.first_text_at is None:
                 self.first_text_at = now
@@ -164,7 +163,7 @@ class ChunkVerifier:
         elif calls:
             self.answered = True  # a tool call is part of the answer as much as text is
         if finish:
-            self.finished = True  # whatever the reason the engine gives
+            self.finished = True  # for any reason its engine documents
         # Only a chunk that opens the reply (a role and nothing else) is not output.
         return text or calls or finish or bool(choice.get("logprobs"))
 
@@ -173,10 +172,11 @@ class ChunkVerifier:
         status = err.get("code") if type(err) is dict else None
         message = err.get("message") if type(err) is dict else None
         if self.chunks == 0 and status in (400, 413, 422):
-            raise EngineRejectedError(status, str(message or "rejected by the engine"))
+            raise EngineRefusalError(status, str(message or "rejected by the engine"))
         self.answered = True  # the engine answered, with an error
-        # Its words may name devices or hosts: they go to the log, not to the client.
-        raise UnverifiedError("the engine sent an error event", detail=str(message)[:200])
+        # Its words may name devices or hosts: they go to the log (the exchange masks its key
+        # in them), not to the client.
+        raise UnverifiedError("the engine sent an error event", detail=str(message))
 
     def verify_end(self, done: bool) -> None:
         """At the end of the engine's stream: it must have finished and said [DONE]."""
