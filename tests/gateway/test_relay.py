@@ -259,6 +259,16 @@ BROKEN: dict[str, list[Any]] = {
     "event field": [b"event: ping\ndata: {}\n\n"],
     "done before finish": [event(chunk(delta={"content": "a"})), DONE],
     "unknown finish reason": [event(chunk(delta={"content": "a"}, finish="abort"))],
+    # issue 42, item 11: not one coherent choice
+    "a second choice": [event(chunk(choices=[{"index": 1, "delta": {"content": "b"}}]))],
+    "a nameless tool call": [
+        event(chunk(delta={"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}))
+    ],
+    "a tool call whose id changes": [
+        event(chunk(delta={"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f"}}]})),
+        event(chunk(delta={"tool_calls": [{"index": 0, "id": "b", "function": {}}]})),
+    ],
+    "usage counted in words": [event(chunk(choices=[], usage={"prompt_tokens": "five"}))],
     # chunk-level fields: only those of the engine's row (llama.cpp's timings are not vLLM's)
     "timings on vLLM": [event(chunk(delta={"content": "a"}, timings={"prompt_ms": 1.0}))],
     "invented chunk field": [event(chunk(delta={"content": "a"}, x_debug="10.0.0.7"))],

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from capyctl_gateway._engines import EngineKind
 from capyctl_gateway._relay.assemble import Assembler
+from capyctl_gateway._relay.chunkrules import MAX_TOOL_CALLS
 from capyctl_gateway._relay.verify import ChunkVerifier, UnverifiedError
 
 VLLM, LLAMA = EngineKind.VLLM, EngineKind.LLAMACPP
@@ -237,6 +238,107 @@ def test_an_empty_tool_call_list_has_not_answered() -> None:
     assert not v.answered and v.first_output_at is None
 
 
+# One coherent choice (issue 42, item 11) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [b"1", b"-1", b'"0"', b"true", b"null", None])
+def test_a_choice_whose_index_is_not_0_is_unverified(index: bytes | None) -> None:
+    """n is 1: a choice of another index is a second choice's text, which would be merged into
+    the first."""
+    v = verifier()
+    v.relay(ROLE, 0.0)
+    lead = b"" if index is None else b'"index":' + index + b","
+    with pytest.raises(UnverifiedError, match="index"):
+        v.relay(vllm(b"{" + lead + b'"delta":{"content":"Hi"},"finish_reason":null}'), 1.0)
+
+
+def call(index: int = 0, cid: str | None = None, name: str | None = None, args: str = "") -> bytes:
+    """A chunk of one tool call's delta, with only the members given."""
+    fn: dict[str, str] = {"arguments": args} if name is None else {"name": name, "arguments": args}
+    tool: dict[str, Any] = {"index": index, "function": fn}
+    if cid is not None:
+        tool |= {"id": cid, "type": "function"}
+    choice = {"index": 0, "delta": {"tool_calls": [tool]}, "finish_reason": None}
+    return vllm(orjson.dumps(choice))
+
+
+@pytest.mark.parametrize(
+    ("chunks", "reason"),
+    [
+        ([call(cid="call_1", name="f"), call(cid="call_2", args="{}")], "id changed"),
+        ([call(cid="call_1", name="f"), call(name="g", args="{}")], "name changed"),
+        ([call(cid="call_1", args="{}")], "no name"),
+        ([call(cid="call_1", name="", args="{}")], "no name"),
+        ([call(cid="a", name="f"), call(index=1, cid="b", name="g"), call(1, "c")], "id changed"),
+    ],
+)
+def test_a_tool_call_that_changes_mid_call_or_has_no_name_is_unverified(
+    chunks: list[bytes], reason: str
+) -> None:
+    v = verifier()
+    *good, bad = [ROLE, *chunks]
+    relay_all(v, good)
+    with pytest.raises(UnverifiedError, match=reason):
+        v.relay(bad, 9.0)
+
+
+def test_an_answer_makes_at_most_max_tool_calls() -> None:
+    v = verifier()
+    relay_all(v, [ROLE, *(call(i, f"c{i}", "f") for i in range(MAX_TOOL_CALLS))])
+    with pytest.raises(UnverifiedError, match=f"more than {MAX_TOOL_CALLS} tool calls"):
+        v.relay(call(MAX_TOOL_CALLS, "one-more", "f"), 1.0)
+
+
+def test_a_tool_call_may_repeat_its_id_and_name_and_calls_may_interleave() -> None:
+    v, assembler = verifier(), Assembler()
+    chunks = [
+        call(cid="a", name="f"),
+        call(cid="a", name="f", args='{"x":'),
+        call(index=1, cid="b", name="g", args="{}"),
+        call(args="1}"),
+        vllm(b'{"index":0,"delta":{},"finish_reason":"tool_calls"}'),
+    ]
+    for i, raw in enumerate([ROLE, *chunks]):
+        assembler.add(v.collect(raw, float(i)))
+    v.verify_end(True)
+    calls = assembler.result()["choices"][0]["message"]["tool_calls"]
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("a", "f", '{"x":1}'),
+        ("b", "g", "{}"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        b'{"prompt_tokens":"12","completion_tokens":3,"total_tokens":15}',
+        b'{"prompt_tokens":12,"completion_tokens":3.5,"total_tokens":15}',
+        b'{"prompt_tokens":12,"completion_tokens":-3,"total_tokens":15}',
+        b'{"prompt_tokens":12,"completion_tokens":true,"total_tokens":15}',
+        b'{"prompt_tokens":12,"completion_tokens":[3],"total_tokens":15}',
+        b'{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":"all"}}',
+        b'{"prompt_tokens":12,"prompt_tokens_details":[8]}',
+        b'{"prompt_tokens":12,"completion_tokens_details":{"reasoning_tokens":{"n":1}}}',
+    ],
+)
+def test_usage_whose_counts_are_not_counts_is_unverified(usage: bytes) -> None:
+    v = verifier()
+    v.relay(ROLE, 0.0)
+    with pytest.raises(UnverifiedError, match="usage"):
+        v.relay(HEAD + b'"choices":[],"usage":' + usage + b"}", 1.0)
+
+
+def test_usage_counts_may_be_null_where_an_engine_has_none() -> None:
+    v = verifier(EngineKind.SGLANG)
+    v.relay(ROLE, 0.0)
+    usage = (
+        b'{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15,'
+        b'"prompt_tokens_details":null,"reasoning_tokens":0}'
+    )
+    v.relay(HEAD + b'"choices":[],"usage":' + usage + b"}", 1.0)
+    assert v.usage == orjson.loads(usage)
+
+
 # Unchanged except model ------------------------------------------------------------------------
 
 USAGE = (
@@ -402,8 +504,9 @@ def test_every_relayed_chunk_is_the_engine_s_own_bytes(
         # a chunk-level field both engines may send, with any value
         fields = {} if top is None else {"system_fingerprint": top}
         chunks.append((doc("tiny", choice, **fields), style))
-    chunks.append((doc("tiny", {"index": 0, "delta": {}, "finish_reason": finish}), 1))
-    last = doc("tiny", {}, usage={"completion_tokens": 3, "extra": usage_extra})
+    ending = {"index": 0, "delta": {}, "finish_reason": finish, "x": usage_extra}
+    chunks.append((doc("tiny", ending), 1))
+    last = doc("tiny", {}, usage={"completion_tokens": 3, "prompt_tokens_details": None})
     last["choices"] = []
     chunks.append((last, 2))
     raws = [write(c, style) for c, style in chunks]

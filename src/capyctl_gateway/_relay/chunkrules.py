@@ -11,10 +11,12 @@ import orjson
 from .._errors import UnverifiedError
 
 __all__ = [
+    "MAX_TOOL_CALLS",
     "ChoiceRules",
     "check_fields",
     "check_frame",
     "check_tool_calls",
+    "check_usage",
     "client_bytes",
     "reject_duplicates",
     "renamed",
@@ -123,25 +125,37 @@ def check_fields(chunk: dict[str, Any], allowed: frozenset[str], nulls: frozense
             )
 
 
-class ChoiceRules:
-    """The rules on a stream's one choice (one object per stream).
+MAX_TOOL_CALLS = 4096
+"""Tool calls one answer may make (each is remembered for the rest of the stream)."""
 
-    Beside the delta, a choice is relayed as the engine sent it, once its finish_reason is one
-    its engine documents (``finishes``; vLLM's "abort" among them).
+
+class ChoiceRules:
+    """The rules on a stream's one choice, and what they keep of it (one object per stream).
+
+    n is 1, so the choice's index is 0: another's text would be merged into it. Beside the
+    delta, a choice is relayed as the engine sent it, once its finish_reason is one its engine
+    documents (``finishes``; vLLM's "abort" among them). A tool call names its function in its
+    first delta, and keeps its id and name: a later delta may repeat them, never change them.
     """
 
-    __slots__ = ("delta_keys", "finishes", "text_keys")
+    __slots__ = ("calls", "delta_keys", "finishes", "text_keys")
 
     def __init__(
         self, delta_keys: frozenset[str], text_keys: tuple[str, ...], finishes: frozenset[str]
     ) -> None:
         self.delta_keys, self.text_keys, self.finishes = delta_keys, text_keys, finishes
+        self.calls: dict[int, tuple[int | None, int]] = {}
+        """Each tool call's index, with the hashes of its id (None until it has one) and of
+        its function's name: what a later delta of it is held to, in a few bytes."""
 
     def check(self, choice: Any) -> tuple[bool, bool, bool]:
         """Check a chunk's one choice; return whether it carries text, tool calls, and a
         finish."""
         if type(choice) is not dict:
             raise UnverifiedError("the choice is not an object")
+        index = choice.get("index")
+        if type(index) is not int or index != 0:
+            raise UnverifiedError("the choice's index is not 0 (one choice was asked for)")
         finish = choice.get("finish_reason")
         if finish is not None and (type(finish) is not str or finish not in self.finishes):
             raise UnverifiedError(  # the engine's word: the log's only
@@ -171,7 +185,47 @@ class ChoiceRules:
         calls = delta.get("tool_calls")
         if calls is not None:
             check_tool_calls(calls)
+            for call in calls:
+                self._same_call(call)
         return text, bool(calls), finish is not None
+
+    def _same_call(self, call: dict[str, Any]) -> None:
+        """Hold a tool call's delta (its shape checked) to what its first one said."""
+        cid = call.get("id") or None
+        fn = call.get("function")
+        name = (fn.get("name") if fn is not None else None) or None
+        ids = None if cid is None else hash(cid)
+        known = self.calls.get(call["index"])
+        if known is None:
+            if name is None:
+                raise UnverifiedError("a tool call has no name in its first delta")
+            if len(self.calls) >= MAX_TOOL_CALLS:
+                raise UnverifiedError(f"the answer makes more than {MAX_TOOL_CALLS} tool calls")
+            self.calls[call["index"]] = (ids, hash(name))
+            return
+        if ids is not None and ids != known[0]:
+            if known[0] is not None:
+                raise UnverifiedError("a tool call's id changed mid-call")
+            self.calls[call["index"]] = (ids, known[1])
+        if name is not None and hash(name) != known[1]:
+            raise UnverifiedError("a tool call's name changed mid-call")
+
+
+def check_usage(usage: dict[str, Any]) -> None:
+    """Usage is counts: each a whole number or null, and so is each member of its details
+    objects (``prompt_tokens_details``, ...)."""
+    for key, value in usage.items():
+        if value is None or type(value) is int and value >= 0:
+            continue
+        if type(value) is dict and key.endswith("_details") and all(map(_count, value.values())):
+            continue
+        raise UnverifiedError(  # the engine's words name the field: the log's only
+            "usage carries a count that is not a whole number", detail=f"the field {key[:64]!r}"
+        )
+
+
+def _count(value: Any) -> bool:
+    return value is None or type(value) is int and value >= 0
 
 
 def check_tool_calls(calls: Any) -> None:

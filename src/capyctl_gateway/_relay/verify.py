@@ -21,7 +21,7 @@ import orjson
 
 from .._engines import EngineKind, facts
 from .._errors import EngineRejectedError, UnverifiedError
-from .chunkrules import ChoiceRules, check_fields, check_frame, client_bytes
+from .chunkrules import ChoiceRules, check_fields, check_frame, check_usage, client_bytes
 from .refusal import EngineRefusalError
 from .template import CHUNK_FRAME, ENGINE_OBJECTS, TEXT_KEYS, Template, TemplateText
 
@@ -139,6 +139,7 @@ class ChunkVerifier:
         if usage is not None:
             if type(usage) is not dict:
                 raise UnverifiedError("usage is not an object")
+            check_usage(usage)
             self.usage = usage
             output = True
         if len(chunk) > len(CHUNK_FRAME):  # more than the frame, all of which it has
