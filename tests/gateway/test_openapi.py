@@ -226,8 +226,9 @@ ANCHORS: list[tuple[str, Any, dict[str, str], bool, int, str]] = [
     (RESPOND, {"model": "my-model", "input": "x", "previous_response_id": "r"}, {}, True, 400,
      JSON),
     (RESPOND, {"model": "decider", "input": "x"}, {}, True, 400, JSON),
+    (RESPOND, {"model": "llama", "input": "x", "cache_salt": "a"}, {}, True, 400, JSON),
     (RESPOND, {"model": "llama", "input": "x", "cache_salt": "a", "stream": True}, {}, True,
-     400, JSON),
+     200, SSE),  # told in band, as on chat: error and response.failed
     (RESPOND, {"model": "my-model", "input": "x"}, {}, False, 401, JSON),
     (STORED, {"response_id": "resp_1"}, {"X-Request-Id": "anchor-8"}, True, 404, JSON),
     (STORED, {"response_id": "resp_1"}, {}, False, 401, JSON),

@@ -676,3 +676,48 @@ async def test_items_the_openai_client_returns_are_taken_back_as_input(
                 {"role": "tool", "tool_call_id": "call_9", "content": "sunny"},
                 {"role": "tool", "tool_call_id": "call_10", "content": "noon"},
             ]
+
+
+async def test_cache_salt_unsupported_on_a_stream_is_told_in_band_as_on_chat(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    """One rule for chat and Responses: a client that asked for a stream hears of the refusal
+    on one (it got a 400 JSON body here, where chat answered its in-band event). Its form is
+    a Responses stream's failure: created, in progress, the ``error`` event with the code, and
+    ``response.failed``; the openai client's stream helper reads it. Whole, it is a 400."""
+    body = {"model": "llama", "input": "x", "cache_salt": "tenant-a", "stream": True}
+    async with gateway.client() as c:
+        r = await c.post("/v1/responses", json=body, headers={"X-Request-Id": "salt-2"})
+        whole = await c.post("/v1/responses", json={**body, "stream": False})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["x-request-id"] == "salt-2" and r.headers["x-capyctl-request-id"]
+    events, comments = events_of(r.text)
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "error",
+        "response.failed",
+    ]
+    error = events[2]
+    assert (error["code"], error["message"]) == (
+        "cache_salt_unsupported",
+        "this deployment's engine does not partition its prefix cache by cache_salt",
+    )
+    failed = events[-1]["response"]
+    assert failed["output"] == [] and failed["model"] == "llama"
+    assert failed["error"]["message"].startswith("cache_salt_unsupported: ")
+    assert comments == []  # no figures: nothing was asked of an engine
+    assert whole.status_code == 400 and whole.json()["code"] == "cache_salt_unsupported"
+    assert engine.received == []
+    async with AsyncOpenAI(
+        base_url=gateway.url + "/v1", api_key=gateway.key, max_retries=0
+    ) as client:
+        stream = await client.responses.create(
+            model="llama", input="x", stream=True, extra_body={"cache_salt": "tenant-a"}
+        )
+        kinds = [ev.type async for ev in stream]
+    assert kinds[2:] == ["error", "response.failed"]
+    got = samples((await scrape(gateway)).text)
+    key = (("api", "responses"), ("deployment", "llama"), ("outcome", "refused"))
+    assert got[("capyctl_requests_total", key)] == 3

@@ -2,23 +2,34 @@
 
 Before anything was written an error is an HTTP answer with the documented JSON body, the
 request's IDs and, for a 429, ``Retry-After`` (for a 401, ``WWW-Authenticate: Bearer``). An
-error marked in band (the client asked for a stream) is a ``200`` event stream with one error
-event instead. What only the log may see
+error marked in band (the client asked for a stream) is a ``200`` event stream that tells it in
+its API's form instead (`InBand`: chat's one error event by default). What only the log may see
 (``detail``) is logged here with the request ID, never sent.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from .._errors import ClientGoneError, GatewayError, error_body
 from .._relay.chat import stream_error
 
-__all__ = ["answer", "error_response"]
+__all__ = ["InBand", "answer", "chat_in_band", "error_response"]
 
 logger = logging.getLogger("capyctl_gateway")
+
+InBand = Callable[[web.Request, GatewayError, dict[str, str]], Awaitable[web.StreamResponse]]
+"""How an error is told on the stream a client asked for, before anything was written."""
+
+
+async def chat_in_band(
+    request: web.Request, err: GatewayError, headers: dict[str, str]
+) -> web.StreamResponse:
+    """Chat's form: one error event."""
+    return await stream_error(request, None, err, headers)
 
 
 def error_response(err: GatewayError, headers: dict[str, str]) -> web.Response:
@@ -34,7 +45,11 @@ def error_response(err: GatewayError, headers: dict[str, str]) -> web.Response:
 
 
 async def answer(
-    request: web.Request, err: GatewayError, headers: dict[str, str], rid: str
+    request: web.Request,
+    err: GatewayError,
+    headers: dict[str, str],
+    rid: str,
+    in_band: InBand = chat_in_band,
 ) -> web.StreamResponse:
     """Answer ``err`` for the request ``rid``, logging what the client is not told."""
     if err.detail is not None:
@@ -42,7 +57,7 @@ async def answer(
     if isinstance(err, ClientGoneError):
         return web.Response(status=499)
     if err.in_band:
-        return await stream_error(request, None, err, headers)
+        return await in_band(request, err, headers)
     resp = error_response(err, headers)
     if not request.content.is_eof():
         # The body was not read to its end (too large, too slow): the connection cannot carry

@@ -30,13 +30,13 @@ from .._machines.protocol import INGRESS_MAX_BODY_BYTES
 from .._relay.chat import collect_chat, relay_chat
 from .._relay.decisions import relay_decision
 from .._relay.exchange import Exchange
-from .._responses.relay import collect_response, relay_response
+from .._responses.relay import collect_response, refuse_response, relay_response
 from .._responses.request import check_responses
 from .._routing.place import MAX_OFFERS
 from .._routing.prefix import BLOCK_BYTES, fingerprints
 from .._tally import Tally
 from .._ulid import REQUEST_ID, new_ulid
-from .answers import answer, error_response
+from .answers import InBand, answer, chat_in_band, error_response
 from .body import Body
 from .calls import Call, identify
 from .offer import Desk, LocalDesk
@@ -68,6 +68,9 @@ class Surface:
     url: Callable[[EngineInstance], URL]
     run: Callable[[Call, Exchange, int], Awaitable[web.StreamResponse]]
     """The exchange, once an instance is chosen (``int``: the bound on an assembled answer)."""
+    in_band: Callable[[Deployment, Any], InBand]
+    """How a refusal is told on the stream the client asked for, given its deployment and
+    what the checks noted (the ``notes`` of `Checked`): each API in its own form."""
 
 
 class Checked(NamedTuple):
@@ -114,9 +117,15 @@ def _check_decision(body: dict[str, Any], dep: Deployment) -> Checked:
 
 
 def _check_responses(body: dict[str, Any], dep: Deployment) -> Checked:
-    chat, stream, echo = check_responses(body)
-    check_salt(body, dep, in_band=False)  # a stream of events, not chat's error event
-    return Checked(chat, stream, echo)
+    return Checked(*check_responses(body))
+
+
+def _chat_in_band(dep: Deployment, notes: Any) -> InBand:
+    return chat_in_band  # a decision is never streamed: nothing of it is told in band
+
+
+def _responses_in_band(dep: Deployment, echo: Any) -> InBand:
+    return functools.partial(refuse_response, dep=dep, echo=echo)
 
 
 CHAT = Surface(
@@ -127,6 +136,7 @@ CHAT = Surface(
     _check_chat,
     attrgetter("chat_url"),
     _chat,
+    _chat_in_band,
 )
 RESPONSES = Surface(
     "responses",
@@ -136,6 +146,7 @@ RESPONSES = Surface(
     _check_responses,
     attrgetter("chat_url"),
     _respond,
+    _responses_in_band,
 )
 DECISIONS = Surface(
     "decisions",
@@ -145,6 +156,7 @@ DECISIONS = Surface(
     _check_decision,
     attrgetter("decision_url"),
     _decide,
+    _chat_in_band,
 )
 
 
@@ -201,6 +213,7 @@ class Inference:
         headers = {REQUEST_ID: rid}
         config = self.gw.config
         held = Body(self.gw.bodies)
+        in_band: InBand = chat_in_band
         try:
             caller = identify(self.gw, request, headers)
             raw = await held.read(
@@ -209,6 +222,8 @@ class Inference:
             body, dep = resolve(raw, config, surface.api, surface.endpoint)
             tally.deployment = name = dep.name  # the refusals below count under it
             body, stream, notes = surface.check(body, dep)
+            in_band = surface.in_band(dep, notes)
+            check_salt(body, dep, in_band=stream)  # every API's, told in band on a stream
             payload = engine_payload(body, dep, chat=surface.api is Api.CHAT, stream=stream)
             if dep.remote:
                 _fits_a_host(name, len(raw), len(payload))
@@ -233,7 +248,7 @@ class Inference:
             return response
         except GatewayError as err:
             tally.ended(err)
-            return await answer(request, err, headers, rid)
+            return await answer(request, err, headers, rid, in_band)
         finally:
             held.release()
             self.desk.record(tally)

@@ -172,7 +172,8 @@ def resolve(
 
 
 def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
-    """The chat checks after `resolve` (which found ``deployment``), in the documented order."""
+    """The chat checks after `resolve` (which found ``deployment``), in the documented order
+    (`check_salt`, every API's, follows them)."""
     for key in body:
         if key not in CHAT_FIELDS:
             raise invalid(f"request field `{key[:64]}` is not accepted")
@@ -192,13 +193,13 @@ def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options must be an object")
-    check_salt(body, deployment, in_band=bool(stream))
     return ChatRequest(deployment, body, bool(stream))
 
 
 def check_salt(body: dict[str, Any], deployment: Deployment, *, in_band: bool) -> None:
-    """``cache_salt``, where given: a short string, for an engine that honours it (refused in
-    band where a chat stream was asked for)."""
+    """``cache_salt``, where given: a short string, for an engine that honours it. One rule for
+    every API: the refusal is told in band where the client asked for a stream (each API in
+    its own form), and is a 400 otherwise."""
     if "cache_salt" not in body:
         return
     salt = body["cache_salt"]

@@ -41,7 +41,7 @@ from .build import ResponseBuilder
 from .request import Echo
 from .usage import usage_of
 
-__all__ = ["collect_response", "relay_response"]
+__all__ = ["collect_response", "refuse_response", "relay_response"]
 
 
 def _builder(dep: Deployment, echo: Echo, cap: int, *, streaming: bool) -> ResponseBuilder:
@@ -117,6 +117,21 @@ async def collect_response(
     response = builder.finished(usage_of(verifier.usage, figures, reasoned=builder.reasoned))
     response["capyctl"] = {"metrics": figures}
     return orjson.dumps(response)
+
+
+async def refuse_response(
+    request: web.Request,
+    err: GatewayError,
+    headers: dict[str, str],
+    *,
+    dep: Deployment,
+    echo: Echo,
+) -> web.StreamResponse:
+    """A refusal of a request that asked for a stream (``cache_salt`` where the engine ignores
+    it), told as a Responses stream tells a failure: the Response created and in progress,
+    the ``error`` event with our code, and ``response.failed``. No engine was asked: no
+    figures follow."""
+    return await _fail(request, None, _builder(dep, echo, 0, streaming=True), err, headers)
 
 
 async def _fail(
