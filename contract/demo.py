@@ -13,6 +13,7 @@ generations fill its slots, showing quotes rise and turn into declines.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shlex
@@ -37,9 +38,10 @@ BIN = Path(sys.executable).absolute().parent
 DEFAULT_STATE = Path("~/.local/state/capyctl").expanduser()
 STATE = Path(os.environ.get("CAPYCTL_STATE_DIR") or DEFAULT_STATE).expanduser().absolute()
 PREDICT = 64
-"""llama-server's own cap on an answer's tokens (``-n``): the tiny random model never ends an
-answer by itself, so without it a request that sends no ``max_tokens`` (the guide's chat,
-streaming and Python examples) would run on for minutes."""
+"""llama-server's own cap on an answer's tokens (``-n``). The demo's tiny model ends its answers
+by itself (``write_tiny_gguf(ends_sentences=True)``: after its first full stop, 7.5 tokens on
+average), so the guide's requests, which send no ``max_tokens``, end ``stop`` and its Responses
+``completed``; the cap only bounds the rare long one."""
 
 
 def _generate(base_url: str, *, after: float, seconds: float, stop: threading.Event) -> None:
@@ -117,6 +119,39 @@ def provider_demo(url: str, common: list[str]) -> None:
         stop.set()
 
 
+def refused(what: str, answer: httpx.Response) -> str:
+    """One line for a gateway's refusal of ``what``: its status, code and message."""
+    try:
+        body = answer.json()
+    except ValueError:
+        body = {}
+    error = body.get("error", body) if isinstance(body, dict) else {}
+    code = error.get("code") if isinstance(error, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    said = f"{code}: {message}" if code and message else (message or answer.text[:200].strip())
+    return f"the gateway refused {what} ({answer.status_code} {said})"
+
+
+def start_if_stopped(management: str, auth: dict[str, str]) -> None:
+    """Start ``my-model`` again where an operator's stop (the demo's own ``capyctl stop
+    my-model`` in an earlier run: the gateway keeps it in its state directory) holds it, so that
+    the demo serves what it says it serves."""
+    listing = httpx.get(f"{management}/deployments", headers=auth, timeout=30)
+    listing.raise_for_status()
+    row = next(d for d in listing.json()["deployments"] if d["name"] == "my-model")
+    if not str(row["state"]).startswith("stopped by an operator"):
+        return
+    print("my-model was stopped by an operator (capyctl stop my-model): the demo starts it again")
+    started = httpx.post(f"{management}/deployments/my-model/start", headers=auth, timeout=180)
+    if started.status_code != 200:
+        raise SystemExit(f"scripts/demo: {refused('the start of my-model', started)}")
+
+
+def demo_model(path: Path) -> Path:
+    """The gateway demo's tiny model: it ends its answers by itself (see :data:`PREDICT`)."""
+    return write_tiny_gguf(path, seed=0, context_length=65536, ends_sentences=True)
+
+
 def demo_config(binary: Path, model: Path) -> str:
     """The demo's gateway configuration: one deployment, ``my-model``, whose llama-server the
     gateway runs itself (started by the first request, stopped after 10 idle minutes)."""
@@ -146,25 +181,35 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
     gateway = subprocess.Popen(cmd)
     try:
         endpoint = f"http://127.0.0.1:{port}/v1"
-        for _ in range(200):
+        deadline = time.monotonic() + 60
+        while True:
             try:
                 httpx.get(endpoint + "/models", timeout=1)
                 break
             except httpx.TransportError:
                 if gateway.poll() is not None:
-                    raise SystemExit("capyctl-gateway did not start") from None
+                    raise SystemExit("scripts/demo: capyctl-gateway did not start") from None
+                if time.monotonic() > deadline:
+                    raise SystemExit(
+                        f"scripts/demo: capyctl-gateway did not answer on port {port} in 60 s"
+                    ) from None
                 time.sleep(0.05)
         creds = STATE / "identity" / "credentials"
         key = creds.read_text().split("api_key: ", 1)[1].split()[0]
-        reply = httpx.post(
+        auth = {"Authorization": f"Bearer {key}"}
+        start_if_stopped(f"http://127.0.0.1:{mport}/management/v1", auth)
+        answer = httpx.post(
             endpoint + "/chat/completions",
-            headers={"Authorization": f"Bearer {key}"},
+            headers=auth,
             json={
                 "model": "my-model",
                 "messages": [{"role": "user", "content": "Hello"}],
             },
             timeout=180,  # the first request waits for llama-server to start
-        ).json()
+        )
+        if answer.status_code != 200:
+            raise SystemExit(f"scripts/demo: {refused('its first request', answer)}")
+        reply = answer.json()
         print(
             "\nThe first request started llama-server (the gateway runs it: see the lifecycle "
             "lines above).\nIts answer (a tiny random model: gibberish is right):"
@@ -196,9 +241,9 @@ def gateway_demo(binary: Path, model: Path, workdir: Path, *, once: bool) -> Non
         if hint := new_shell_hint("capyctl"):
             print(hint)
         print(f"the API key is in {creds} (line 'api_key: ...')")
-        print(f"llama-server stops every answer at {PREDICT} tokens (its -n; the model never")
-        print('stops by itself), so requests without max_tokens finish; add "stream": true to')
-        print("stream the answer.\n")
+        print("The tiny model ends its answers by itself after a full stop (llama-server's -n")
+        print(f'caps them at {PREDICT} tokens), so requests without max_tokens end "stop" and')
+        print('Responses end "completed"; add "stream": true to stream the answer.\n')
         print(f"KEY=$(sed -n 's/^api_key: //p' {shlex.quote(str(creds))})")
         print(f'curl -s {endpoint}/chat/completions -H "Authorization: Bearer $KEY" \\')
         print("  -H 'Content-Type: application/json' \\")
@@ -224,13 +269,19 @@ def main() -> int:
     parser.add_argument("mode", nargs="?", choices=("gateway", "provider"), default="gateway")
     parser.add_argument("--once", action="store_true", help="exit after the first answer")
     args = parser.parse_args()
+    # Each line as it is printed, also into a file or a pipe (`| tee`): the instructions are
+    # read while the demo serves, not at its end.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     binary = ensure_llama_server()  # shows the build's progress when it has to build
     workdir = Path(tempfile.mkdtemp(prefix="canopyx-demo-"))
     try:
-        model = write_tiny_gguf(workdir / "tiny.gguf", seed=0, context_length=65536)
         if args.mode == "gateway":
+            model = demo_model(workdir / "tiny.gguf")
             gateway_demo(binary, model, workdir, once=args.once)
             return 0
+        # The provider demo's generations fill the slots for seconds: a model that never ends.
+        model = write_tiny_gguf(workdir / "tiny.gguf", seed=0, context_length=65536)
         with LlamaServer(binary, model, parallel=2, ctx=65536) as server:
             url = server.base_url
             print(f"llama-server b10798 serving 'tiny' at {url} (pid {server.pid})")
