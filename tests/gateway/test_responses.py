@@ -551,14 +551,15 @@ async def test_an_answer_past_the_bound_fails_whole_or_in_band(
 async def test_the_bound_counts_bytes_not_characters(engine: FakeEngine, make_gateway: Any) -> None:
     """A stream's Response keeps its text, bounded in bytes: 3,000 characters of two-byte
     text are 6,000 bytes, past a 4,096-byte bound (they were counted as 3,000, and passed);
-    1,800 of them (3,600 bytes) are within it. (A whole answer's engine read is bounded
-    before it is folded, in the bytes the engine sent.)"""
+    1,500 of them (3,000 bytes, and 704 for their item and three deltas) are within it. (A
+    whole answer's engine read is bounded before it is folded, in the bytes the engine
+    sent.)"""
     gw = await make_gateway(
         {"limits": {"max_answer_bytes": 4096}, "deployments": [deployments(engine.url)]}
     )
     body = {"model": "my-model", "input": "x", "stream": True}
     got = []
-    for n in (1000, 600):
+    for n in (1000, 500):
         engine.script = _script(*[{"content": "é" * n}] * 3)
         async with gw.client() as c:
             got.append(await c.post("/v1/responses", json=body))
@@ -567,7 +568,7 @@ async def test_the_bound_counts_bytes_not_characters(engine: FakeEngine, make_ga
     assert within.status_code == 200
     events, _ = events_of(within.text)
     assert events[-1]["type"] == "response.completed"
-    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "é" * 1800
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "é" * 1500
 
 
 async def test_responses_count_under_their_own_api(gateway: Gw, engine: FakeEngine) -> None:
@@ -721,3 +722,30 @@ async def test_cache_salt_unsupported_on_a_stream_is_told_in_band_as_on_chat(
     got = samples((await scrape(gateway)).text)
     key = (("api", "responses"), ("deployment", "llama"), ("outcome", "refused"))
     assert got[("capyctl_requests_total", key)] == 3
+
+
+async def test_one_byte_reasoning_and_text_in_turn_reach_the_bound_soon(
+    engine: FakeEngine, make_gateway: Any
+) -> None:
+    """Each delta of reasoning after text (or text after reasoning) begins an output item: at
+    one byte each against the bound, a 16 KiB bound let 16,384 items through, and the client
+    was sent 24 MB. The bound counts each item and each delta, so what the client is sent
+    stays within six times the bound (its end events repeat the text four times)."""
+    bound = 16 * 1024
+    gw = await make_gateway(
+        {"limits": {"max_answer_bytes": bound}, "deployments": [deployments(engine.url)]}
+    )
+    gate = Gate(asyncio.Event())
+    script = _script(*[{"reasoning" if i % 2 else "content": "a"} for i in range(20_000)])
+    engine.script = [*script[:2], gate, *script[2:]]
+    body = {"model": "my-model", "input": "x", "stream": True}
+    received = b""
+    async with gw.client() as c, c.stream("POST", "/v1/responses", json=body) as r:
+        async for part in r.aiter_bytes():
+            received += part
+            if b"output_text.delta" in received:
+                gate.opened.set()
+    assert len(received) <= 6 * bound, len(received)
+    events, _ = events_of(received.decode())
+    assert events[-1]["type"] == "response.failed"
+    assert f"over {bound} bytes" in events[-1]["response"]["error"]["message"]

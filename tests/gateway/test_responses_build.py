@@ -3,6 +3,8 @@ numbered without a gap, whose items hold exactly the text, reasoning and calls s
 
 from __future__ import annotations
 
+import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -11,7 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capyctl_gateway._errors import EngineError, UnverifiedError
-from capyctl_gateway._responses.build import ResponseBuilder
+from capyctl_gateway._responses.build import (
+    DELTA_COST,
+    ITEM_COST,
+    LOGPROB_COST,
+    ResponseBuilder,
+)
 from capyctl_gateway._responses.request import check_responses
 from tests.gateway.openai_schemas import validate_event, validate_response
 
@@ -213,14 +220,16 @@ def test_tool_calls_without_arguments_still_reach_the_bound() -> None:
 def test_logprobs_count_against_the_bound_with_their_alternatives() -> None:
     """Logprobs are kept for the whole text: a token of one character with 20 alternatives
     counts 21 entries against the bound, so its text alone could not hold them within it."""
-    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=4096, streaming=True)
+    b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=16384, streaming=True)
     alts = [{"token": "x", "logprob": -2.0, "bytes": None} for _ in range(20)]
     entry = {"token": "a", "logprob": -1.0, "bytes": None, "top_logprobs": alts}
     choice = {"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry]}}
-    with pytest.raises(EngineError, match="over 4096 bytes"):
+    with pytest.raises(EngineError, match="over 16384 bytes"):
         for _ in range(1000):
             b.add({"choices": [choice]})
-    # 1 + 21 x 64 bytes a token: three fit in 4,096, the fourth is refused before it is kept
+    # A token is 1 + 64 + 21 x 192 bytes and its item 512: three fit in 16,384, the fourth is
+    # refused before it is kept
+    assert (16384 - ITEM_COST) // (1 + DELTA_COST + 21 * LOGPROB_COST) == 3
     assert b.take().count(b"event: response.output_text.delta\n") == 3
 
 
@@ -229,3 +238,73 @@ def test_a_finish_reason_reaches_the_client_only_as_a_word() -> None:
     b.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "see http://10.0.0.7:8000/"}]})
     message = b.finished(None)["error"]["message"]
     assert "10.0.0.7" not in message and message.endswith("finish_reason '?'")
+
+
+BOUND = 64 * 1024
+SENT_TIMES, HELD_TIMES = 6, 2
+"""What a Response may send and hold, in bounds (responses.md says so): its end events repeat
+the whole text four times, so a text of the bound's size is sent five times over."""
+
+
+def _lp(i: int) -> dict[str, Any]:
+    alts = [{"token": "y", "logprob": -2.0, "bytes": [121]} for _ in range(20)]
+    entry = {"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": alts}
+    return {"index": 0, "delta": {"content": "x"}, "logprobs": {"content": [entry]}}
+
+
+SHAPES: dict[str, Callable[[int], dict[str, Any]]] = {
+    "reasoning and text alternating": lambda i: {"reasoning" if i % 2 else "content": "a"},
+    "one-byte text": lambda i: {"content": "a"},
+    "one-byte reasoning": lambda i: {"reasoning": "a"},
+    "calls without arguments": lambda i: {"tool_calls": [{"index": i, "function": {"name": "f"}}]},
+    "one-byte arguments": lambda i: {"tool_calls": [{"index": 0, "function": {"arguments": "a"}}]},
+    "text of 1,000 bytes": lambda i: {"content": "a" * 1000},
+}
+
+
+def _read(shape: str, i: int) -> dict[str, Any]:
+    """The ``i``th chunk of an engine streaming deltas of ``shape``, as a new object (a parse
+    of its bytes, as the relay's)."""
+    choice = _lp(i) if shape == "logprobs" else {"index": 0, "delta": SHAPES[shape](i)}
+    read: dict[str, Any] = orjson.loads(orjson.dumps({"choices": [choice]}))
+    return read
+
+
+def _stream(shape: str, deltas: int) -> tuple[int, int, int]:
+    """A streamed Response of ``deltas`` deltas of ``shape`` (or as many as the bound takes,
+    then failed, as the relay fails it): the deltas taken, the bytes it sent, and the most
+    memory it held (traced after each write, as the relay writes after each read)."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        b = ResponseBuilder(ECHO, model="m", created_at=1, max_bytes=BOUND, streaming=True)
+        sent, held, taken = len(b.take()), 0, 0
+        try:
+            for i in range(deltas):
+                b.add(_read(shape, i))
+                sent += len(b.take())
+                held = max(held, tracemalloc.get_traced_memory()[0] - base)
+                taken += 1
+            b.finished(None)
+        except EngineError:
+            b.discard()
+            b.failed("engine_error", "over the bound")
+        sent += len(b.take())
+        held = max(held, tracemalloc.get_traced_memory()[0] - base)
+    finally:
+        tracemalloc.stop()
+    return taken, sent, held
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, "logprobs"])
+def test_what_a_stream_sends_and_holds_stays_within_a_multiple_of_the_bound(shape: str) -> None:
+    """The bound counts what the gateway makes of each delta (its item, its event), not only
+    the engine's text: one-byte reasoning and text deltas in turn each made an item, and a
+    Response at a 64 KiB bound sent 1,490 times that and held 680 times that. Each shape runs
+    to the bound (and fails), then as far as it fits (and completes)."""
+    taken, sent, held = _stream(shape, 100 * BOUND)
+    assert taken < 100 * BOUND  # the bound was reached
+    assert sent <= SENT_TIMES * BOUND and held <= HELD_TIMES * BOUND, (taken, sent, held)
+    whole, sent, held = _stream(shape, taken)
+    assert whole == taken  # what fitted fits again, and completes
+    assert sent <= SENT_TIMES * BOUND and held <= HELD_TIMES * BOUND, (whole, sent, held)

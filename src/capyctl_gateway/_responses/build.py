@@ -2,9 +2,11 @@
 
 `ResponseBuilder` takes what the block reader folds (`add`, `add_texts`: the interface of the
 chat `Assembler`) and writes it into the Response's output items (``output.py``), which for a
-streaming client also makes OpenAI's typed events as the chunks come. The text kept for the
-Response is bounded (``max_bytes``, the gateway's bound on an assembled answer): past it the
-answer fails, never comes back shortened.
+streaming client also makes OpenAI's typed events as the chunks come. What the Response holds
+and sends is bounded (``max_bytes``, the gateway's bound on an assembled answer): its text, and
+each item, delta and logprob at a fixed cost (`ITEM_COST`, `DELTA_COST`, `LOGPROB_COST`), so
+that no run of small deltas makes more than a few times the bound. Past it the answer fails,
+never comes back shortened.
 """
 
 from __future__ import annotations
@@ -16,14 +18,21 @@ from .._relay.verify import TemplateText
 from .output import Events, Output, item_id
 from .request import Echo
 
-__all__ = ["ResponseBuilder", "logprobs_of"]
+__all__ = ["DELTA_COST", "ITEM_COST", "LOGPROB_COST", "ResponseBuilder", "logprobs_of"]
 
 _REASONING = ("reasoning_content", "reasoning")
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 """The engine's finish reasons that leave a Response incomplete, and OpenAI's word for each."""
+ITEM_COST = 512
+"""What each output item counts against the answer's bound beyond its text: its events (added,
+a message's part events, the done events) and its place in the Response, held and sent again
+at its end. One-byte deltas of reasoning and text in turn each make an item."""
 DELTA_COST = 64
-"""What a tool call's delta counts against the answer's bound beyond its arguments: one with
-none still makes an event, and perhaps an item (their number is bounded with the text)."""
+"""What each delta counts beyond its text (a tool call's beyond its arguments, which may be
+none): the event it makes, and its piece of the text held."""
+LOGPROB_COST = 192
+"""What each logprob entry, and each of its alternatives, counts: held for the whole text (a
+dict of its token, logprob and bytes), and sent with it."""
 _WHOLE = (None, "stop", "tool_calls", "function_call")
 """Those of an answer the engine ended whole; any other (vLLM's ``abort``) fails it."""
 
@@ -63,13 +72,15 @@ class ResponseBuilder:
                 text = delta.get("content") or ""
                 if text or entries:
                     tops = sum(len(e["top_logprobs"]) for e in entries)
-                    self._grow(_size(text) + DELTA_COST * (len(entries) + tops))
+                    lps = LOGPROB_COST * (len(entries) + tops)
+                    self._grow("message", _size(text) + DELTA_COST + lps)
                     self._output.text("message", text, entries)
             for call in delta.get("tool_calls") or ():
                 fn = call.get("function") or {}
                 arguments = fn.get("arguments") or ""
-                self._grow(_size(arguments) + DELTA_COST)  # empty deltas still make items
-                self._output.call(call["index"], call.get("id"), fn.get("name"), arguments)
+                index = call["index"]
+                self._grow(index, _size(arguments) + DELTA_COST)  # empty ones make items too
+                self._output.call(index, call.get("id"), fn.get("name"), arguments)
             finish = choice.get("finish_reason")
             if finish is not None:
                 self.finish = finish
@@ -132,10 +143,15 @@ class ResponseBuilder:
 
     def _text(self, key: str, text: str | None) -> None:
         if text:
-            self._grow(_size(text))
-            self._output.text("message" if key == "content" else "reasoning", text)
+            kind = "message" if key == "content" else "reasoning"
+            self._grow(kind, _size(text) + DELTA_COST)
+            self._output.text(kind, text)
 
-    def _grow(self, n: int) -> None:
+    def _grow(self, kind: str | int, n: int) -> None:
+        """Count ``n`` bytes of a delta of ``kind`` (and its item's, where it begins one)
+        against the bound, before anything of it is made."""
+        if self._output.opens(kind):
+            n += ITEM_COST
         self._size += n
         if self._size > self._max:
             raise EngineError(f"the answer is over {self._max} bytes (limits.max_answer_bytes)")

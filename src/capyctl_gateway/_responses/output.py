@@ -132,6 +132,11 @@ class Output:
             if name is not None:
                 o.item["name"] = name
 
+    def opens(self, kind: str | int) -> bool:
+        """Whether a delta of ``kind`` begins an item (any but the open one's)."""
+        o = self._open
+        return o is None or o.kind != kind
+
     def text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> None:
         """Text of ``kind`` (``message`` or ``reasoning``), and a message's ``logprobs`` for it
         where the engine sent them (OpenAI's shape: `build.logprobs_of`)."""
