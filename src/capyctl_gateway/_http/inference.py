@@ -261,7 +261,8 @@ class Inference:
         salt = salt if isinstance(salt, str) else None
         if dep.routing.policy != "prefix" or len(dep.instances) < 2 or sent < BLOCK_BYTES:
             return Facts(dep.name, salt)
-        chain = fingerprints(body, chat=api is Api.CHAT, salt=salt, seed=self.gw.prefix_seed)
+        seed = self.gw.prefix_seed
+        chain = fingerprints(body, chat=api is Api.CHAT, salt=salt, seed=seed, sent=sent)
         return Facts(dep.name, salt, chain)
 
 

@@ -24,7 +24,15 @@ from typing import Any
 import orjson
 import xxhash
 
-__all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "WINDOW_BYTES", "fingerprints", "pack", "unpack"]
+__all__ = [
+    "BLOCK_BYTES",
+    "MAX_BLOCKS",
+    "WHOLE_BELOW",
+    "WINDOW_BYTES",
+    "fingerprints",
+    "pack",
+    "unpack",
+]
 
 BLOCK_BYTES = 256
 """Prompt bytes per fingerprint (about 60 tokens of English: four of vLLM's 16-token blocks)."""
@@ -36,12 +44,18 @@ _SORTED = orjson.OPT_SORT_KEYS
 _hash = xxhash.xxh3_64_intdigest
 
 
+WHOLE_BELOW = 16 * WINDOW_BYTES
+"""A body sent in fewer bytes than this has its prompt's parts written whole: each part's JSON
+is then small, and orjson writes it faster than the window can be found in it."""
+
+
 def fingerprints(
-    body: dict[str, Any], *, chat: bool, salt: str | None, seed: int
+    body: dict[str, Any], *, chat: bool, salt: str | None, seed: int, sent: int | None = None
 ) -> tuple[int, ...]:
-    """The fingerprint chain of ``body`` (a checked request body): one per full block of its
-    prompt's canonical JSON, within `WINDOW_BYTES`; empty for a prompt under one block."""
-    text = _canonical(body, chat)
+    """The fingerprint chain of ``body`` (a checked request body, ``sent`` bytes long where
+    known): one per full block of its prompt's canonical JSON, within `WINDOW_BYTES`; empty for
+    a prompt under one block."""
+    text = _canonical(body, chat, whole=sent is not None and sent < WHOLE_BELOW)
     h = _hash(b"\x01" + salt.encode() if salt is not None else b"\x00", seed)
     chain = []
     view = memoryview(text)
@@ -51,11 +65,10 @@ def fingerprints(
     return tuple(chain)
 
 
-def _canonical(body: dict[str, Any], chat: bool) -> bytes:
+def _canonical(body: dict[str, Any], chat: bool, *, whole: bool) -> bytes:
     """The first `WINDOW_BYTES` (or fewer) of the prompt's canonical JSON. Each part is
-    written on its own and the writing stops once the window is full; a string content longer
-    than what is left of it is cut first (its JSON is then longer than that, so what follows it
-    would fall outside the window anyway, and the bytes inside are the same as uncut)."""
+    written on its own and the writing stops once the window is full; unless the body is
+    small (``whole``), a part is first cut to what the window can hold of it (`_cut`)."""
     if not chat:
         parts: list[Any] = [body.get("state")]
     else:
@@ -67,14 +80,45 @@ def _canonical(body: dict[str, Any], chat: bool) -> bytes:
         left = WINDOW_BYTES - len(out)
         if left <= 0:
             break
-        if isinstance(part, dict) and isinstance(part.get("content"), str):
-            if len(part["content"]) > left:
-                part = {**part, "content": part["content"][:left]}
-        elif isinstance(part, str) and len(part) > left:
-            part = part[:left]
-        out += orjson.dumps(part, option=_SORTED)
+        out += orjson.dumps(part if whole else _cut(part, left)[0], option=_SORTED)
         out += b"\n"  # a separator no JSON value ends with: [a, b] never reads as [ab]
     return bytes(out[:WINDOW_BYTES])
+
+
+def _cut(value: Any, left: int) -> tuple[Any, int]:
+    """``value`` without what its canonical JSON holds past its first ``left`` bytes (those
+    bytes are the same either way), and a lower bound of its JSON's length: at least ``left``
+    when something was cut. A string longer than ``left`` is cut to ``left`` characters (each is
+    a byte at least); a list or an object ends once what it holds reaches ``left`` bytes (a
+    character of a key, a value, a comma: a byte each at least). Only what lies within the
+    window is visited, however large the body: content written as parts (``[{"type": "text",
+    "text": ...}]``) costs what a plain string does."""
+    if left <= 0:
+        return None, 1  # all of it lies past the window: any value stands in for it
+    kind = type(value)
+    if kind is str:
+        return (value[:left], left + 2) if len(value) > left else (value, len(value) + 2)
+    size = 1
+    if kind is list:
+        items = []
+        for item in value:
+            if size >= left:
+                return items, size
+            size += 1 if items else 0
+            cut, n = _cut(item, left - size)
+            items.append(cut)
+            size += n
+        return items, size + 1
+    if kind is dict:
+        members = {}
+        for key in sorted(value):  # as OPT_SORT_KEYS writes them
+            if size >= left:
+                return members, size
+            size += len(key) + (4 if members else 3)  # "key": and the comma before it
+            members[key], n = _cut(value[key], left - size)
+            size += n
+        return members, size + 1
+    return value, 1
 
 
 def pack(chain: tuple[int, ...]) -> str:
