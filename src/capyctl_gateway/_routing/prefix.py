@@ -100,7 +100,7 @@ def _cut(value: Any, left: int) -> tuple[Any, int]:
         return (value[:left], left + 2) if len(value) > left else (value, len(value) + 2)
     size = 1
     if kind is list:
-        items = []
+        items: list[Any] = []
         for item in value:
             if size >= left:
                 return items, size
@@ -110,7 +110,7 @@ def _cut(value: Any, left: int) -> tuple[Any, int]:
             size += n
         return items, size + 1
     if kind is dict:
-        members = {}
+        members: dict[str, Any] = {}
         for key in sorted(value):  # as OPT_SORT_KEYS writes them
             if size >= left:
                 return members, size
