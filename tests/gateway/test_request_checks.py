@@ -32,6 +32,8 @@ from capyctl_gateway._http.validate import check_salt, engine_payload, resolve
 from capyctl_gateway._routing.prefix import fingerprints
 from tests.gateway.conftest import Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Reply, vllm_stream
+from tests.gateway.openai_schemas import validate_response
+from tests.gateway.test_responses import events_of
 
 ROOT = Path(__file__).resolve().parents[2]
 OPENAPI = json.loads((ROOT / "docs" / "openapi.json").read_text())
@@ -301,6 +303,11 @@ async def test_a_gateway_answers_any_json_as_documented_and_logs_no_traceback(
         assert r.status_code < 500, r.text
         if r.status_code != 200:
             assert (r.status_code, r.json()["code"]) in allowed, r.text
+        elif surface is RESPONSES:  # what it echoes of the request is OpenAI's shape too
+            if r.headers["content-type"].startswith("application/json"):
+                validate_response(r.json())
+            else:
+                events_of(r.text)
 
     await anyio.to_thread.run_sync(check)
     traced = [

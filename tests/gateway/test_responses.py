@@ -493,6 +493,12 @@ async def test_logprobs_not_in_chats_shape_end_the_answer_unverified(
         ({"max_output_tokens": 0}, 400, "invalid_request", "max_output_tokens"),
         ({"tool_choice": "required"}, 400, "invalid_request", "needs tools"),
         ({"text": {"format": {"type": "json_schema"}}}, 400, "invalid_request", "json_schema"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "n", "schema": {}, "strict": 1}}},
+            400,
+            "invalid_request",
+            "strict (true or false)",
+        ),
         ({"metadata": {"k": 1}}, 400, "invalid_request", "metadata"),
         ({"model": "decider"}, 400, "api_mismatch", "POST /v1/systemone"),
         ({"model": "nope"}, 404, "unknown_model", ""),

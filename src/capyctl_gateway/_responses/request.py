@@ -239,10 +239,18 @@ def _text(text: Any, chat: dict[str, Any]) -> dict[str, Any]:
     if kind == "json_schema":
         extra = set(fmt) - {"type", "name", "schema", "strict", "description"}
         name, schema = fmt.get("name"), fmt.get("schema")
-        if extra or not isinstance(name, str) or not name or not isinstance(schema, dict):
+        strict, description = fmt.get("strict"), fmt.get("description")
+        if (
+            extra
+            or not isinstance(name, str)
+            or not name
+            or not isinstance(schema, dict)
+            or not isinstance(strict, bool | None)
+            or not isinstance(description, str | None)
+        ):
             raise invalid(
                 "text.format of type json_schema takes name (a string), schema (an object), "
-                "and optionally strict and description"
+                "and optionally strict (true or false) and description (a string)"
             )
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         chat["response_format"] = {"type": "json_schema", "json_schema": spec}
