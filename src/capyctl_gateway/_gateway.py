@@ -41,7 +41,8 @@ class Gateway:
         self.clock = clock
         self.telemetry = Telemetry()
         """The gateway's own counts and timings (read by the /metrics exposition)."""
-        self.bodies = BodyBudget(config.limits.max_body_bytes_in_flight)
+        limits = config.limits
+        self.bodies = BodyBudget(limits.max_body_bytes_in_flight, limits.client_share)
         """Request-body bytes read and held, over all requests."""
         self.started_at = int(clock()) if started_at is None else started_at
         self.prefix_seed = secrets.randbits(64) if prefix_seed is None else prefix_seed

@@ -12,8 +12,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
+import httpx
 import pytest
 
+from capyctl_gateway._config.bounds import Limits
+from capyctl_gateway._http.body import client_of
 from tests.eventually import eventually
 from tests.gateway.conftest import KEY, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Hold, chunk, event, vllm_stream
@@ -169,6 +172,78 @@ async def test_bodies_past_the_bytes_in_flight_are_refused_and_the_count_returns
     # cancelled handler, before the engine could see the close.
     assert gw.gateway.bodies.held == 0
     assert len(engine.received) == 1
+
+
+def test_a_clients_share_of_the_body_budget_is_half_and_holds_the_largest_body() -> None:
+    mib = 2**20
+    assert Limits().client_share == 128 * mib  # half of 256 MiB
+    assert Limits(max_body_bytes_in_flight=100 * mib).client_share == 64 * mib  # one body
+    assert Limits(max_body_bytes_per_client=80 * mib).client_share == 80 * mib
+    assert Limits(max_body_bytes_in_flight=512 * mib).client_share == 256 * mib
+    with pytest.raises(ValueError, match="max_body_bytes_per_client .* could never be read"):
+        Limits(max_body_bytes_per_client=32 * mib)
+
+
+@pytest.mark.parametrize(
+    ("peer", "client"),
+    [
+        ("203.0.113.7", "203.0.113.7"),
+        ("2001:db8:1:2:aaaa::1", "2001:0db8:0001:0002"),  # one host's /64, one client
+        ("2001:db8:1:2:bbbb::9", "2001:0db8:0001:0002"),
+        ("::ffff:203.0.113.7", "203.0.113.7"),
+        (None, ""),
+    ],
+)
+def test_a_client_is_its_address_or_its_ipv6_64(peer: str | None, client: str) -> None:
+    assert client_of(peer) == client
+
+
+async def test_one_client_holds_at_most_its_share_of_the_body_budget_and_another_gets_in(
+    engine: FakeEngine, make_gateway: MakeGateway
+) -> None:
+    """Issue 42, item 15: one client's bodies (four real 64 MiB ones at the defaults) took the
+    whole budget, and every other client got 503 until they were done. One address holds at
+    most its share (half the budget by default); another still gets in."""
+    engine.script = [event(chunk(delta={"role": "assistant", "content": ""})), Hold()]
+    limits = {"max_body_bytes": 2500, "max_decision_body_bytes": 1024}
+    gw = await make_gateway(config(engine, max_body_bytes_in_flight=6000, **limits))
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}], "stream": True}
+    other = httpx.AsyncHTTPTransport(local_address="127.0.0.2")  # another client's address
+    async with (
+        gw.client() as c,
+        gw.client(transport=other) as d,
+        anyio.create_task_group() as tg,
+    ):
+
+        async def opened(client: httpx.AsyncClient) -> tuple[int, Any]:
+            """A stream's status once its head arrives (kept open while it runs), and the
+            body of a refusal."""
+            head: list[tuple[int, Any]] = []
+            arrived = anyio.Event()
+
+            async def run() -> None:
+                async with client.stream("POST", "/v1/chat/completions", json=big) as r:
+                    refused = None if r.status_code == 200 else json.loads(await r.aread())
+                    head.append((r.status_code, refused))
+                    arrived.set()
+                    await anyio.sleep_forever()
+
+            tg.start_soon(run)
+            with anyio.fail_after(5):
+                await arrived.wait()
+            return head[0]
+
+        first, second, third = [await opened(c) for _ in range(3)]
+        assert first == (200, None)
+        assert [second[0], third[0]] == [503, 503]  # before: 200, the budget's rest taken
+        for _, refused in (second, third):
+            assert (refused["code"], refused["retryable"]) == ("unavailable", True)
+            assert "limits.max_body_bytes_per_client" in refused["message"]
+        assert gw.gateway.bodies.held > 2000  # the first body is held while it runs
+        assert (await opened(d))[0] == 200  # another client: before, 503 (the budget full)
+        tg.cancel_scope.cancel()
+    assert await eventually(lambda: gw.gateway.bodies.held == 0)
+    assert len(engine.received) == 2
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["one", "workers2"])

@@ -45,6 +45,10 @@ class Limits(BaseModel):
     """Request bodies being read and held, over all requests at once; a body that would pass
     it is refused with 503 (retryable). With workers, each holds an equal share, and a share
     holds at least the largest body a request may have (`fit_workers`)."""
+    max_body_bytes_per_client: int | None = Field(default=None, ge=1024)
+    """What one client (an address; an IPv6 /64) may hold of the body budget, in each process;
+    a body that would pass it is refused with 503 (retryable). Left unset: half the process's
+    budget, and at least the largest body a request may have (`client_share`)."""
     max_json_tokens: int = Field(default=1_000_000, ge=1000, le=100_000_000)
     """A body with more of ``,`` ``:`` ``[`` ``{`` than this (an upper bound of its JSON values,
     counted in strings too) is refused with 413 before it is parsed: the work and the memory
@@ -68,6 +72,13 @@ class Limits(BaseModel):
         """The largest body a request may have, of either API."""
         return max(self.max_body_bytes, self.max_decision_body_bytes)
 
+    @property
+    def client_share(self) -> int:
+        """What one client may hold of this process's body budget."""
+        if self.max_body_bytes_per_client is not None:
+            return self.max_body_bytes_per_client
+        return max(self.largest_body, self.max_body_bytes_in_flight // 2)
+
     @model_validator(mode="after")
     def _a_body_fits_the_budget(self) -> Self:
         """A body within the per-request limits must fit the budget, or it would be refused
@@ -82,6 +93,13 @@ class Limits(BaseModel):
                     "max_decision_body_bytes), which could never be read: raise it or lower those"
                 )
             object.__setattr__(self, "max_body_bytes_in_flight", largest)  # not set: a default
+        share = self.max_body_bytes_per_client
+        if share is not None and share < largest:
+            raise ValueError(
+                f"max_body_bytes_per_client ({share}) is less than the largest body a request "
+                f"may have ({largest}: max_body_bytes or max_decision_body_bytes), which could "
+                "never be read: raise it or lower those"
+            )
         return self
 
 

@@ -176,21 +176,35 @@ class Slot:
 
 
 class BodyBudget:
-    """The request-body bytes the whole gateway may hold at once."""
+    """The request-body bytes the whole gateway may hold at once, and one client (an address)
+    of them: ``per_client`` (all of them where not given)."""
 
-    __slots__ = ("held", "limit")
+    __slots__ = ("_clients", "held", "limit", "per_client")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_client: int | None = None) -> None:
         self.limit = limit
+        self.per_client = limit if per_client is None else per_client
         self.held = 0
+        self._clients: dict[str, int] = {}
+        """What each client holding any body holds (none other has an entry)."""
 
-    def take(self, n: int) -> None:
+    def take(self, n: int, client: str = "") -> None:
         if self.held + n > self.limit:
             raise UnavailableError(
                 "the gateway holds as many request bodies as it takes "
                 "(limits.max_body_bytes_in_flight); retry shortly"
             )
+        held = self._clients.get(client, 0) + n
+        if held > self.per_client:
+            raise UnavailableError(
+                "this client's request bodies take all the gateway holds for one client "
+                "(limits.max_body_bytes_per_client); retry shortly"
+            )
+        self._clients[client] = held
         self.held += n
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, client: str = "") -> None:
         self.held -= n
+        left = self._clients.pop(client, 0) - n
+        if left > 0:
+            self._clients[client] = left

@@ -37,7 +37,7 @@ from .._routing.prefix import BLOCK_BYTES, fingerprints
 from .._tally import Tally
 from .._ulid import REQUEST_ID, new_ulid
 from .answers import InBand, answer, chat_in_band, error_response
-from .body import Body
+from .body import Body, client_of
 from .calls import Call, identify
 from .offer import Desk, LocalDesk
 from .validate import (
@@ -212,7 +212,7 @@ class Inference:
         rid = new_ulid()
         headers = {REQUEST_ID: rid}
         config = self.gw.config
-        held = Body(self.gw.bodies)
+        held = Body(self.gw.bodies, client_of(request.remote))
         in_band: InBand = chat_in_band
         try:
             caller = identify(self.gw, request, headers)
