@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
+from capyctl_gateway._http.validate import MAX_NESTING
 from tests.gateway.conftest import Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, vllm_stream
 
@@ -48,6 +50,56 @@ async def test_json_nested_past_what_an_engine_reads_is_refused_in_validation(
     assert r.headers["x-capyctl-request-id"]
     assert engine.received == []
     assert all(ledger.charged == 0 for ledger in gateway.gateway.fleet.settlement.ledgers.values())
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/systemone"])
+async def test_a_body_nested_to_the_documented_bound_is_served_and_one_level_more_refused(
+    gateway: Gw, engine: FakeEngine, path: str
+) -> None:
+    """Issue 42, item 16: the README said 1,024 levels; what was refused was about 254 (orjson
+    writes the engine's copy at most 254 levels deep). The figure is MAX_NESTING, said alike
+    in the code, its message and the README."""
+    engine.script = vllm_stream()
+
+    def body(depth: int) -> str:  # the whole body, its own object included, ``depth`` deep
+        if path.endswith("completions"):  # the body, messages, a message: three levels
+            inner = "[" * (depth - 3) + "]" * (depth - 3)
+            return f'{{"model": "my-model", "messages": [{{"role": "user", "content": {inner}}}]}}'
+        inner = "[" * (depth - 1) + "]" * (depth - 1)
+        return f'{{"model": "decider", "state": {inner}, "questions": {{}}}}'
+
+    headers = {"Content-Type": "application/json"}
+    async with gateway.client() as c:
+        at = await c.post(path, content=body(MAX_NESTING), headers=headers)
+        past = await c.post(path, content=body(MAX_NESTING + 1), headers=headers)
+    assert at.status_code == 200, at.text
+    assert (past.status_code, past.json()["code"]) == (400, "invalid_request")
+    assert f"more than {MAX_NESTING} levels" in past.json()["message"]
+    assert MAX_NESTING == 254 and len(engine.received) == 1
+    readme = (Path(__file__).parents[2] / "docs" / "gateway" / "README.md").read_text()
+    assert "Nesting is bounded at 254 levels" in readme and "1,024 levels" not in readme
+
+
+async def test_a_responses_tools_parameters_may_nest_one_level_less(
+    gateway: Gw, engine: FakeEngine
+) -> None:
+    """The engine's copy holds a Responses tool's parameters under ``function``: one level
+    deeper than the request, as the README says."""
+    engine.script = vllm_stream()
+
+    def body(depth: int) -> dict[str, Any]:  # body, tools, a tool, its parameters: four
+        params: dict[str, Any] = {}  # with the objects around it, depth - 4 levels
+        for _ in range(depth - 5):
+            params = {"a": params}
+        tool = {"type": "function", "name": "f", "parameters": {"type": "object", "x": params}}
+        return {"model": "my-model", "input": "x", "tools": [tool]}
+
+    async with gateway.client() as c:
+        at = await c.post("/v1/responses", json=body(MAX_NESTING - 1))
+        past = await c.post("/v1/responses", json=body(MAX_NESTING))
+    assert at.status_code == 200, at.text
+    assert (past.status_code, past.json()["code"]) == (400, "invalid_request")
+    assert f"more than {MAX_NESTING} levels" in past.json()["message"]
 
 
 async def test_two_authorization_headers_are_refused(gateway: Gw, engine: FakeEngine) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "DECISION_FIELDS",
     "ChatRequest",
     "DecisionRequest",
+    "MAX_NESTING",
     "caller_request_id",
     "check_chat",
     "check_decision",
@@ -61,6 +62,9 @@ CACHE_SALT_UNSUPPORTED = (
     "this deployment's engine does not partition its prefix cache by cache_salt"
 )
 MAX_SALT_BYTES = 1024
+MAX_NESTING = 254
+"""How deep a body may nest, its own object included: orjson reads 1,024 levels but writes at
+most 254, and the engine's copy is written by it (a test holds orjson to this figure)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +153,7 @@ def resolve(
     API of ``endpoint`` (400 api_mismatch)."""
     _tokens_within(raw, config.limits.max_json_tokens)
     try:
-        body = orjson.loads(raw)  # its nesting is bounded: orjson refuses past 1024 levels
+        body = orjson.loads(raw)  # nested past 1,024 levels: refused here, else when written
     except orjson.JSONDecodeError as exc:
         raise invalid(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -236,8 +240,8 @@ def engine_payload(
             body["stream_options"] = {**options, "include_usage": True}
     try:
         return orjson.dumps(body)
-    except orjson.JSONEncodeError:  # nested deeper than an engine's parser would take
-        raise invalid("the body is nested too deeply") from None
+    except orjson.JSONEncodeError:  # nested past MAX_NESTING: orjson writes no deeper
+        raise invalid(f"the body is nested more than {MAX_NESTING} levels deep") from None
 
 
 def caller_request_id(values: list[str]) -> str | None:
