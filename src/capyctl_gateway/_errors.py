@@ -36,7 +36,7 @@ message and exits 1):
 Driving an engine (the lifecycle and the runners; never shown to a client as it is, but
 turned into ``activation_failed`` or ``unavailable`` by the lifecycle):
 
-    EngineControlError            message; log_tail: the end of the engine's own log
+    EngineControlError            message; log_tail, began, lingers (see the class)
     ├── StartFailedError          it exited, could not be run, or did not answer in time
     ├── ParkFailedError           it did not park or wake as asked
     ├── HostGoneError             its host has no session, or lost it before answering
@@ -257,13 +257,17 @@ class OperatorError(Exception):
 
 
 class EngineControlError(Exception):
-    """An engine could not be started, parked, woken or stopped as asked."""
+    """An engine could not be started, parked, woken or stopped as asked. ``began``: whether an
+    engine ran (if not, ``message`` says why, to clients too); ``lingers``: one may still run."""
 
-    def __init__(self, message: str, *, log_tail: str = "") -> None:
+    def __init__(
+        self, message: str, *, log_tail: str = "", began: bool = True, lingers: bool = False
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.log_tail = log_tail
         """The end of the engine's own log, where there is one (never shown to a client)."""
+        self.began, self.lingers = began, lingers
 
 
 class StartFailedError(EngineControlError):

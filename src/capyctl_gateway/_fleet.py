@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,8 @@ class Fleet:
     store: Store | None
     """Operator intent and cut requests kept across restarts; None without a state directory."""
     tasks: Supervisor
-    """The lifecycle's background tasks (activations, closings, watches), and their faults."""
+    """The lifecycle's background tasks (activations, closings, watches), and their faults
+    (with those of each runner kind's own tasks: a pod watch, an owed delete)."""
 
     def now(self) -> float:
         return self.clock()
@@ -134,6 +136,7 @@ async def open_fleet(
             on_cut=store.add_cut if store is not None else None,
             on_settled=_settled(telemetry, store),
         )
+        faults: Counter[str] = Counter()  # the lifecycle's and each runner kind's defects
         opened = Opened(
             config=config,
             collector=collector,
@@ -145,13 +148,14 @@ async def open_fleet(
             store=store,
             env=env,
             stack=stack,
+            faults=faults,
         )
         names = [d.name for d in config.deployments]
         ids = store.deployment_ids(names) if store is not None else new_short_ids(names)
         routes = build_routes(config, env, settlement, runner_for(opened, runners), ids)
         collector.subscribe(CheckWatch(routes))
         collector.subscribe(settlement)
-        tasks = Supervisor("the lifecycle")
+        tasks = Supervisor("the lifecycle", faults=faults)
         lifecycle = Lifecycle(
             config,
             routes,

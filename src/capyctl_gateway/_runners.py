@@ -11,6 +11,7 @@ engine runs.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,8 @@ class Opened:
     """The server role's links to its hosts, one per host (empty elsewhere)."""
     clusters: dict[str, Cluster] = field(default_factory=dict)
     """The cluster of the pods (one at most, under ``kubernetes``)."""
+    faults: Counter[str] = field(default_factory=Counter)
+    """Where defects in a kind's own background tasks are counted (the lifecycle's count)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +109,9 @@ def _host(inst: EngineInstance, configured: Instance, o: Opened) -> Runner:
 
 def _pod(inst: EngineInstance, configured: Instance, o: Opened) -> Runner:
     dep = _deployment(inst, o)
-    cluster = o.clusters.setdefault("kubernetes", Cluster(o.config.kubernetes))
+    cluster = o.clusters.get("kubernetes")
+    if cluster is None:
+        cluster = o.clusters["kubernetes"] = Cluster(o.config.kubernetes, faults=o.faults)
     if configured.pod is None:
         raise AssertionError("a pod instance without its pod")
     return PodRunner(

@@ -12,7 +12,8 @@ failing must not stop another deployment's closing. What it guarantees instead:
   must answer its waiters. A task that raises one unhandled is faulted by its done callback.
 - A long-lived loop (`keep`) is never silently gone: a fault in one of its turns is logged and
   counted, and the loop goes on after a delay that doubles up to `KEEP_BACKOFF_MAX_S` (so a
-  fault on every turn writes a bounded number of log lines).
+  fault on every turn writes a bounded number of log lines). It ends only when a turn says its
+  work is done, or when the supervisor closes.
 - `aclose` cancels every task and waits for each, including tasks spawned while it closes.
 
 Imports only the error tree.
@@ -28,24 +29,36 @@ from typing import Any, TypeVar
 
 from ._errors import GatewayError, InternalError
 
-__all__ = ["FAULT_KINDS", "KEEP_BACKOFF_MAX_S", "Supervisor"]
+__all__ = ["FAULT_KINDS", "KEEP_BACKOFF_FIRST_S", "KEEP_BACKOFF_MAX_S", "Supervisor"]
 
 logger = logging.getLogger("capyctl_gateway")
 T = TypeVar("T")
 
-FAULT_KINDS = ("activation", "closing", "exit_watch", "idle_watch", "task")
+FAULT_KINDS = (
+    "activation",
+    "closing",
+    "exit_watch",
+    "idle_watch",
+    "pod_delete",
+    "pod_watch",
+    "task",
+)
 """The ``task`` label values of ``capyctl_task_faults_total``: what was running when a defect
 showed (a fixed set, so the metric's labels never come from an exception's text)."""
 KEEP_BACKOFF_MAX_S = 60.0
 """The longest a kept loop waits after a fault before its next turn."""
+KEEP_BACKOFF_FIRST_S = 0.5
+"""The least a kept loop waits after a fault (however short its period)."""
 
 
 class Supervisor:
     """Background tasks of one owner (see the module's docstring)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, faults: Counter[str] | None = None) -> None:
+        """``faults``: where its defects are counted (shared by supervisors whose defects one
+        metric counts); a new counter by default."""
         self.name = name
-        self.faults: Counter[str] = Counter()
+        self.faults: Counter[str] = Counter() if faults is None else faults
         """kind (one of `FAULT_KINDS`) -> defects seen."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
@@ -78,26 +91,41 @@ class Supervisor:
         return task
 
     def keep(
-        self, step: Callable[[], Awaitable[None]], *, every: float, kind: str, what: str
+        self,
+        step: Callable[[], Awaitable[bool | None]],
+        *,
+        every: float,
+        kind: str,
+        what: str,
+        first: float | None = None,
     ) -> asyncio.Task[None]:
-        """Run ``step`` every ``every`` seconds for as long as the supervisor is open; a turn
-        that faults is logged and counted, and the next waits longer (doubling up to
-        `KEEP_BACKOFF_MAX_S`) until one succeeds."""
-        return self.spawn(self._keep(step, every, kind, what), kind=kind, what=what)
+        """Run ``step`` every ``every`` seconds (the first turn after ``first``, by default
+        ``every``) for as long as the supervisor is open, or until a turn returns True (its
+        work is done); a turn that faults is logged and counted, and the next waits longer
+        (from `KEEP_BACKOFF_FIRST_S`, doubling up to `KEEP_BACKOFF_MAX_S`) until one
+        succeeds."""
+        start = every if first is None else first
+        return self.spawn(self._keep(step, every, start, kind, what), kind=kind, what=what)
 
     async def _keep(
-        self, step: Callable[[], Awaitable[None]], every: float, kind: str, what: str
+        self,
+        step: Callable[[], Awaitable[bool | None]],
+        every: float,
+        wait: float,
+        kind: str,
+        what: str,
     ) -> None:
-        wait = every
         while True:
             await asyncio.sleep(wait)
             try:
-                await step()
+                done = await step()
             except Exception as exc:  # a defect: said, counted, and the loop goes on
                 self.fault(kind, what, exc)
-                wait = min(max(wait, every) * 2.0, KEEP_BACKOFF_MAX_S)
+                wait = min(max(wait, every, KEEP_BACKOFF_FIRST_S) * 2.0, KEEP_BACKOFF_MAX_S)
                 logger.warning("%s: %s goes on in %.0f s", self.name, what, wait)
             else:
+                if done:
+                    return
                 wait = every
 
     def _ended(self, task: asyncio.Task[Any], kind: str, what: str) -> None:

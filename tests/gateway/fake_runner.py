@@ -155,6 +155,9 @@ class FakeRunner(SeenBy):
         pass
 
     # -- the driver -------------------------------------------------------------------------
+    def cannot_start(self) -> str | None:
+        return None
+
     async def start(self, reason: str) -> str:
         inst, key = self._inst, self._inst.key
         if inst.launch is None:

@@ -19,7 +19,7 @@ import pytest
 
 from capyctl_gateway._errors import InternalError, InvalidRequestError
 from capyctl_gateway._management.metrics import exposition
-from capyctl_gateway._tasks import Supervisor
+from capyctl_gateway._tasks import KEEP_BACKOFF_FIRST_S, Supervisor
 from tests.gateway.conftest import Gw
 from tests.gateway.test_lifecycle import chat, launched, transitions
 
@@ -83,6 +83,27 @@ async def test_a_kept_loop_goes_on_after_a_fault(caplog: pytest.LogCaptureFixtur
     assert tracebacks(caplog, ProbeError) == ["tests: internal error while the probe loop"]
     await tasks.aclose()
     assert loop.cancelled() and len(tasks) == 0
+
+
+async def test_a_kept_loop_starts_when_told_and_ends_when_a_turn_says_it_is_done() -> None:
+    tasks = Supervisor("tests")
+    turns: list[float] = []
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+
+    async def step() -> bool:
+        turns.append(loop.time() - began)
+        if len(turns) == 1:
+            raise ProbeError("the first turn")
+        return len(turns) == 3  # the third turn's work is done
+
+    kept = tasks.keep(step, every=0.0, first=0.0, kind="pod_delete", what="the probe loop")
+    with anyio.fail_after(10):
+        await kept
+    assert len(turns) == 3 and turns[0] < 0.5  # at once, not after a period
+    assert turns[1] - turns[0] >= KEEP_BACKOFF_FIRST_S  # a fault waits, however short `every`
+    assert tasks.faults == {"pod_delete": 1} and len(tasks) == 0
+    await tasks.aclose()
 
 
 async def test_closing_ends_tasks_spawned_while_it_closes() -> None:

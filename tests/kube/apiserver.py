@@ -3,8 +3,10 @@ real API server answers them: bearer-token auth, create/get/list/watch/update/pa
 status and log subresources, Status bodies for every failure. Storage and watch semantics are in
 store.py, the checks and defaults of a create in objects.py.
 
-On demand: ``fail_next`` answers matching requests with an error, ``compact`` expires old
-resourceVersions, ``drop_watches`` cuts open watches mid-stream, ``bookmark`` sends a BOOKMARK now.
+On demand: ``fail_next`` answers matching requests with an error, ``lose_next`` carries them out
+and cuts the connection before the answer (a reply lost on the way: the client cannot tell
+whether the write happened), ``compact`` expires old resourceVersions, ``drop_watches`` cuts
+open watches mid-stream, ``bookmark`` sends a BOOKMARK now.
 
 Departures: only Pods and Events exist (namespaces need not); no ``limit``/``continue`` paging
 (one page); ``dryRun``, ``propagationPolicy``, server-side apply and the legacy ``/watch/``
@@ -117,6 +119,15 @@ class FakeApiServer:
         with ``status`` (a Status body; 429 with Retry-After: 1) instead of handling them."""
         self._faults.append(Fault(method.upper(), path_contains, status, times))
 
+    def lose_next(self, method: str, path_contains: str, times: int = 1) -> None:
+        """Carry out the next ``times`` requests of ``method`` whose path contains
+        ``path_contains``, then cut their connections without an answer."""
+        self._faults.append(Fault(method.upper(), path_contains, 0, times))
+
+    def clear_faults(self) -> None:
+        """Forget every fault not yet met."""
+        self._faults.clear()
+
     def compact(self) -> None:
         """Forget history: a watch or resume from an older resourceVersion gets 410 Expired."""
         self.store.compact()
@@ -142,11 +153,19 @@ class FakeApiServer:
                 and fault.path_contains in request.path
             ):
                 fault.times -= 1
+                if fault.status == 0:  # lost: carried out, then the connection is cut
+                    answer = await self._route(request)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return answer
                 headers = {"Retry-After": "1"} if fault.status == 429 else None
                 reason = REASONS.get(fault.status, "Unknown")
                 return _answer(
                     status_body(fault.status, f"injected fault: {reason}"), fault.status, headers
                 )
+        return await self._route(request)
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
         for pattern, methods in self._routes:
             if (m := pattern.match(request.path)) is None:
                 continue

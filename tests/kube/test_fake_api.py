@@ -337,6 +337,21 @@ async def test_faults_on_demand_and_the_call_record(v1: Any, api: FakeApiServer)
         assert json.loads(await raw.read())["kind"] == "Pod"
 
 
+async def test_a_lost_answer_is_carried_out_and_its_connection_cut(
+    v1: Any, api: FakeApiServer
+) -> None:
+    api.lose_next("POST", "/pods")
+    with pytest.raises(aiohttp.ClientError):  # no answer: the connection ends before it
+        await v1.create_namespaced_pod("default", pod("a"))
+    assert (await v1.read_namespaced_pod("a", "default")).metadata.name == "a"  # made all the same
+    with pytest.raises(ApiException) as e:  # the same create again finds it
+        await v1.create_namespaced_pod("default", pod("a"))
+    assert (e.value.status, status_of(e.value)["reason"]) == (409, "AlreadyExists")
+    api.fail_next("DELETE", "/pods/a", 500, times=5)
+    api.clear_faults()
+    await v1.delete_namespaced_pod("a", "default")  # the faults forgotten: it is carried out
+
+
 async def test_log_route_before_anything_ran(v1: Any) -> None:
     await v1.create_namespaced_pod("default", pod("a"))
     with pytest.raises(ApiException) as e:

@@ -187,9 +187,14 @@ class View(Protocol):
 class Driver(Protocol):
     """What the lifecycle's transitions and watches do to an engine."""
 
+    def cannot_start(self) -> str | None:
+        """Why a start cannot begin now (what it needs cannot be reached: a cluster's API), for
+        clients too; None when it can. Nothing is switched out for a start that cannot begin."""
+        ...
+
     async def start(self, reason: str) -> str:
         """Start the engine; once it answers, say how (for the log). Raises
-        EngineControlError."""
+        EngineControlError (``lingers`` when an engine it made may still hold its memory)."""
         ...
 
     async def park(self, reason: str) -> None:

@@ -6,12 +6,15 @@ between), so two activations can never both find the same room. After that each 
 sets what the instance holds (`note`): ready memory from its start until it parks or stops,
 parked memory while parked (a parked instance that is stopped never holds more on its way
 down), nothing once its engine is provably gone. A stop that is not proven (a host that
-did not answer) keeps the memory counted.
+did not answer, a pod whose delete is owed) keeps the memory counted; a start of that instance
+before the proof reserves its own memory beside it (the earlier engine's is counted apart,
+as lingering, until the instance's engines are provably gone).
 
 Making room switches out other deployments, longest unused first and idle before busy; never
 one with requests waiting for it, one being activated, one already closing, or one kept ready
 (``activation: always``). When none can
-go now but another activation or closing is under way, it waits for that and looks again;
+go now but another activation or closing is under way, or memory is held by an engine whose
+stop is not proven yet (a pod whose delete is owed), it waits for that and looks again;
 when nothing can change, or a switch fails (its running requests did not finish within its
 ``drain_timeout``), the waiters get a retryable 503.
 
@@ -22,7 +25,8 @@ budget."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from .._config import GatewayConfig
 from .._errors import UnavailableError
@@ -42,17 +46,23 @@ class MemoryBudget:
         self.lives = lives
         self._switch_out = switch_out
         self._holds: dict[Launched, int] = {}
+        self._lingering: dict[Launched, int] = {}
+        """What an instance's earlier engine, not provably gone, holds beside its own."""
+        self._changed = asyncio.Event()
+
+    def _of(self, lc: Launched) -> int:
+        return self._holds.get(lc, 0) + self._lingering.get(lc, 0)
 
     def held(self) -> int:
         """Memory the launched instances hold or were promised now, on every machine."""
-        return sum(self._holds.values())
+        return sum(self._holds.values()) + sum(self._lingering.values())
 
     def held_in(self, pool: str) -> int:
         """What they hold or were promised in ``pool`` (`Site.pool`)."""
-        return sum(n for lc, n in self._holds.items() if _pool(lc) == pool)
+        return sum(self._of(lc) for lc in {*self._holds, *self._lingering} if _pool(lc) == pool)
 
     def held_by(self, life: DeploymentLife) -> int:
-        return sum(self._holds.get(lc, 0) for lc in life.launched)
+        return sum(self._of(lc) for lc in life.launched)
 
     def shares(self) -> dict[str, dict[str, int]]:
         """Per pool, what each deployment with a ``memory:`` holds or was promised there (0
@@ -61,7 +71,7 @@ class MemoryBudget:
         for name, life in self.lives.items():
             for lc in life.launched if life.deployment.memory is not None else ():
                 pool = out.setdefault(_pool(lc), {})
-                pool[name] = pool.get(name, 0) + self._holds.get(lc, 0)
+                pool[name] = pool.get(name, 0) + self._of(lc)
         return out
 
     def note(self, lc: Launched) -> None:
@@ -69,6 +79,10 @@ class MemoryBudget:
         memory = self.lives[lc.inst.deployment].deployment.memory
         if memory is None:
             return
+        self._changed.set()  # who waits for memory to be freed looks again
+        self._changed = asyncio.Event()
+        if not lc.unconfirmed:  # every engine it ran is provably gone
+            self._lingering.pop(lc, None)
         if lc.state in (InstanceState.PARKING, InstanceState.STOPPING):
             return  # on its way down: what it held until now, never more
         if lc.state in HOLDING:  # starting, ready, waking: reserved before it began
@@ -77,6 +91,10 @@ class MemoryBudget:
             self._holds[lc] = memory.parked
         elif not lc.unconfirmed:  # stopped or failed, and provably gone
             self._holds.pop(lc, None)
+        else:  # stopped or failed, its end unproven: counted as one engine that may still run
+            held = max(self._holds.pop(lc, 0), self._lingering.pop(lc, 0))
+            if held:
+                self._holds[lc] = held
 
     def reserve(
         self, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
@@ -87,6 +105,9 @@ class MemoryBudget:
         memory = life.deployment.memory
         if budget is None or memory is None:
             return True
+        for lc in starting:  # an earlier engine not provably gone: its memory counted apart
+            if lc.unconfirmed and lc in self._holds:
+                self._lingering[lc] = self._lingering.get(lc, 0) + self._holds.pop(lc)
         todo = [*starting, *waking]
         for pool in {_pool(lc) for lc in todo}:
             need = sum(memory.ready - self._holds.get(lc, 0) for lc in todo if _pool(lc) == pool)
@@ -106,49 +127,70 @@ class MemoryBudget:
         """
         while not self.reserve(life, starting, waking):
             pools = {_pool(lc) for lc in [*starting, *waking]}
-            victim = self._victim(life, pools)
+            victim = _victim(self.lives, life, pools, self._holds)
             if victim is not None:
-                life.blocked = True
-                try:
+                with _blocked(life):
                     came_to_rest = await asyncio.shield(self._switch_out(victim, life))
-                finally:
-                    life.blocked = False
                 if not came_to_rest:
-                    refused = life.refusal()  # an operator stopped it meanwhile: say so
-                    if refused is not None:
-                        raise refused
-                    raise UnavailableError(
-                        f"deployment {life.deployment.name} needs memory that deployment "
-                        f"{victim.deployment.name} holds, and its running requests did not "
-                        "finish within its lifecycle.drain_timeout; it serves on",
-                    )
+                    raise life.refusal() or _serves_on(life, victim)
                 continue
             under_way = _under_way(self.lives, life)
-            if not under_way:
+            unproven = any(lc.unconfirmed and _pool(lc) in pools for lc in self._holds)
+            if not under_way and not unproven:
                 budget = self._config.resources.memory_budget
                 raise UnavailableError(
                     f"deployment {life.deployment.name} needs more of the memory budget "
                     f"({budget}) than is free, and every deployment holding it has requests "
                     "waiting or running that it must serve first"
                 )
-            life.blocked = True
-            try:
-                await asyncio.wait(under_way, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                life.blocked = False
+            with _blocked(life):  # an activation or closing ends, or a stop is proven
+                changed = asyncio.ensure_future(self._changed.wait())
+                try:
+                    await asyncio.wait([*under_way, changed], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
 
-    def _victim(self, target: DeploymentLife, pools: set[str]) -> DeploymentLife | None:
-        candidates = [
-            life
-            for life in self.lives.values()
-            if life is not target
-            and life.closing is None
-            and not life.activating
-            and life.route.queue.waiting == 0
-            and life.deployment.lifecycle.activation != "always"
-            and any(_pool(lc) in pools and self._holds.get(lc, 0) > 0 for lc in life.launched)
-        ]
-        return min(candidates, key=_unused_first, default=None)
+
+@contextlib.contextmanager
+def _blocked(life: DeploymentLife) -> Iterator[None]:
+    """``life``'s activation waits for memory another deployment holds meanwhile."""
+    life.blocked = True
+    try:
+        yield
+    finally:
+        life.blocked = False
+
+
+def _serves_on(life: DeploymentLife, victim: DeploymentLife) -> UnavailableError:
+    return UnavailableError(
+        f"deployment {life.deployment.name} needs memory that deployment "
+        f"{victim.deployment.name} holds, and its running requests did not "
+        "finish within its lifecycle.drain_timeout; it serves on",
+    )
+
+
+def _victim(
+    lives: dict[str, DeploymentLife],
+    target: DeploymentLife,
+    pools: set[str],
+    holds: dict[Launched, int],
+) -> DeploymentLife | None:
+    """The deployment to switch out for ``target``: one whose ready or parked engine holds
+    memory in ``pools`` (what a stopped one holds waits for the proof of its stop)."""
+    up = (InstanceState.READY, InstanceState.PARKED)
+    candidates = [
+        life
+        for life in lives.values()
+        if life is not target
+        and life.closing is None
+        and not life.activating
+        and life.route.queue.waiting == 0
+        and life.deployment.lifecycle.activation != "always"
+        and any(
+            _pool(lc) in pools and lc.state in up and holds.get(lc, 0) > 0 for lc in life.launched
+        )
+    ]
+    return min(candidates, key=_unused_first, default=None)
 
 
 def _pool(lc: Launched) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .._config import GatewayConfig
 from .._deployments.routes import EngineInstance, Route
@@ -40,7 +40,7 @@ from . import comeback
 from .budget import MemoryBudget
 from .crash import backoff_left, exit_watch
 from .rest import closing
-from .states import STARTABLE, DeploymentLife, InstanceState, Launched
+from .states import STARTABLE, AbandonedError, DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
 from .watch import look, reported
 
@@ -131,18 +131,18 @@ class Lifecycle:
         name = life.deployment.name
         stops = [lc.stopping for lc in life.launched if lc.stopping is not None]
         await asyncio.gather(*map(asyncio.shield, stops))  # a crash's stop: start it after
-        todo = [lc for lc in life.launched if lc.state in STARTABLE]
+        todo = _startable(life)
         parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
         await self.budget.make_room(life, todo, parked)
-        refused = life.refusal()
-        if refused is not None:  # an operator stopped it while it waited for room: abandoned
+        try:
+            await _backoff(life, todo)
+        except (GatewayError, AbandonedError) as exc:  # what was reserved is free again
             for lc in [*todo, *parked]:
-                self.budget.note(lc)  # what was reserved for it is free again
-            raise refused
-        wait = max((backoff_left(lc, time.monotonic()) for lc in todo), default=0.0)
-        if wait > 0:  # it kept crashing: the next start waits (status shows how long)
-            logger.warning("deployment %s crashed again; starting it in %.1f s", name, wait)
-            await asyncio.sleep(wait)
+                self.budget.note(lc)
+            refused = life.refusal()
+            if isinstance(exc, GatewayError) or refused is None:
+                raise
+            raise refused from None
         engines = self.engines
         jobs = [*(engines.start(lc, why) for lc in todo), *(engines.wake(lc, why) for lc in parked)]
         results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -150,13 +150,10 @@ class Lifecycle:
             if isinstance(r, Exception) and not isinstance(r, EngineControlError | GatewayError):
                 raise r
         if not life.ready:
-            failed = next((r for r in results if isinstance(r, EngineControlError)), None)
-            detail = failed.message if failed is not None else "no instance became ready"
-            raise ActivationFailedError(
-                f"deployment {name} could not be started; the gateway's log has the engine's "
-                "last words",
-                detail=detail,
-            )
+            refused = life.refusal()
+            if refused is not None:  # an operator's stop abandoned the start
+                raise refused
+            raise _failed(name, results)
 
     # -- closing ------------------------------------------------------------------------------
     def close(
@@ -226,6 +223,52 @@ class Lifecycle:
         entry = self._launched.get(inst.key)
         if entry is not None:
             reported(self, *entry, state, failure)
+
+
+async def _backoff(life: DeploymentLife, todo: list[Launched]) -> None:
+    """Before ``life``'s starts (room reserved): refused if an operator stopped it while it
+    waited for room; the crash backoff, if it kept crashing (an operator's stop abandons it:
+    AbandonedError)."""
+    refused = life.refusal()
+    if refused is not None:
+        raise refused
+    wait = max((backoff_left(lc, time.monotonic()) for lc in todo), default=0.0)
+    if wait > 0:  # status shows how long
+        name = life.deployment.name
+        logger.warning("deployment %s crashed again; starting it in %.1f s", name, wait)
+        async with life.starts.abandonable():
+            await asyncio.sleep(wait)
+
+
+def _startable(life: DeploymentLife) -> list[Launched]:
+    """The instances an activation of ``life`` starts: those stopped or failed whose runner can
+    start them now. Raises UnavailableError (retryable) when some are stopped or failed, none
+    of them can start and none is parked: nothing is switched out for a start that cannot
+    begin (its cluster's API unreachable)."""
+    todo = [lc for lc in life.launched if lc.state in STARTABLE]
+    blocked = [(lc, why) for lc in todo if (why := lc.inst.runner.cannot_start()) is not None]
+    parked = any(lc.state is InstanceState.PARKED for lc in life.launched)
+    if blocked and len(blocked) == len(todo) and not parked:
+        why = blocked[0][1]
+        raise UnavailableError(f"deployment {life.deployment.name} cannot be started now: {why}")
+    return [lc for lc in todo if all(lc is not b for b, _ in blocked)]
+
+
+def _failed(name: str, results: Sequence[object]) -> GatewayError:
+    """What the activation of deployment ``name`` failed with: each start's failure in
+    ``results``. Where no engine ran (a pod the cluster refused or could not be asked for),
+    its reason is the message; else the engine's last words are in the log."""
+    failures = [r for r in results if isinstance(r, EngineControlError)]
+    first = failures[0] if failures else None
+    detail = first.message if first is not None else "no instance became ready"
+    if first is not None and not any(f.began for f in failures):
+        return ActivationFailedError(
+            f"deployment {name} could not be started: {first.message}", detail=detail
+        )
+    return ActivationFailedError(
+        f"deployment {name} could not be started; the gateway's log has the engine's last words",
+        detail=detail,
+    )
 
 
 def _refuse_waiters(life: DeploymentLife, failure: GatewayError) -> None:

@@ -60,8 +60,9 @@ async def operator_start(lifecycle: Lifecycle, name: str, *, known: bool) -> Non
 
 async def operator_stop(lifecycle: Lifecycle, name: str, *, known: bool) -> None:
     """Stop it and keep it stopped: requests get 409 deployment_stopped until a start, those
-    waiting for it at once. Its running requests finish within drain_timeout first; what still
-    runs then is cut (each such stream ends with an in-band error)."""
+    waiting for it at once. A start under way is abandoned (its engine stopped at once). Its
+    running requests finish within drain_timeout first; what still runs then is cut (each such
+    stream ends with an in-band error)."""
     life = _life(lifecycle, name, known)
     life.operator_stopped = True
     life.operator_started = False
@@ -69,6 +70,7 @@ async def operator_stop(lifecycle: Lifecycle, name: str, *, known: bool) -> None
     refusal = life.refusal()  # deployment_stopped
     if refusal is not None:
         life.route.queue.fail_waiters(lambda: fresh(refusal))
+    life.starts.abandon()  # a start under way ends now (a pod that waits for a node)
     await quiesce(life)
     if life.operator_stopped:  # not started again meanwhile
         await lifecycle.close(life, "stopped by an operator", may_park=False, must=True)

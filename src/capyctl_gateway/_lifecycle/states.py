@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -12,7 +14,15 @@ from .._deployments.routes import EngineInstance, Route
 from .._errors import DeploymentStoppedError
 from .._log import event
 
-__all__ = ["HOLDING", "STARTABLE", "DeploymentLife", "InstanceState", "Launched"]
+__all__ = [
+    "HOLDING",
+    "STARTABLE",
+    "AbandonedError",
+    "DeploymentLife",
+    "InstanceState",
+    "Launched",
+    "Starts",
+]
 
 
 class InstanceState(StrEnum):
@@ -77,6 +87,43 @@ class Launched:
             self.stopping = None
 
 
+class AbandonedError(Exception):
+    """A start (or the wait before it) was abandoned: an operator stopped its deployment."""
+
+
+class Starts:
+    """What a deployment's activation waits for that an operator's stop ends at once: its
+    instances' starts (a pod that waits for a node, an engine loading its model) and the crash
+    backoff before them."""
+
+    def __init__(self) -> None:
+        self._scopes: set[asyncio.Timeout] = set()
+
+    @contextlib.asynccontextmanager
+    async def abandonable(self) -> AsyncIterator[None]:
+        """Run the body until `abandon`; raises AbandonedError if it was abandoned (the body
+        is cancelled first, and its own cleanup runs)."""
+        try:
+            async with asyncio.timeout(None) as scope:
+                self._scopes.add(scope)
+                try:
+                    yield
+                finally:
+                    self._scopes.discard(scope)
+        except TimeoutError:
+            if scope.expired():
+                raise AbandonedError from None
+            raise
+
+    def abandon(self) -> int:
+        """End every start under way now; how many there were."""
+        now = asyncio.get_running_loop().time()
+        scopes = list(self._scopes)
+        for scope in scopes:
+            scope.reschedule(now)
+        return len(scopes)
+
+
 @dataclass(eq=False)
 class DeploymentLife:
     route: Route
@@ -95,6 +142,8 @@ class DeploymentLife:
     displaced: bool = False
     """A switch took it out for another deployment, and nothing has started it since: with
     ``lifecycle.come_back`` it starts again once the budget has room (``comeback.py``)."""
+    starts: Starts = field(default_factory=Starts)
+    """Its starts under way, which an operator's stop abandons."""
 
     @property
     def parks(self) -> bool:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .._deployments.settle import Settlement
-from .._errors import EngineControlError, StartFailedError
+from .._errors import DeploymentStoppedError, EngineControlError, StartFailedError
 from .._log import event
-from .states import HOLDING, DeploymentLife, InstanceState, Launched
+from .states import HOLDING, AbandonedError, DeploymentLife, InstanceState, Launched
 
 if TYPE_CHECKING:
     from .budget import MemoryBudget
@@ -39,19 +39,29 @@ class Transitions:
         """Called after each transition (telemetry, tests)."""
 
     async def start(self, lc: Launched, reason: str) -> None:
-        """Start one stopped or failed instance; raises EngineControlError if it did not."""
+        """Start one stopped or failed instance; raises EngineControlError if it did not, and
+        DeploymentStoppedError if an operator's stop abandoned it (its engine is stopped)."""
         lc.inst.ledger.stopped = None  # what is cut from now on may run on the new engine
         self.move(lc, InstanceState.STARTING, reason)
+        runner = lc.inst.runner
         try:
-            answered = await lc.inst.runner.start(reason)
+            async with self.lives[lc.inst.deployment].starts.abandonable():
+                answered = await runner.start(reason)
         except EngineControlError as exc:
             lc.failure = exc.message
             lc.crashes, lc.crashed_at = lc.crashes + 1, time.monotonic()  # its next start waits
+            lc.unconfirmed = lc.unconfirmed or exc.lingers  # its memory stays counted
             self.move(lc, InstanceState.FAILED, exc.message)
             raise
-        except BaseException:
-            await lc.inst.runner.stop("start abandoned")
-            self.move(lc, InstanceState.STOPPED, "start abandoned")
+        except BaseException as exc:  # abandoned: an operator's stop, the gateway's shutdown
+            by_operator = isinstance(exc, AbandonedError)
+            why = "start abandoned" + (": an operator stopped it" if by_operator else "")
+            lc.unconfirmed = not await runner.stop(why)
+            self.move(lc, InstanceState.STOPPED, why)
+            if by_operator:
+                raise DeploymentStoppedError(
+                    f"deployment {lc.inst.deployment} was stopped by an operator as it started"
+                ) from None
             raise
         self._ready(lc, answered)
 
@@ -127,27 +137,33 @@ class Transitions:
         lc.enter(to, now)
         self._budget.note(lc)
         inst = lc.inst
-        event(
-            "lifecycle",
-            "%s: %s -> %s (%s; %.1f s %s)",
-            inst.where,
-            before.value,
-            to.value,
-            reason,
-            took,
-            before.value,
-            deployment=inst.deployment,
-            instance=inst.index,
-            **{"from": before.value},
-            to=to.value,
-            reason=reason,
-            duration_s=round(took, 3),
-        )
+        _said(lc, before, reason, took)
         life = self.lives.get(inst.deployment)
         if life is not None:
             life.regate(f"instance {inst.index} {to.value}")
         for observe in self.observers:
             observe(lc)
+
+
+def _said(lc: Launched, before: InstanceState, reason: str, took: float) -> None:
+    """Log ``lc``'s transition from ``before`` as a ``lifecycle`` event."""
+    inst, to = lc.inst, lc.state
+    event(
+        "lifecycle",
+        "%s: %s -> %s (%s; %.1f s %s)",
+        inst.where,
+        before.value,
+        to.value,
+        reason,
+        took,
+        before.value,
+        deployment=inst.deployment,
+        instance=inst.index,
+        **{"from": before.value},
+        to=to.value,
+        reason=reason,
+        duration_s=round(took, 3),
+    )
 
 
 def _on(lc: Launched, reason: str) -> str:

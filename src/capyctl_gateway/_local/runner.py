@@ -104,6 +104,9 @@ class LocalRunner(SeenBy):
     def end(self, exchange: Tracked) -> None:
         """See `begin`."""
 
+    def cannot_start(self) -> str | None:
+        return None  # its engine runs here: nothing to reach first
+
     async def start(self, reason: str) -> str:
         inst, d = self._inst, self._dep
         launch = inst.launch

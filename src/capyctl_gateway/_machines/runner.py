@@ -238,6 +238,9 @@ class HostRunner(Reported):
         if not answer.get("ok"):
             raise OrderRefusedError(str(answer.get("error") or f"{op} failed"))
 
+    def cannot_start(self) -> str | None:
+        return None  # a host without a session fails the order itself, with its reason
+
     async def start(self, reason: str) -> str:
         await self._order("start", reason)
         return f"{reason} (on host {self.host})"

@@ -72,6 +72,15 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
             )
             if pod.get("waiting"):
                 console.print(f"  it waits: {pod['waiting']}", soft_wrap=True)
+        for owed in i.get("pod_deletes_owed", ()):
+            tries = f"; {owed['tries']} tries" if owed.get("tries") else ""
+            last = f", the last: {owed['error']}" if owed.get("error") else ""
+            console.print(
+                f"  pod {owed['namespace']}/{owed['name']}: its delete is owed for "
+                f"{owed['owed_s']:.0f} s ({owed['why']}{tries}{last}); tried again until it is "
+                "gone",
+                soft_wrap=True,
+            )
         if i.get("pod_watch"):
             console.print(f"  the pod watch is {i['pod_watch']}", soft_wrap=True)
         if "process" in i:

@@ -5,7 +5,8 @@ Opened once before any engine starts (the ``pod`` kind's preparation, ``_runners
 connects with the operator's credentials, lists each namespace's pods of the owner, and takes
 up those a previous run left: a ready pod whose labels name a configured instance and whose
 spec hash is the configuration's is adopted (the lifecycle hears it found ready, as a host's
-engine is found); every other pod of the owner is deleted. The watches run in the cluster's own
+engine is found), one per instance; every other pod of the owner is deleted, as a delete the
+gateway owes (``deletes.py``). The watches and the owed deletes run in the cluster's own
 supervisor until the fleet closes, after the lifecycle has stopped what it stops.
 """
 
@@ -13,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._config import Kubernetes
 from .._deployments.routes import EngineInstance
 from .._tasks import Supervisor
-from .kube import CALL_TIMEOUT_S, KubeApi, KubeError, connect
+from .deletes import Debt
+from .kube import CALL_TIMEOUT_S, KubeApi, connect
 from .manifest import DEPLOYMENT, INSTANCE, SPEC, selector
 from .podstate import serving
 from .watch import PodWatch, uid_of
@@ -31,6 +34,11 @@ __all__ = ["Adopter", "Cluster"]
 
 logger = logging.getLogger("capyctl_gateway")
 
+WATCH_AGAIN_S = 1.0
+"""The least a pod watch waits before it runs again after a defect stopped it (the
+supervisor's backoff doubles it while defects follow each other)."""
+DEFECT = "an internal error in the gateway (logged with its traceback)"
+
 
 class Adopter(Protocol):
     """A pod runner, as the cluster takes up a previous run's pods for it."""
@@ -38,6 +46,7 @@ class Adopter(Protocol):
     instance: EngineInstance
     namespace: str
     spec_hash: str
+    grace_s: int
 
     @property
     def idle(self) -> bool: ...
@@ -48,7 +57,8 @@ class Adopter(Protocol):
 class Cluster:
     """The gateway's pods on one cluster."""
 
-    def __init__(self, kube: Kubernetes) -> None:
+    def __init__(self, kube: Kubernetes, *, faults: Counter[str] | None = None) -> None:
+        """``faults``: where defects in its watches and deletes are counted."""
         self.kube = kube
         self.api: KubeApi | None = None
         self.watches: dict[str, PodWatch] = {}
@@ -57,7 +67,9 @@ class Cluster:
         self.found: Callable[[Adopter, str], None] | None = None
         """Told what became of a runner's engine unasked (``ready``: a pod taken up, which the
         lifecycle takes up as ready; ``stopped``: an unproven stop's pod gone at last)."""
-        self.tasks = Supervisor("the pod watches")
+        self.debts: dict[tuple[str, str], Debt] = {}
+        """(namespace, pod name) -> the delete owed for it."""
+        self.tasks = Supervisor("the pods", faults=faults)
 
     def watch(self, namespace: str) -> PodWatch | None:
         return self.watches.get(namespace)
@@ -67,52 +79,108 @@ class Cluster:
         self.api = api = await connect(self.kube, env)
         for ns in sorted({r.namespace for r in self.runners.values()}):
             w = self.watches[ns] = PodWatch(api, ns, selector(self.kube), self.kube.watch_timeout)
-            self.tasks.spawn(w.run(), what=f"the pod watch of namespace {ns}")
+            self._keep(w)
         for ns, w in self.watches.items():
             try:
                 await asyncio.wait_for(w.listed.wait(), CALL_TIMEOUT_S)
             except TimeoutError:
                 logger.warning("pods in %s: not listed yet; none of them is taken up", ns)
                 continue
-            await self._take_up(api, w)
+            await _take_up(self, w)
 
-    def late(self, run: PodRun, runner: Adopter) -> None:
-        """An unproven stop's pod: once it is gone at last (a lost node's comes back, or
-        someone deletes it with force), the lifecycle hears the engine stopped, unless the
-        instance runs again meanwhile (its memory is then counted as running anyway)."""
+    def _keep(self, w: PodWatch) -> None:
+        """Run ``w`` for as long as the cluster is open: a defect in it is logged and counted,
+        the watch is down meanwhile, and it runs again after the supervisor's backoff."""
+        what = f"the pod watch of namespace {w.namespace}"
 
-        async def wait() -> None:
-            await run.gone()
-            if runner.idle and self.found is not None:
+        async def turn() -> None:
+            try:
+                await w.run()
+            finally:  # a defect, or the cluster closing: what it said is no longer current
+                w.down(f"the watch stopped: {DEFECT}")
+
+        self.tasks.keep(turn, every=WATCH_AGAIN_S, first=0.0, kind="pod_watch", what=what)
+
+    def owe(
+        self,
+        run: PodRun,
+        owner: str,
+        why: str,
+        *,
+        grace_s: int,
+        runner: Adopter | None = None,
+        tried: bool = True,
+    ) -> Debt:
+        """Owe ``run``'s pod a delete (see ``deletes.py``) for ``why``, tried again until it is
+        gone (at once unless a try just failed: ``tried``); ``runner``, whose pod it is, hears
+        it stopped once it is gone, if nothing of its runs meanwhile."""
+        key = (run.namespace, run.name)
+        if (debt := self.debts.get(key)) is not None:
+            return debt
+        debt = self.debts[key] = Debt(run, owner, why, grace_s, failed=int(tried))
+        logger.warning(
+            "%s: the delete of its pod %s is owed (%s); tried again until it is gone",
+            owner,
+            run.name,
+            why,
+        )
+
+        async def turn() -> bool:
+            if not await debt.turn():
+                return False
+            del self.debts[key]
+            debt.paid.set()
+            logger.info("%s: its pod %s is gone (%d tries)", owner, run.name, debt.tries)
+            if runner is not None and runner.idle and self.found is not None:
                 self.found(runner, "stopped")
+            return True
 
-        self.tasks.spawn(wait(), what=f"{runner.instance.where}: its pod's end")
+        what = f"{owner}: deleting its pod {run.name}"
+        self.tasks.keep(turn, every=0.0, first=0.0, kind="pod_delete", what=what)
+        return debt
+
+    def owed_by(self, owner: str) -> list[Debt]:
+        """The deletes owed for ``owner``'s pods."""
+        return [d for d in self.debts.values() if d.owner == owner]
 
     async def close(self) -> None:
         await self.tasks.aclose()
         if self.api is not None:
             await self.api.close()
 
-    async def _take_up(self, api: KubeApi, w: PodWatch) -> None:
-        for name, pod in list(w.pods.items()):
-            labels = (pod.get("metadata") or {}).get("labels") or {}
-            runner = self.runners.get((labels.get(DEPLOYMENT, ""), labels.get(INSTANCE, "")))
-            fits = runner is not None and labels.get(SPEC) == runner.spec_hash
-            if runner is not None and fits and serving(pod):
-                runner.adopt(pod)
-                logger.info("pod %s in %s: taken up as it runs", name, w.namespace)
-                if self.found is not None:
-                    self.found(runner, "ready")
-                continue
-            why = "its spec changed" if runner is not None else "no deployment names it"
-            if runner is not None and fits:
-                why = "it was not ready"
-            logger.info("pod %s in %s: deleted (%s)", name, w.namespace, why)
-            try:
-                await api.delete(w.namespace, name, self.kube_grace(pod), uid_of(pod))
-            except KubeError as exc:
-                logger.warning("pod %s in %s could not be deleted: %s", name, w.namespace, exc)
-
     @staticmethod
     def kube_grace(pod: dict[str, Any]) -> int:
         return int((pod.get("spec") or {}).get("terminationGracePeriodSeconds") or 30)
+
+
+async def _take_up(cluster: Cluster, w: PodWatch) -> None:
+    """Take up one serving pod per instance that a previous run left (its spec the
+    configuration's); owe every other pod of the owner its delete."""
+    from .podrun import PodRun  # its module reads this one
+
+    taken: set[Adopter] = set()
+    for name, pod in sorted(w.pods.items()):
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        runner = cluster.runners.get((labels.get(DEPLOYMENT, ""), labels.get(INSTANCE, "")))
+        fits = runner is not None and labels.get(SPEC) == runner.spec_hash
+        if runner is not None and fits and serving(pod) and runner not in taken:
+            taken.add(runner)
+            runner.adopt(pod)
+            logger.info("pod %s in %s: taken up as it runs", name, w.namespace)
+            if cluster.found is not None:
+                cluster.found(runner, "ready")
+            continue
+        why = "its spec changed" if runner is not None else "no deployment names it"
+        if runner is not None and fits:
+            why = "another pod of its instance runs" if runner in taken else "not ready"
+        run = PodRun(cluster, w.namespace, name, uid_of(pod))
+        owner = runner.instance.where if runner is not None else f"pod {name} in {w.namespace}"
+        grace = runner.grace_s if runner is not None else cluster.kube_grace(pod)
+        cluster.owe(
+            run,
+            owner,
+            f"a previous run's pod: {why}",
+            grace_s=grace,
+            runner=runner,
+            tried=False,
+        )

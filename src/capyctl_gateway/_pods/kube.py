@@ -86,7 +86,7 @@ class KubeApi:
         self._client = client
         self._core: Any = k8s.CoreV1Api(client)  # its stubs want its models; raw JSON here
         self.calls: Counter[str] = Counter()
-        """verb (create, delete, list, watch, log) -> calls made."""
+        """verb (create, get, delete, list, watch, log) -> calls made."""
 
     async def close(self) -> None:
         await self._client.close()
@@ -114,6 +114,13 @@ class KubeApi:
         )
         return _object(await self._call("create", call))
 
+    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod ``name``; None when it is not there."""
+        call = self._core.read_namespaced_pod(
+            name, namespace, _preload_content=False, _request_timeout=CALL_TIMEOUT_S
+        )
+        return await _unless_absent(self._call("get", call))
+
     async def delete(
         self, namespace: str, name: str, grace_s: int, uid: str | None = None
     ) -> dict[str, Any] | None:
@@ -125,12 +132,7 @@ class KubeApi:
         call = self._core.delete_namespaced_pod(
             name, namespace, body=body, _preload_content=False, _request_timeout=CALL_TIMEOUT_S
         )
-        try:
-            return _object(await self._call("delete", call))
-        except KubeError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return await _unless_absent(self._call("delete", call))
 
     async def list(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
         """The pods ``selector`` matches, and the resourceVersion the list was taken at."""
@@ -195,6 +197,16 @@ class KubeApi:
             _request_timeout=CALL_TIMEOUT_S,
         )
         return (await self._call("log", call, limit=max_bytes + 65536)).decode(errors="replace")
+
+
+async def _unless_absent(reply: Awaitable[bytes]) -> dict[str, Any] | None:
+    """The object ``reply`` holds; None when the API server answered 404."""
+    try:
+        return _object(await reply)
+    except KubeError as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 def _object(body: bytes) -> dict[str, Any]:

@@ -7,7 +7,9 @@
   pod that fails, or is not ready within ``launch.startup_timeout``, fails the start (the
   latter is deleted).
 - **stop** deletes it with its grace period; the stop is proven once the watch no longer has
-  that pod (its DELETED event, a list without it, or a 404).
+  that pod (its DELETED event, a list without it, or a 404). A delete that is not proven is
+  owed (``deletes.py``): tried again until the pod is gone, and the next start waits for it
+  (never two pods for one instance). A stop during a start deletes the pod at once.
 - **exits**: its container ended, the pod failed or was evicted, or Kubernetes deleted it
   (its node lost): `gone` says so at once.
 - **park / wake** are the engine's own routes, as on one machine.
@@ -28,11 +30,13 @@ from canopyx_provider import Collector, adapter_for
 from .._config import KUBERNETES_POOL, Deployment, Pod
 from .._deployments.routes import EngineInstance
 from .._deployments.runner import ProcessView, Site, Tracked, never
-from .._errors import StartFailedError
+from .._errors import EngineControlError, StartFailedError
 from .._local.parking import drive
 from .._local.seen import Seen, SeenBy
 from .._local.wakecheck import auth_of, check, record
 from .cluster import Cluster
+from .creating import create
+from .deletes import holding, settled
 from .manifest import DEPLOYMENT, INSTANCE, manifest, named
 from .podlog import PodLog
 from .podrun import PodRun
@@ -63,7 +67,7 @@ class PodRunner(SeenBy):
             raise StartFailedError(f"{inst.where}: a pod runs a launch: command")
         self.instance, self._dep, self._pod, self._cluster = inst, deployment, pod, cluster
         self._launch, self._session = inst.launch, session
-        self.namespace = pod.namespace or cluster.kube.namespace
+        self.namespace, self.grace_s = pod.namespace or cluster.kube.namespace, pod.grace_period
         self._body, self.spec_hash = manifest(
             cluster.kube, deployment, inst.index, inst.launch, pod
         )
@@ -85,8 +89,11 @@ class PodRunner(SeenBy):
     def _watch(self) -> PodWatch:
         w = self._cluster.watch(self.namespace)
         if w is None:
-            raise StartFailedError("the Kubernetes API was not reached when the gateway started")
+            raise StartFailedError(NOT_REACHED, began=False)
         return w
+
+    def cannot_start(self) -> str | None:
+        return _unstartable(self._cluster.watch(self.namespace))
 
     def _current(self) -> dict[str, Any] | None:
         return self._run.pod() if self._run is not None else None
@@ -101,13 +108,18 @@ class PodRunner(SeenBy):
         w = self._cluster.watch(self.namespace)
         if w is not None and w.broken is not None:
             row["pod_watch"] = f"down: {w.broken}"
+        if debts := self._cluster.owed_by(self.instance.where):
+            row["pod_deletes_owed"] = [d.row() for d in debts]
         return row
 
     def holdup(self) -> str | None:
-        """Why its engine is not up yet where Kubernetes says (a pod nothing can place)."""
+        """Why its engine is not up yet where Kubernetes says (a pod nothing can place, an
+        earlier pod still being deleted)."""
         pod = self._current()
         why = pending(pod, detail=False) if pod is not None else None
-        return f"its pod waits: {why}" if why else None
+        if why is None:
+            return holding(self._cluster.owed_by(self.instance.where))
+        return f"its pod waits: {why}"
 
     def log(self) -> PodLog | None:
         return self._log
@@ -137,9 +149,10 @@ class PodRunner(SeenBy):
         pod = self._current()
         if pod is not None and serving(pod):
             return "its pod was running already"  # taken up from a previous run
-        await self._delete()  # what is left of an earlier run's pod
+        await self._delete("a new start")  # what is left of an earlier run's pod
+        await settled(self._cluster.owed_by, self.instance.where, w, self._launch.startup_timeout)
         body = named(self._body, self._dep, self.instance.index)
-        self._run = await PodRun.create(self._cluster, body, self.instance.where)
+        self._run = await create(self._cluster, body, self)
         name = self._run.name
         self._log = PodLog.of(self._cluster, self.namespace, name, self.instance)
         try:
@@ -148,8 +161,11 @@ class PodRunner(SeenBy):
             if url is None:
                 raise StartFailedError(f"its pod {name} is ready but has no address")
             await healthy(self._session, url, auth_of(self.instance), name)
-        except BaseException:
-            await self._delete()
+        except EngineControlError as exc:
+            exc.lingers = not await self._delete(f"its start failed: {exc.message}")
+            raise
+        except BaseException:  # abandoned (an operator's stop): its pod is deleted at once
+            await self._delete("its start was abandoned")
             raise
         self.instance.bind(url)
         self._watch_engine()
@@ -181,14 +197,16 @@ class PodRunner(SeenBy):
 
     async def stop(self, reason: str) -> bool:
         self.seen.unwatch()
-        return await self._delete()
+        return await self._delete(reason)
 
-    async def _delete(self) -> bool:
+    async def _delete(self, why: str) -> bool:
+        """Delete this run's pod; whether no pod of this instance is left (one whose delete
+        is not proven is owed: the lifecycle hears when it is gone at last)."""
         run, self._run = self._run, None
-        if run is None or await run.delete(self._pod.grace_period, self.instance.where):
-            return True
-        self._cluster.late(run, self)  # the lifecycle hears when it is gone at last
-        return False
+        where = self.instance.where
+        if run is not None and (failed := await run.delete(self.grace_s)) is not None:
+            self._cluster.owe(run, where, f"{why}: {failed}", grace_s=self.grace_s, runner=self)
+        return not self._cluster.owed_by(where)
 
     @property
     def idle(self) -> bool:
@@ -206,3 +224,15 @@ class PodRunner(SeenBy):
             if (why := self.exited()) is not None:
                 return why
             await w.changed()
+
+
+NOT_REACHED = "the Kubernetes API was not reached when the gateway started"
+
+
+def _unstartable(w: PodWatch | None) -> str | None:
+    """Why no pod can be started in ``w``'s namespace now (the API cannot be reached)."""
+    if w is None:
+        return NOT_REACHED
+    if w.unreachable:
+        return f"the Kubernetes API cannot be reached now (its pod watch is down: {w.broken})"
+    return None

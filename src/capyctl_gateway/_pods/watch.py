@@ -11,7 +11,10 @@
   backoff, doubling up to `BACKOFF_MAX_S` while failures follow each other (a watch that ran
   before it failed starts it over), and tries again; ``broken`` says why meanwhile.
 
-Runners read ``pods`` and wait on `changed`; nothing here decides anything.
+Its owner (``cluster.py``) runs it as a kept loop: a defect in it is logged and counted, the
+watch is down meanwhile (`down`: nothing is concluded from a pod missing while it is), and it
+lists again after the supervisor's backoff. Runners read ``pods`` and wait on `changed`;
+nothing here decides anything.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ logger = logging.getLogger("capyctl_gateway")
 
 BACKOFF_FIRST_S = 0.2
 BACKOFF_MAX_S = 30.0
+DOWN_AFTER = 3
+"""Failures in a row after which the API server counts as unreachable (`PodWatch.unreachable`):
+no start begins then, and nothing is switched out for one."""
 QUICK_END_S = 1.0
 """A watch that ends sooner than this without an event counts as a failure (no busy loop
 against a server that closes every watch at once)."""
@@ -42,6 +48,12 @@ def uid_of(pod: dict[str, Any]) -> str:
 
 def _name(pod: dict[str, Any]) -> str:
     return str((pod.get("metadata") or {}).get("name") or "")
+
+
+def _jittered(failed: int) -> float:
+    """The wait after ``failed`` failures in a row."""
+    wait: float = min(BACKOFF_FIRST_S * 2.0 ** (failed - 1), BACKOFF_MAX_S)
+    return wait * random.uniform(0.5, 1.0)  # noqa: S311 (jitter)
 
 
 class PodWatch:
@@ -66,7 +78,14 @@ class PodWatch:
         """Watches or lists that failed (cut, refused, unreachable), each followed by a wait."""
         self.broken: str | None = None
         """Why the watch is down now; None while it runs."""
+        self.failing = 0
+        """Failures in a row, none of them after a watch that ran."""
         self._changed = asyncio.Event()
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether the API server failed `DOWN_AFTER` watches in a row, or no list since."""
+        return self.broken is not None and (not self.listed.is_set() or self.failing >= DOWN_AFTER)
 
     @property
     def current(self) -> bool:
@@ -82,9 +101,15 @@ class PodWatch:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def down(self, why: str) -> None:
+        """Down for ``why`` (a defect): what it holds counts again once it lists."""
+        self.broken = why
+        self.listed.clear()
+        self._notify()
+
     async def run(self) -> None:
         """Keep ``pods`` true, for as long as its owner lets it run."""
-        failed = 0
+        self.failing = 0
         while True:
             began, events = time.monotonic(), 0
             try:
@@ -98,7 +123,7 @@ class PodWatch:
                 if events == 0 and time.monotonic() - began < QUICK_END_S:
                     raise KubeError(200, "Ended", "the API server ended the watch at once")
                 self.renewals += 1
-                failed = 0
+                self.failing = 0
             except ExpiredError:
                 logger.info(
                     "pods in %s: the watch's version expired; listing again", self.namespace
@@ -106,11 +131,10 @@ class PodWatch:
                 self.listed.clear()
             except KubeError as exc:
                 if events or time.monotonic() - began >= QUICK_END_S:
-                    failed = 0  # it ran before it failed: the backoff starts over
-                failed += 1
+                    self.failing = 0  # it ran before it failed: the backoff starts over
+                self.failing += 1
                 self.failures += 1
-                wait = min(BACKOFF_FIRST_S * 2 ** (failed - 1), BACKOFF_MAX_S)
-                wait *= random.uniform(0.5, 1.0)  # noqa: S311 (jitter)
+                wait = _jittered(self.failing)
                 if self.broken is None:
                     logger.warning(
                         "pods in %s: the watch failed (%s); trying again in %.1f s",
