@@ -52,6 +52,12 @@ class EngineStatus:
     """The last snapshot, fresh or not (None after a failure)."""
     fresh: bool
     poll_interval_s: float
+    answered_at: float | None = None
+    """When the engine last answered its health check (the clock's time it was asked), in a
+    startup check or a poll; None if it never has since it was added."""
+    collected_at: float | None = None
+    """When a whole collection (health and load) last succeeded (the time it was asked); kept
+    when a later one fails; None if none has since it was added."""
 
 
 class Collector:
@@ -197,6 +203,8 @@ class Collector:
             latest=t.snapshot,
             fresh=self.snapshot(key) is not None,
             poll_interval_s=t.interval_s,
+            answered_at=t.answered_at,
+            collected_at=t.collected_at,
         )
 
     def overview(self) -> dict[str, EngineStatus]:

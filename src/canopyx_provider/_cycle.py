@@ -68,6 +68,10 @@ class Target:
     checks: tuple[CheckResult, ...] = ()
     error: str | None = None
     process_start: float | None = None
+    answered_at: float | None = None
+    """When the engine last answered its health check (asked at)."""
+    collected_at: float | None = None
+    """When a whole collection last succeeded (asked at); kept across failures."""
     scope: anyio.CancelScope | None = None
 
 
@@ -125,6 +129,7 @@ class Cycles:
         failure: tuple[CheckName, CanopyxError] | None = None
         try:
             health = await self._attempt(t, lambda: adapter.check_health(fetch))
+            t.answered_at = requested_at
             results.append(CheckResult(name="health", ok=True))
             ids = await self._attempt(t, lambda: adapter.list_models(fetch))
             if model not in ids:
@@ -177,6 +182,7 @@ class Cycles:
         async def cycle() -> Poll:
             nonlocal stage
             health: RawResponse = await adapter.check_health(fetch)
+            t.answered_at = requested_at
             stage = "metrics"
             return await adapter.collect(fetch, t.model_id, discovery, health)
 
@@ -208,6 +214,7 @@ class Cycles:
         )
         previous, t.process_start = t.process_start, start
         t.snapshot, t.state, t.error = snap, TargetState.READY, None
+        t.collected_at = requested_at
         self._emit(ScrapeSucceeded(t.key, snap))
         if previous is not None and start is not None and previous != start:
             # A new process may have other capacity: go through discovery again at once.

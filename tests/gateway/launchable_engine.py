@@ -10,7 +10,8 @@ runs the engine reports it in ``vllm:num_requests_running``); one whose last mes
 the gateway forces, are accepted and ignored; ``--exit-at-once N`` exits with status N before
 listening, and ``--slow-start S`` waits S seconds first. It prints its arguments first, as vLLM
 does (keys included); ``--echo-env NAME`` prints that variable's value too, and ``--chatty
-BYTES`` writes that much output as fast as it can before it listens, then how long it took.
+BYTES`` writes that much output as fast as it can before it listens, then how long it took;
+``--metrics-down`` answers ``/metrics`` 503 (it fails the collector's metrics check).
 
 Launched with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``, it speaks vLLM's sleep
 mode routes as vLLM 0.31.0 does (``POST /sleep?level=1``, ``POST /wake_up``, ``GET
@@ -47,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lock-file", default=None, help="exit 9 if another engine holds it")
     p.add_argument("--echo-env", default=None)
     p.add_argument("--chatty", type=int, default=0)
+    p.add_argument("--metrics-down", action="store_true", help="/metrics answers 503")
     return p
 
 
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         garbled_after_wake=args.garbled_after_wake,
         sleep_routes=sleeps,
         memory_saver="--enable-memory-saver" in unknown,
+        metrics_served=not args.metrics_down,
     )
     sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
     sys.stdout.flush()
@@ -130,6 +133,7 @@ def build_app(
     garbled_after_wake: bool = False,
     sleep_routes: bool = False,
     memory_saver: bool = False,
+    metrics_served: bool = True,
 ) -> tuple[web.Application, Sleep]:
     """The engine's application: what ``main`` serves in its own process, and what the fake
     runner (``fake_runner.py``) serves in the test's. ``crash()`` is called after the first
@@ -141,6 +145,7 @@ def build_app(
         DONE,
     ]
     engine = FakeEngine(served=served, script=script)
+    engine.metrics_served = metrics_served
     app = web.Application()
     state = Sleep()
 

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,34 @@ async def test_an_engine_that_stops_answering_is_replaced(make_gateway: MakeGate
         r = await c.post("/v1/chat/completions", json=chat())
         assert r.status_code == 200, r.text
         assert process(gw)["pid"] != frozen
+
+
+async def test_an_engine_that_fails_a_startup_check_serves_and_is_never_stopped_for_it(
+    make_gateway: MakeGateway,
+) -> None:
+    """An engine whose ``/metrics`` the collector could not read failed its startup checks and
+    still served, but was killed every ``unresponsive_timeout``, mid-stream, as "the engine
+    answered nothing": it is judged by what it does answer (its health)."""
+    dep = launched(extra=["--metrics-down"], lifecycle={"unresponsive_timeout": "1s"})
+    gw = await make_gateway({"deployments": [dep]})
+    failed = moved_to(gw, "failed")
+    collector = gw.gateway.fleet.collector
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        pid = process(gw)["pid"]
+        since = time.time()
+        # its health answered for three times its unresponsive_timeout, its load never read
+        await eventually(
+            lambda: (collector.status("my-model/0").answered_at or 0.0) >= since + 3.0, within=20
+        )
+        status = collector.status("my-model/0")
+        assert status.collected_at is None and "/metrics answered 503" in (status.error or "")
+        assert not failed.is_set() and process(gw)["pid"] == pid
+        doc = deployment_status(gw.gateway.fleet, "my-model")
+        assert doc is not None
+        assert "/metrics answered 503" in str(doc["instances"][0])  # status names the check
+        r = await c.post("/v1/chat/completions", json={**chat(), "stream": True})
+        assert r.status_code == 200 and "data: [DONE]" in r.text, r.text
 
 
 def test_a_stopping_gateway_ends_an_open_stream_in_band_after_its_shutdown_timeout(

@@ -92,13 +92,18 @@ class Seen:
         return row
 
     def silent_s(self) -> float | None:
-        """How long the engine has answered none of its polls; None while it answers."""
+        """How long the engine has answered none of its polls; None while it answers. An
+        engine whose load was never read since it was watched (it failed a startup check: one
+        metric missing) is judged by what it does answer, its health: it serves, and it is
+        never stopped for the check it failed."""
         if not self.watched:
             return None
         status = self._collector.status(self._key)
         if status.state is TargetState.READY and status.latest is not None:
             self._heard_at = max(self._heard_at, status.latest.requested_at)
             return None
+        if status.collected_at is None and status.answered_at is not None:
+            self._heard_at = max(self._heard_at, status.answered_at)
         return self._clock() - self._heard_at
 
 
