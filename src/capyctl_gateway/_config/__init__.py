@@ -79,6 +79,10 @@ class Deployment(BaseModel):
     version_mismatch: Literal["warn", "refuse"] = "warn"
     """An engine reporting another version than engine_version: logged (warn), or its
     instance is not routed to (refuse)."""
+    cached_tokens: Literal["shown", "withheld"] = "shown"
+    """Whether clients are told how many of their prompt's tokens the engine found cached:
+    without a ``cache_salt`` that count tells one client whether another's prompt is cached,
+    so a deployment shared by clients who must not learn that withholds it."""
     instances: list[Instance] = Field(min_length=1)
     memory: Memory | None = None
     """What one launched instance holds in each state (against resources.memory_budget)."""

@@ -117,7 +117,8 @@ class Routing(BaseModel):
     may have than the instance with the fewest, and still be chosen."""
     prefix_entries: int = Field(default=16_384, ge=16, le=1_048_576)
     """Prefix fingerprints the deployment's index keeps (one per 256 bytes of distinct prompt
-    text, at most about 200 bytes of memory each), least recently used out first."""
+    text, at most about 200 bytes of memory each, 24 more for each further instance holding
+    one), least recently used out first."""
 
 
 class EngineLogs(BaseModel):

@@ -92,8 +92,9 @@ async def _chat(call: Call, ex: Exchange, cap: int) -> web.StreamResponse:
 
 async def _decide(call: Call, ex: Exchange, cap: int) -> web.StreamResponse:
     arrival = call.tally.arrival
+    hide = call.dep.cached_tokens == "withheld"
     body = await relay_decision(
-        ex, call.payload, public=call.dep.name, arrival=arrival, max_bytes=cap
+        ex, call.payload, public=call.dep.name, arrival=arrival, max_bytes=cap, hide=hide
     )
     return web.Response(body=body, headers=call.headers, content_type="application/json")
 

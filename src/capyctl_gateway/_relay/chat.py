@@ -153,7 +153,10 @@ async def fold(
 def stream_reader(dep: Deployment) -> BlockReader:
     """The reader and verifier of one answer of ``dep``'s engine, its model renamed to the
     deployment's (``reader.verifier``)."""
-    return BlockReader(ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name))
+    hide = dep.cached_tokens == "withheld"
+    return BlockReader(
+        ChunkVerifier(dep.engine, served=dep.engine_model, public=dep.name, hide=hide)
+    )
 
 
 def client_gone(
@@ -187,7 +190,8 @@ def _said(exc: UnverifiedError) -> str:
 def answer_figures(
     ex: Exchange, dep: Deployment, verifier: ChunkVerifier, sent_at: float
 ) -> Figures:
-    """The answer's figures (``sent_at``: when the engine was asked); the time to first token
+    """The answer's figures (``sent_at``: when the engine was asked), as its client gets them
+    (without ``cached_tokens`` where the deployment withholds it); the time to first token
     among them is noted in the exchange's outcome too, for the gateway's counts."""
     figures = chat_figures(
         dep.engine,
@@ -200,6 +204,8 @@ def answer_figures(
     ttft = figures.get("ttft_ms")
     if ttft is not None:
         ex.outcome.ttft = ttft["value"] / 1000
+    if dep.cached_tokens == "withheld":
+        figures.pop("cached_tokens", None)
     return figures
 
 

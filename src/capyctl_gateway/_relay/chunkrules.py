@@ -13,6 +13,7 @@ from .._errors import UnverifiedError
 __all__ = [
     "MAX_TOOL_CALLS",
     "ChoiceRules",
+    "ClientForm",
     "check_fields",
     "check_frame",
     "check_tool_calls",
@@ -20,6 +21,7 @@ __all__ = [
     "client_bytes",
     "reject_duplicates",
     "renamed",
+    "withheld",
 ]
 
 TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
@@ -60,6 +62,40 @@ def client_bytes(
             raise UnverifiedError("a chunk repeats a JSON key") from None
         out = renamed(raw, served_member, public_json) or out
     return out
+
+
+class ClientForm:
+    """What a deployment's clients get of a checked chunk: the engine's bytes with the model
+    renamed (`client_bytes`), less, where it withholds them, the counts of cached prompt
+    tokens (`withheld`). Frozen, one per deployment."""
+
+    __slots__ = ("public_json", "served_member", "withhold")
+
+    def __init__(self, served_member: bytes, public_json: bytes, withhold: bool) -> None:
+        self.served_member, self.public_json, self.withhold = served_member, public_json, withhold
+
+    def of(self, raw: bytes, chunk: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """The chunk as its client gets it, and its bytes."""
+        out = client_bytes(raw, chunk, self.served_member, self.public_json)
+        if self.withhold and (kept := withheld(chunk)) is not None:
+            return kept, orjson.dumps(kept)
+        return chunk, out
+
+
+def withheld(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """``chunk`` without what says how many of the prompt's tokens were cached: usage's
+    ``prompt_tokens_details.cached_tokens`` and llama.cpp's ``timings`` (its ``cache_n``, and
+    ``prompt_n`` beside the prompt's tokens, count them too); None where it has neither."""
+    usage: Any = chunk.get("usage")
+    details: Any = usage.get("prompt_tokens_details") if type(usage) is dict else None
+    cached = type(details) is dict and "cached_tokens" in details
+    if not cached and chunk.get("timings") is None:
+        return None
+    kept = {k: v for k, v in chunk.items() if k != "timings"}
+    if cached:
+        rest = {k: v for k, v in details.items() if k != "cached_tokens"}
+        kept["usage"] = {**usage, "prompt_tokens_details": rest}
+    return kept
 
 
 def renamed(raw: bytes, served_member: bytes, public_json: bytes) -> bytes | None:

@@ -53,9 +53,16 @@ def _answer(raw: bytes, where: str, max_bytes: int) -> dict[str, Any]:
 
 
 async def relay_decision(
-    ex: Exchange, payload: bytes, *, public: str, arrival: float, max_bytes: int
+    ex: Exchange,
+    payload: bytes,
+    *,
+    public: str,
+    arrival: float,
+    max_bytes: int,
+    hide: bool = False,
 ) -> bytes:
-    """Forward ``payload`` (addressed to the engine); return the client's answer's bytes."""
+    """Forward ``payload`` (addressed to the engine); return the client's answer's bytes
+    (``hide``: without the engine's count of cached prompt tokens, or the figure of it)."""
     sent_at = stamp()
     async with ex:  # what the engine answered, refusals included, is judged inside it
         resp = await ex.post(payload)
@@ -69,5 +76,18 @@ async def relay_decision(
         answer = _answer(raw, ex.where, max_bytes)
     answer["model"] = public
     figures = decision_figures(answer, arrival=arrival, sent_at=sent_at, now=stamp())
+    if hide:
+        _withhold_cached(answer, figures)
     answer["capyctl"] = {"metrics": figures}
     return orjson.dumps(answer)
+
+
+def _withhold_cached(answer: dict[str, Any], figures: Figures) -> None:
+    """Leave out of ``answer`` and its ``figures`` how many prompt tokens were cached."""
+    figures.pop("cached_tokens", None)
+    usage = answer.get("usage")
+    if isinstance(usage, dict):
+        for key in ("prompt_tokens_details", "input_tokens_details"):
+            details = usage.get(key)
+            if isinstance(details, dict):
+                details.pop("cached_tokens", None)

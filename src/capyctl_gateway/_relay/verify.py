@@ -21,7 +21,7 @@ import orjson
 
 from .._engines import EngineKind, facts
 from .._errors import EngineRejectedError, UnverifiedError
-from .chunkrules import ChoiceRules, check_fields, check_frame, check_usage, client_bytes
+from .chunkrules import ChoiceRules, ClientForm, check_fields, check_frame, check_usage
 from .refusal import EngineRefusalError
 from .template import CHUNK_FRAME, ENGINE_OBJECTS, TEXT_KEYS, Template, TemplateText
 
@@ -33,6 +33,7 @@ class ChunkVerifier:
 
     __slots__ = (
         "_chunk_keys",
+        "_form",
         "_rules",
         "answered",
         "chunks",
@@ -42,16 +43,15 @@ class ChunkVerifier:
         "first_text_at",
         "id",
         "last_at",
-        "_model_raw",
-        "_public_json",
         "public",
         "served",
         "template",
         "usage",
     )
 
-    def __init__(self, kind: EngineKind, *, served: str, public: str) -> None:
-        delta_keys, text_keys, self._public_json, self._model_raw = _fixed(kind, served, public)
+    def __init__(self, kind: EngineKind, *, served: str, public: str, hide: bool = False) -> None:
+        """``hide``: withhold the counts of cached prompt tokens from the client."""
+        delta_keys, text_keys, self._form = _fixed(kind, served, public, hide)
         self._rules = ChoiceRules(delta_keys, text_keys, facts(kind).finish_reasons)
         self._chunk_keys = _chunk_keys(kind)
         self.served = served
@@ -153,7 +153,7 @@ class ChunkVerifier:
         self.chunks += 1
         self.last_at = now
         chunk["model"] = self.public
-        return chunk, client_bytes(raw, chunk, self._model_raw, self._public_json)
+        return self._form.of(raw, chunk)
 
     def _choice(self, choice: Any, now: float) -> bool:
         text, calls, finish = self._rules.check(choice)
@@ -196,13 +196,14 @@ def _chunk_keys(kind: EngineKind) -> tuple[frozenset[str], frozenset[str]]:
 
 @functools.lru_cache(maxsize=256)
 def _fixed(
-    kind: EngineKind, served: str, public: str
-) -> tuple[frozenset[str], tuple[str, ...], bytes, bytes]:
+    kind: EngineKind, served: str, public: str, hide: bool
+) -> tuple[frozenset[str], tuple[str, ...], ClientForm]:
     """What a verifier of a deployment needs, the same for each of its requests: the delta keys
-    allowed, the text keys among them, and the public name and the engine's ``model`` member as
-    JSON. (A chunk written as orjson writes it, compact, keys once, numbers and strings in their
-    shortest form, as the engines write them, re-serialises to its own bytes with only the
-    model renamed.)"""
+    allowed, the text keys among them, and what its clients get of a chunk (the engine's
+    ``model`` member and the public name as JSON: a chunk written as orjson writes it, compact,
+    keys once, numbers and strings in their shortest form, as the engines write them,
+    re-serialises to its own bytes with only the model renamed)."""
     delta_keys = facts(kind).delta_keys
     text_keys = tuple(k for k in TEXT_KEYS if k in delta_keys)
-    return delta_keys, text_keys, orjson.dumps(public), b'"model":' + orjson.dumps(served)
+    served_member = b'"model":' + orjson.dumps(served)
+    return delta_keys, text_keys, ClientForm(served_member, orjson.dumps(public), hide)
