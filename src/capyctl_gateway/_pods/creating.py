@@ -12,6 +12,7 @@ fails saying so, with its memory counted until the pod is gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -35,6 +36,8 @@ CREATE_WITHIN_S = 20.0
 LOST = (0, 500, 502, 503, 504)
 """A create answered so (none, or a server's failure) may have stored the pod all the same."""
 TRANSIENT = (*LOST, 429)
+READ_BACK_S = 5.0
+"""How long a pod whose create's answer was lost is looked for on the watch before a get."""
 
 
 def _grace(body: dict[str, Any]) -> int:
@@ -43,6 +46,17 @@ def _grace(body: dict[str, Any]) -> int:
 
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, KubeError) and exc.status in TRANSIENT
+
+
+def _retrying() -> AsyncRetrying:
+    """Tries of one call while the API server cannot be reached or answers 429 or 5xx."""
+    return AsyncRetrying(
+        stop=stop_after_attempt(CREATE_TRIES) | stop_after_delay(CREATE_WITHIN_S),
+        wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
+        retry=retry_if_exception(_transient),
+        sleep=asyncio.sleep,
+        reraise=True,
+    )
 
 
 async def create(cluster: Cluster, body: dict[str, Any], runner: Adopter) -> PodRun:
@@ -56,17 +70,11 @@ async def create(cluster: Cluster, body: dict[str, Any], runner: Adopter) -> Pod
         raise StartFailedError(
             "the Kubernetes API was not reached when the gateway started", began=False
         )
-    maybe = False  # an earlier try may have stored it
-    retrying = AsyncRetrying(
-        stop=stop_after_attempt(CREATE_TRIES) | stop_after_delay(CREATE_WITHIN_S),
-        wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
-        retry=retry_if_exception(_transient),
-        sleep=asyncio.sleep,
-        reraise=True,
-    )
+    maybe = sent = False  # an earlier try may have stored it; a try was sent
     try:
-        async for attempt in retrying:
+        async for attempt in _retrying():
             with attempt:
+                sent = True
                 try:
                     made = await api.create(ns, body)
                 except KubeError as exc:
@@ -93,6 +101,12 @@ async def create(cluster: Cluster, body: dict[str, Any], runner: Adopter) -> Pod
         if exc.status == 0:
             raise StartFailedError("the Kubernetes API could not be reached", began=False) from None
         raise StartFailedError(f"Kubernetes refused its pod ({exc.reason})", began=False) from None
+    except BaseException:  # abandoned (an operator's stop) with a try sent: it may exist
+        if sent:
+            why = "its start was abandoned as its pod was created"
+            run = PodRun(cluster, ns, name, None)
+            cluster.owe(run, where, why, grace_s=_grace(body), runner=runner, tried=False)
+        raise
 
 
 async def _found(cluster: Cluster, body: dict[str, Any], runner: Adopter) -> PodRun:
@@ -100,9 +114,8 @@ async def _found(cluster: Cluster, body: dict[str, Any], runner: Adopter) -> Pod
     meta = body["metadata"]
     ns, name = str(meta["namespace"]), str(meta["name"])
     where = runner.instance.where
-    assert cluster.api is not None
     try:
-        pod = await cluster.api.get(ns, name)
+        pod = await _read_back(cluster, ns, name)
     except KubeError:
         pod = None
     labels = ((pod or {}).get("metadata") or {}).get("labels") or {}
@@ -123,3 +136,20 @@ async def _found(cluster: Cluster, body: dict[str, Any], runner: Adopter) -> Pod
         )
     logger.info("%s: its pod %s was made by a create whose answer was lost", where, name)
     return PodRun(cluster, ns, name, uid_of(pod))
+
+
+async def _read_back(cluster: Cluster, ns: str, name: str) -> dict[str, Any] | None:
+    """The pod ``name`` as its namespace's watch has it (within `READ_BACK_S`), else as a get
+    answers it (tried as a create is). Raises KubeError."""
+    w = cluster.watch(ns)
+    if w is not None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(READ_BACK_S):
+                while (pod := w.pods.get(name)) is None:
+                    await w.changed()
+                return pod
+    assert cluster.api is not None
+    async for attempt in _retrying():
+        with attempt:
+            return await cluster.api.get(ns, name)
+    raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover

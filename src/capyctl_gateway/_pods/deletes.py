@@ -69,7 +69,7 @@ class Debt:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await run.gone()
-        if run.gone_now():
+        if run.uid is not None and run.gone_now():  # one known by name alone: a 404 says
             return True
         self.tries += 1
         self.error = await run.delete(self.grace_s)

@@ -66,8 +66,8 @@ class PodRun:
 
     async def delete(self, grace_s: int) -> str | None:
         """Delete it once; None once it is proven gone (a 404, a 409: the name has another uid
-        now, or the watch no longer has it within its grace period and a margin), else why it
-        is not (the API's reason, never its address)."""
+        now, or the watch no longer has it within its grace period and a margin; one known by
+        name alone, only by a 404), else why it is not (the API's reason, never its address)."""
         api, w = self.cluster.api, self.cluster.watch(self.namespace)
         if api is None or w is None:
             return "the Kubernetes API was not reached when the gateway started"
@@ -79,6 +79,8 @@ class PodRun:
             if exc.status == 409 and self.uid is not None:  # the name has another uid now
                 return None
             return f"its delete failed ({exc.reason})"
+        if self.uid is None:  # the watch may never have had it: only a 404 proves it gone
+            return "deleted; not yet answered 404"
         try:
             async with asyncio.timeout(grace_s + STOP_PROOF_MARGIN_S):
                 await self.gone()
