@@ -92,8 +92,16 @@ class Gateway:
         # aiohttp decodes header bytes that are not UTF-8 as surrogates: keep them comparable.
         return hmac.compare_digest(key.lstrip(" ").encode("utf-8", "surrogateescape"), self._key)
 
-    def admits(self, headers: CIMultiDictProxy[str]) -> bool:
+    def admits(self, headers: CIMultiDictProxy[str], *, bare: str | None = None) -> bool:
         """The one key check of every listener: exactly one ``Authorization`` header, and it
-        carries the key (never the first of several that fits)."""
+        carries the key (never the first of several that fits). ``bare``: a header that may
+        carry the key itself instead (Anthropic's ``x-api-key``): each given at most once, one
+        at least, and every one given carries the key."""
         keys = headers.getall("Authorization", [])
-        return len(keys) == 1 and self.authorized(keys[0])
+        if bare is None:
+            return len(keys) == 1 and self.authorized(keys[0])
+        plain = headers.getall(bare, [])
+        if len(keys) > 1 or len(plain) > 1 or not (keys or plain):
+            return False
+        given = plain[0].strip().encode("utf-8", "surrogateescape") if plain else self._key
+        return (not keys or self.authorized(keys[0])) and hmac.compare_digest(given, self._key)

@@ -150,7 +150,36 @@ class FakeEngine:
             )
         return web.json_response(decision_answer(body, model=self.served))
 
+    tokenizer: Reply | None = None
+    """How /tokenize and /apply-template answer: a Reply, or (None) as vLLM and llama.cpp do,
+    counting a prompt's characters as its tokens."""
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's chat form (``messages``: the template's prompt counted) or llama.cpp's
+        (``content``: its token ids)."""
+        body = orjson.loads(await request.read())
+        self.received.append(Received(dict(request.headers), {"path": request.path, **body}))
+        if self.tokenizer is not None:
+            return web.Response(
+                status=self.tokenizer.status,
+                body=self.tokenizer.body,
+                content_type=self.tokenizer.content_type,
+            )
+        if "content" in body:
+            return web.json_response({"tokens": list(range(len(body["content"])))})
+        count = len(template_of(body))
+        return web.json_response({"count": count, "max_model_len": 4096, "tokens": [0] * count})
+
+    async def apply_template(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.received.append(Received(dict(request.headers), {"path": request.path, **body}))
+        if self.tokenizer is not None:
+            return web.Response(status=self.tokenizer.status, body=self.tokenizer.body)
+        return web.json_response({"prompt": template_of(body)})
+
     def routes(self, app: web.Application) -> None:
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/apply-template", self.apply_template)
         app.router.add_post("/v1/systemone", self.decide)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
@@ -289,3 +318,11 @@ def decision_answer(body: dict[str, Any], *, model: str) -> dict[str, Any]:
                 "probabilities": {str(i): round(1 / len(levels), 2) for i in range(len(levels))},
             }
     return {"answers": answers, "model": model, "usage": {"input_tokens": 87, "output_tokens": 0}}
+
+
+def template_of(body: dict[str, Any]) -> str:
+    """The fake engine's chat template: each message's role and content on a line, the tools'
+    names after them."""
+    lines = [f"{m['role']}: {m.get('content')}" for m in body.get("messages", ())]
+    lines += [t["function"]["name"] for t in body.get("tools") or ()]
+    return "\n".join(lines) + "\nassistant:"

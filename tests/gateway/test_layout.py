@@ -39,6 +39,19 @@ FORBIDDEN = {
         *RUNNER_ROOMS,
         "_runners",
     },
+    # Anthropic's Messages API over chat: the request's translation and the Message's making
+    "_messages": {
+        "_http",
+        "_deployments",
+        "_management",
+        "_gateway",
+        "_lifecycle",
+        "cli",
+        "_fleet",
+        "_workers",
+        *RUNNER_ROOMS,
+        "_runners",
+    },
     "_management": {"cli"},
     "_machines": {
         "_http",
@@ -88,6 +101,7 @@ _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
     "_fleet", "_workers", "_local", "_pods", "_runners", "_tasks", "_tally", "_responses",
+    "_messages",
 }  # fmt: skip
 for _leaf in ("_loop", "_ulid", "_log", "_events", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM
@@ -296,6 +310,7 @@ def test_every_room_says_what_it_owns() -> None:
         "_management",
         "_machines",
         "_responses",
+        "_messages",
     ):
         doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
         assert doc and "never" in doc, package

@@ -83,6 +83,10 @@ class Deployment(BaseModel):
     """Whether clients are told how many of their prompt's tokens the engine found cached:
     without a ``cache_salt`` that count tells one client whether another's prompt is cached,
     so a deployment shared by clients who must not learn that withholds it."""
+    reasoning: bool = False
+    """Its engine separates the model's reasoning from its answer (vLLM's
+    ``--reasoning-parser``, llama.cpp's ``--reasoning-format``): the Messages API's
+    ``thinking`` is served, and refused otherwise."""
     instances: list[Instance] = Field(min_length=1)
     memory: Memory | None = None
     """What one launched instance holds in each state (against resources.memory_budget)."""

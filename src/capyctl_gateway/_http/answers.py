@@ -50,15 +50,17 @@ async def answer(
     headers: dict[str, str],
     rid: str,
     in_band: InBand = chat_in_band,
+    shape: Callable[[GatewayError, dict[str, str]], web.Response] = error_response,
 ) -> web.StreamResponse:
-    """Answer ``err`` for the request ``rid``, logging what the client is not told."""
+    """Answer ``err`` for the request ``rid`` (over HTTP in its API's error ``shape``), logging
+    what the client is not told."""
     if err.detail is not None:
         logger.warning("request %s: %s (%s)", rid, err.message, err.detail)
     if isinstance(err, ClientGoneError):
         return web.Response(status=499)
     if err.in_band:
         return await in_band(request, err, headers)
-    resp = error_response(err, headers)
+    resp = shape(err, headers)
     if not request.content.is_eof():
         # The body was not read to its end (too large, too slow): the connection cannot carry
         # another request, and waiting for the rest would hold it for nothing.

@@ -21,9 +21,11 @@ from .._deployments.build import check_engine_keys
 from .._fleet import open_fleet
 from .._gateway import Gateway
 from .._machines.enroll import ServerIdentity
+from .._messages.errors import messages_error
 from .._runners import KINDS, RunnerKind
 from .calls import not_found, wrong_method
 from .inference import Inference
+from .messages import COUNT_TOKENS, MESSAGES
 from .openapi import openapi_handler
 from .server import HANGUPS_SEEN, LIMITS, GatewayRunner, Limits
 
@@ -100,6 +102,9 @@ def public_app(gateway: Gateway, handlers: Inference) -> web.Application:
     app.router.add_post("/v1/responses", handlers.respond)
     app.router.add_route("*", "/v1/responses", wrong_method("POST"))
     app.router.add_route("*", "/v1/responses/{id:[\\s\\S]+}", handlers.stored)
+    for surface in (MESSAGES, COUNT_TOKENS):  # Anthropic's, in its shape
+        app.router.add_post(surface.endpoint, handlers.serves(surface))
+        app.router.add_route("*", surface.endpoint, wrong_method("POST", messages_error))
     app.router.add_post("/v1/systemone", handlers.decide)
     app.router.add_route("*", "/v1/systemone", wrong_method("POST"))
     app.router.add_get("/openapi.json", openapi_handler(gateway))

@@ -63,9 +63,12 @@ class Call:
         """What its surface's run needs beyond the payload (the Responses API's echo)."""
 
 
-def identify(gateway: Gateway, request: web.Request, headers: dict[str, str]) -> str | None:
-    """Check the key and the caller's ``X-Request-Id``; the latter is handed back on every
-    answer that follows, a 401 included. Returns the caller's ID."""
+def identify(
+    gateway: Gateway, request: web.Request, headers: dict[str, str], *, bare: str | None = None
+) -> str | None:
+    """Check the key (``bare``: a header that may carry it instead of ``Authorization``) and
+    the caller's ``X-Request-Id``; the latter is handed back on every answer that follows, a
+    401 included. Returns the caller's ID."""
     problem: GatewayError | None = None
     caller = None
     try:
@@ -74,7 +77,7 @@ def identify(gateway: Gateway, request: web.Request, headers: dict[str, str]) ->
         problem = err
     if caller is not None:
         headers["X-Request-Id"] = caller
-    if not gateway.admits(request.headers):
+    if not gateway.admits(request.headers, bare=bare):
         raise UnauthorizedError()  # none, a wrong one, or several (never the first that fits)
     if problem is not None:
         raise problem
@@ -86,8 +89,10 @@ async def not_found(request: web.Request) -> web.Response:
     return error_response(err, _ids(request))
 
 
-def wrong_method(allow: str) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """The 405 handler of a path that answers ``allow`` only."""
+def wrong_method(
+    allow: str, shape: Callable[[GatewayError, dict[str, str]], web.Response] = error_response
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """The 405 handler of a path that answers ``allow`` only (in its API's error ``shape``)."""
 
     async def refuse(request: web.Request) -> web.Response:
         err = GatewayError(
@@ -95,7 +100,7 @@ def wrong_method(allow: str) -> Callable[[web.Request], Awaitable[web.Response]]
             status=405,
             code="method_not_allowed",
         )
-        return error_response(err, {**_ids(request), "Allow": allow})
+        return shape(err, {**_ids(request), "Allow": allow})
 
     return refuse
 

@@ -1,5 +1,5 @@
 """The public listener's handlers: ``/v1/models`` (and one model), chat, responses and
-decisions.
+decisions (Anthropic's Messages API is bound as two more surfaces in ``messages.py``).
 
 Each API is one `Surface`, bound once: its body limit, its checks, the engine path it is
 posted to and how its answer is run. Responses are served by chat deployments: their checks
@@ -19,6 +19,7 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 from aiohttp import web
+from multidict import CIMultiDictProxy
 from yarl import URL
 
 from .._clock import stamp
@@ -49,7 +50,7 @@ from .validate import (
     resolve,
 )
 
-__all__ = ["CHAT", "DECISIONS", "MAX_OFFERS", "RESPONSES", "Inference", "Surface"]
+__all__ = ["CHAT", "DECISIONS", "MAX_OFFERS", "RESPONSES", "Checked", "Inference", "Surface"]
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -71,6 +72,12 @@ class Surface:
     in_band: Callable[[Deployment, Any], InBand]
     """How a refusal is told on the stream the client asked for, given its deployment and
     what the checks noted (the ``notes`` of `Checked`): each API in its own form."""
+    shape: Callable[[GatewayError, dict[str, str]], web.Response] = error_response
+    """How a refusal is answered over HTTP: the gateway's JSON, or the API's own (Anthropic's)."""
+    key_header: str | None = None
+    """A header that may carry the key itself, beside ``Authorization`` (``x-api-key``)."""
+    admit: Callable[[CIMultiDictProxy[str]], None] | None = None
+    """The API's own header checks, after the key's (Anthropic's version and betas)."""
 
 
 class Checked(NamedTuple):
@@ -183,6 +190,10 @@ class Inference:
         self.respond = functools.partial(self._serve, surface=RESPONSES)
         self.decide = functools.partial(self._serve, surface=DECISIONS)
 
+    def serves(self, surface: Surface) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """The handler of ``surface``'s route (the Messages API's: ``messages.py``)."""
+        return functools.partial(self._serve, surface=surface)
+
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``, and ``GET /v1/models/{model}``: that entry of the list. Neither
         asks an engine anything or wakes a model."""
@@ -216,7 +227,9 @@ class Inference:
         held = Body(self.gw.bodies, client_of(request.remote))
         in_band: InBand = chat_in_band
         try:
-            caller = identify(self.gw, request, headers)
+            caller = identify(self.gw, request, headers, bare=surface.key_header)
+            if surface.admit is not None:
+                surface.admit(request.headers)
             raw = await held.read(
                 request, surface.max_body(config), config.limits.body_read_timeout
             )
@@ -249,7 +262,7 @@ class Inference:
             return response
         except GatewayError as err:
             tally.ended(err)
-            return await answer(request, err, headers, rid, in_band)
+            return await answer(request, err, headers, rid, in_band, surface.shape)
         finally:
             held.release()
             self.desk.record(tally)

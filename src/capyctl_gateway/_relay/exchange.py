@@ -23,6 +23,7 @@ Never imports the HTTP surface or the deployments.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from .deadline import Deadline
 from .ending import DRAIN_S, _failure, _finish
 from .refusal import forwarded, refusal
 
-__all__ = ["DRAIN_S", "Exchange", "Outcome"]
+__all__ = ["DRAIN_S", "Exchange", "Outcome", "beside"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +90,11 @@ class Exchange:
         "_deadline",
         "_drains",
         "_headers",
-        "_idle_timeout",
         "_posting",
         "_session",
         "_started",
         "_url",
+        "idle_timeout",
         "outcome",
         "response",
         "started",
@@ -119,7 +120,7 @@ class Exchange:
         self._url = url
         self._headers = headers
         self.where = where
-        self._idle_timeout = idle_timeout
+        self.idle_timeout = idle_timeout  # the Messages API pings at a quarter of it
         self._drains = drains
         self._deadline = deadline
         self._bound: Deadline
@@ -147,12 +148,11 @@ class Exchange:
             self._posting.cancel()
 
     # -- the exchange ------------------------------------------------------------------
-    async def post(self, payload: bytes) -> Answer:
-        """Send the request; return the answer's head, whatever its status."""
+    async def post(self, payload: bytes, path: str | None = None) -> Answer:
+        """Send the request (to ``path`` on its engine); return the answer's head, whatever."""
         self.outcome.sent = True
-        posting: Awaitable[Answer] = self._session.post(
-            self._url, data=payload, headers=self._headers, allow_redirects=False
-        )
+        url = self._url if path is None else beside(self._url, path)
+        posting: Awaitable[Answer] = self._session.post(url, data=payload, headers=self._headers)
         if not self._abortable:
             self.response = await posting
         else:  # a remote instance: the POST runs as a task that abort() can cancel
@@ -189,7 +189,7 @@ class Exchange:
             self.started = None
             told()
         self._started = True
-        self._bound.move(now + self._idle_timeout)
+        self._bound.move(now + self.idle_timeout)
 
     def complete(self) -> None:
         """The engine's answer ended on its own terms; its connection may be pooled."""
@@ -199,7 +199,7 @@ class Exchange:
     async def __aenter__(self) -> Exchange:
         # Armed first for the idle timeout, which output starting will move it to: one re-arm
         # saved on most requests (see Deadline).
-        first = running_loop().time() + self._idle_timeout
+        first = running_loop().time() + self.idle_timeout
         self._bound = Deadline(self._deadline, first_check=first)
         self._bound.__enter__()
         return self
@@ -227,6 +227,14 @@ class Exchange:
             _finish(self.response, self._clean, self._drains)
         if error is not None and error is not exc:
             raise error from exc
+
+
+@functools.lru_cache(maxsize=256)
+def beside(url: URL, path: str) -> URL:
+    """``path`` on the engine of ``url`` (its chat endpoint, under any prefix before it): one
+    object per URL, as the engine client keeps its requests' heads by it."""
+    base = url.path.removesuffix("/v1/chat/completions")
+    return url.with_path(base + path)
 
 
 async def _aborted_or(ex: Exchange, task: asyncio.Task[Answer]) -> Answer:
