@@ -206,8 +206,12 @@ def build_app(
                 await asyncio.sleep(float(said.removeprefix("take:")))
             if state.garbled:
                 await out.write(event(chunk(delta={"content": "from n0where"}, model=served)))
-            for item in script[1 + state.garbled :]:
+            for item in script[1 + state.garbled : -1]:
                 await out.write(item)
+            if (body.get("stream_options") or {}).get("include_usage"):  # as engines count
+                usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+                await out.write(event(chunk(choices=[], usage=usage, model=served)))
+            await out.write(DONE)
             await out.write_eof()
         finally:
             engine.running -= 1
