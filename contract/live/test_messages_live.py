@@ -153,7 +153,7 @@ async def test_a_tool_use_round_trip(gw: RunningGateway, target: tuple[str, str,
             use_id = "toolu_1"
             call = {"type": "tool_use", "id": use_id, "name": "weather", "input": {"city": "Oslo"}}
             turn = {"role": "assistant", "content": [call]}
-        result = {"type": "tool_result", "tool_use_id": use_id, "content": "Sunny, 21 C"}
+        result: Any = {"type": "tool_result", "tool_use_id": use_id, "content": "Sunny, 21 C"}
         final = await c.messages.create(
             model="my-model",
             max_tokens=8,
@@ -181,7 +181,7 @@ async def test_a_claude_code_shaped_conversation(llama_gw: RunningGateway) -> No
             {"type": "tool_use", "id": use_id, "name": "weather", "input": {"city": "Oslo"}}
         )
         history.append({"role": "assistant", "content": reply})
-        result = {"type": "tool_result", "tool_use_id": use_id, "content": "sunny"}
+        result: Any = {"type": "tool_result", "tool_use_id": use_id, "content": "sunny"}
         if turn == 1:
             result |= {"is_error": True, "content": [{"type": "text", "text": "no network"}]}
         history.append({"role": "user", "content": [result, {"type": "text", "text": "Go on"}]})

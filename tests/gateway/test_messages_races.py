@@ -46,20 +46,15 @@ class Clients:
     async def one(self, name: str) -> None:
         kind = self.rng.choice(["messages", "messages-stream", "chat", "hang-up", "count"])
         take = self.rng.choice(["hi", "take:0.3"])
+        body: dict[str, Any] = {"model": name, "messages": [{"role": "user", "content": take}]}
         if kind == "chat":
-            body = {"model": name, "messages": [{"role": "user", "content": take}]}
             r = await self.c.post("/v1/chat/completions", json=body)
             self._chat(r, name)
         elif kind == "count":
-            body = {"model": name, "messages": [{"role": "user", "content": take}]}
             r = await self.c.post("/v1/messages/count_tokens", json=body)
             self._judged(r, lambda doc: doc["input_tokens"] > 0)
         elif kind == "messages":
-            body = {
-                "model": name,
-                "max_tokens": 16,
-                "messages": [{"role": "user", "content": take}],
-            }
+            body["max_tokens"] = 16
             r = await self.c.post("/v1/messages", json=body)
             if r.status_code == 200:
                 assert validate_message(r.json()).stop_reason is not None, r.text
