@@ -66,14 +66,16 @@ def test_the_aiohttp_floor_measures_both_sides() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the harness reads /proc")
-def test_responses_beside_chat_measures_both_apis_and_stops_what_it_started(
-    tmp_path: Path,
+@pytest.mark.parametrize("other", ["responses", "messages"])
+def test_another_api_beside_chat_measures_both_apis_and_stops_what_it_started(
+    tmp_path: Path, other: str
 ) -> None:
-    out = tmp_path / "responses.json"
+    """``responses_e2e`` and ``messages_e2e``: one round of each API beside chat."""
+    out = tmp_path / f"{other}.json"
     argv = [
         sys.executable,
         "-m",
-        "bench.perf.responses_e2e",
+        f"bench.perf.{other}_e2e",
         "--rounds",
         "1",
         "--duration",
@@ -89,7 +91,7 @@ def test_responses_beside_chat_measures_both_apis_and_stops_what_it_started(
     doc = json.loads(out.read_bytes())
     (measured,) = doc["rounds"]
     for scenario, chunks in (("ns", None), ("s16", 16), ("s256", 256)):
-        for api in ("chat", "responses"):
+        for api in ("chat", other):
             m = measured[scenario][api]
             assert m["completed"] > 0 and m["failed"] == 0, (scenario, api, m)
             assert m["cpu_s"] is not None and m["cpu_s"] > 0

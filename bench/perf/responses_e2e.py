@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from ._procs import ProcessSet, StartupError
 from ._report import write_json
 from .run import _machine, _terminate, start_engine, start_gateway
 
-__all__ = ["main"]
+__all__ = ["compare", "main", "markdown", "summarize"]
 
 APIS = ("chat", "responses")
 
@@ -70,27 +71,30 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 4) if xs else None
 
 
-def summarize(rounds: list[dict[str, dict[str, Measure]]]) -> list[dict[str, Any]]:
-    """Per scenario: each API's median CPU ms per request and req/s, and the ratio's median
-    over the rounds' pairs; a figure not measured (no request completed) is left out."""
+def summarize(
+    rounds: list[dict[str, dict[str, Measure]]], apis: tuple[str, str] = APIS
+) -> list[dict[str, Any]]:
+    """Per scenario: each API's median CPU ms per request and req/s (``apis``: chat and the
+    other), and the ratio's median over the rounds' pairs; a figure not measured (no request
+    completed) is left out."""
     rows = []
     for scenario in rounds[0]:
-        cpu: dict[str, list[float]] = {api: [] for api in APIS}
-        rate: dict[str, list[float]] = {api: [] for api in APIS}
+        cpu: dict[str, list[float]] = {api: [] for api in apis}
+        rate: dict[str, list[float]] = {api: [] for api in apis}
         ratios, failed = [], 0
         for r in rounds:
             pair = r[scenario]
-            for api in APIS:
+            for api in apis:
                 m = pair[api]
                 failed += m.failed
                 if m.cpu_ms_per_req is not None:
                     cpu[api].append(m.cpu_ms_per_req)
                     rate[api].append(m.req_per_s)
-            a, b = pair["chat"].cpu_ms_per_req, pair["responses"].cpu_ms_per_req
+            a, b = pair[apis[0]].cpu_ms_per_req, pair[apis[1]].cpu_ms_per_req
             if a and b is not None:
                 ratios.append(b / a)
         row: dict[str, Any] = {"scenario": scenario, "failed": failed}
-        for api in APIS:
+        for api in apis:
             row[f"{api}_cpu_ms_per_req"] = _median(cpu[api])
             row[f"{api}_req_per_s"] = _median(rate[api])
         row["ratio"] = _median(ratios)
@@ -99,21 +103,22 @@ def summarize(rounds: list[dict[str, dict[str, Measure]]]) -> list[dict[str, Any
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], apis: tuple[str, str] = APIS) -> str:
     """The table: each API's CPU a request, their ratio (the median of the rounds' and its
-    range: the rounds' spread), and what the Responses API adds a request."""
+    range: the rounds' spread), and what the other API adds a request."""
+    other = apis[1]
 
     def ms(v: float | None) -> str:
         return "not measured" if v is None else f"{v:.3f}"
 
     lines = [
-        "| load (32 concurrent) | chat: CPU ms/request | responses: CPU ms/request | ratio "
-        "| the rounds' ratios | added a request | chat req/s | responses req/s |",
+        f"| load (32 concurrent) | chat: CPU ms/request | {other}: CPU ms/request | ratio "
+        f"| the rounds' ratios | added a request | chat req/s | {other} req/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     added: dict[str, float] = {}
     for row in rows:
-        a, b = row["chat_cpu_ms_per_req"], row["responses_cpu_ms_per_req"]
+        a, b = row["chat_cpu_ms_per_req"], row[f"{other}_cpu_ms_per_req"]
         if a is not None and b is not None:
             added[row["scenario"]] = (b - a) * 1000
         more = f"{added[row['scenario']]:.0f} µs" if row["scenario"] in added else "not measured"
@@ -122,13 +127,26 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         spread_s = "not measured" if spread is None else f"{spread[0]:.2f}–{spread[1]:.2f}"
         lines.append(
             f"| {row['scenario']} | {ms(a)} | {ms(b)} | {ratio} | {spread_s} | {more} "
-            f"| {row['chat_req_per_s'] or 0:,.0f} | {row['responses_req_per_s'] or 0:,.0f} |"
+            f"| {row['chat_req_per_s'] or 0:,.0f} | {row[f'{other}_req_per_s'] or 0:,.0f} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.perf.responses_e2e", description=__doc__)
+    return compare(argv, APIS, _check, prog="python -m bench.perf.responses_e2e", doc=__doc__)
+
+
+def compare(
+    argv: list[str] | None,
+    apis: tuple[str, str],
+    check: Callable[[Target], None],
+    *,
+    prog: str,
+    doc: str | None,
+) -> int:
+    """Chat and another API (``apis``), in turn, as this module's text says; ``check``: one
+    question each way before the load."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per window")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds before each window")
@@ -140,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    work = Path(tempfile.mkdtemp(prefix="capyctl-bench-responses-"))
+    work = Path(tempfile.mkdtemp(prefix=f"capyctl-bench-{apis[1]}-"))
     procs = ProcessSet(work)
     old = {s: signal.signal(s, _terminate) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     started = time.monotonic()
@@ -148,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine, eport = start_engine(procs)
         _, target = start_gateway(procs, work, f"http://127.0.0.1:{eport}")
-        _check(target)
-        loads = {api: _loads(args, api) for api in APIS}
+        check(target)
+        loads = {api: _loads(args, api) for api in apis}
         for i in range(args.rounds):
-            order = APIS if i % 2 == 0 else APIS[::-1]
+            order = apis if i % 2 == 0 else apis[::-1]
             r: dict[str, dict[str, Measure]] = {}
             for k in range(len(loads["chat"])):
                 for api in order:
@@ -183,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, h)
         shutil.rmtree(work, ignore_errors=True)
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    rows = summarize(rounds)
-    print(markdown(rows), flush=True)
+    rows = summarize(rounds, apis)
+    print(markdown(rows, apis), flush=True)
     if args.json is not None:
         write_json(args.json, meta, rows, rounds)
     return 0

@@ -1,10 +1,11 @@
 """A lean SSE load client: C keep-alive connections, each sending one streamed chat request after
 another, timing the first content chunk and the whole stream (raw asyncio protocol on uvloop).
-With ``--api responses`` the same request goes to ``POST /v1/responses`` instead (the gateway's
-only; an engine serves none).
+With ``--api responses`` the same request goes to ``POST /v1/responses`` instead, with ``--api
+messages`` to ``POST /v1/messages`` (the gateway's only; an engine serves neither).
 
 A stream counts as completed when the response is 200 and its body ends with ``data: [DONE]``
-(a Responses stream: holds its ``response.completed`` or ``response.incomplete`` event).
+(a Responses stream: holds its ``response.completed`` or ``response.incomplete`` event; a
+Messages stream: its ``message_stop``).
 Only streams that end inside the measured window count; a warm-up comes first. With ``--cpu-pid``
 the client reads those processes' CPU time from ``/proc`` at the exact start and end of the
 window, so the runner can charge CPU per request.
@@ -64,7 +65,13 @@ CHAT = Api("/v1/chat/completions", b'"content":"', b'"content":""', lambda b: b.
 RESPONSES = Api(
     "/v1/responses", b'"type":"response.output_text.delta"', b'"delta":""', _whole_response
 )
-API = {"chat": CHAT, "responses": RESPONSES}
+MESSAGES = Api(
+    "/v1/messages",
+    b'"delta":{"type":"text_delta","text":"',
+    b'"delta":{"type":"text_delta","text":""',
+    lambda b: b"event: message_stop\n" in b,
+)
+API = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}
 
 
 def build_request(
@@ -84,6 +91,10 @@ def build_request(
     body: dict[str, Any] = {"model": model}
     if api is RESPONSES:
         body |= {"input": "Say something.", "max_output_tokens": chunks}
+        if stream:
+            body["stream"] = True
+    elif api is MESSAGES:
+        body |= {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": chunks}
         if stream:
             body["stream"] = True
     else:
