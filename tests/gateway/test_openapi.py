@@ -63,6 +63,8 @@ OPERATIONS = [
     ("/v1/responses", "POST"),
     ("/v1/responses/{response_id}", "GET"),
     ("/v1/systemone", "POST"),
+    ("/v1/messages", "POST"),
+    ("/v1/messages/count_tokens", "POST"),
 ]
 """Every operation of the document, as (path, method)."""
 
@@ -118,8 +120,12 @@ def test_document_is_valid_openapi_3_1() -> None:
     schema.validate()  # against the OpenAPI 3.1 meta-schema
     documented = {(path, method.upper()) for path, item in doc["paths"].items() for method in item}
     assert documented == set(OPERATIONS)
-    for operation in _operations(doc).values():
-        assert operation.definition.raw.get("security", doc["security"]) == [{"bearerKey": []}]
+    for label, operation in _operations(doc).items():
+        security = operation.definition.raw.get("security", doc["security"])
+        if label in (MESSAGES, COUNT):  # Anthropic's clients send the key as x-api-key
+            assert security == [{"bearerKey": []}, {"apiKey": []}]
+        else:
+            assert security == [{"bearerKey": []}]
 
 
 async def test_served_document_is_the_file(gateway: Gw) -> None:
@@ -174,6 +180,7 @@ DECISION_ANSWER = {
     "usage": {"input_tokens": 87, "output_tokens": 0},
 }
 HELLO = [{"role": "user", "content": "Hello"}]
+ASK = {"model": "my-model", "max_tokens": 16, "messages": HELLO}
 DECISION = {
     "model": "decider",
     "state": "I was charged twice for my order last week.",
@@ -196,6 +203,8 @@ MODEL = "GET /v1/models/{model}"
 DECIDE = "POST /v1/systemone"
 RESPOND = "POST /v1/responses"
 STORED = "GET /v1/responses/{response_id}"
+MESSAGES = "POST /v1/messages"
+COUNT = "POST /v1/messages/count_tokens"
 JSON, SSE = "application/json", "text/event-stream"
 ANCHORS: list[tuple[str, Any, dict[str, str], bool, int, str]] = [
     # operation, body (a GET's path parameters), headers, with the key, status, media type
@@ -236,6 +245,20 @@ ANCHORS: list[tuple[str, Any, dict[str, str], bool, int, str]] = [
     (DECIDE, {**DECISION, "stream": False}, {}, True, 400, JSON),
     (DECIDE, {**DECISION, "model": "my-model"}, {}, True, 400, JSON),
     (DECIDE, DECISION, {}, False, 401, JSON),
+    (MESSAGES, ASK, {"X-Request-Id": "anchor-9"}, True, 200, JSON),
+    (MESSAGES, {**ASK, "stream": True}, {"anthropic-version": "2023-06-01"}, True, 200, SSE),
+    (MESSAGES, {**ASK, "model": "decider"}, {}, True, 400, JSON),
+    (MESSAGES, {**ASK, "model": "nobody"}, {}, True, 404, JSON),
+    (MESSAGES, {**ASK, "model": "llama", "stop_sequences": ["x"]}, {}, True, 400, JSON),
+    (MESSAGES, {**ASK, "model": "llama", "cache_salt": "a", "stream": True}, {}, True, 200,
+     SSE),  # one error event
+    (MESSAGES, ASK, {"anthropic-beta": "files-api-2025-04-14"}, True, 400, JSON),
+    (MESSAGES, ASK, {}, False, 401, JSON),
+    (COUNT, {"model": "my-model", "messages": HELLO}, {"X-Request-Id": "anchor-10"}, True, 200,
+     JSON),
+    (COUNT, {"model": "llama", "messages": HELLO}, {}, True, 200, JSON),
+    (COUNT, {"model": "decider", "messages": HELLO}, {}, True, 400, JSON),
+    (COUNT, {"model": "my-model", "messages": HELLO}, {}, False, 401, JSON),
 ]  # fmt: skip
 """Requests sent as they are before the generated ones: each documented answer that matters
 is checked against the document whatever the generation draws."""
@@ -250,8 +273,10 @@ def _aimed(doc: dict[str, Any], *, stream: bool = False) -> dict[str, Any]:
     schemas["ChatRequest"]["properties"]["model"] = {"enum": CHAT_MODELS}
     schemas["ResponsesRequest"]["properties"]["model"] = {"enum": CHAT_MODELS}
     schemas["DecisionRequest"]["properties"]["model"] = {"enum": DECISION_MODELS}
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        schemas[name]["properties"]["model"] = {"enum": CHAT_MODELS}
     if stream:
-        for name in ("ChatRequest", "ResponsesRequest"):
+        for name in ("ChatRequest", "ResponsesRequest", "MessagesRequest"):
             schemas[name]["properties"]["stream"] = {"const": True}
             schemas[name]["required"].append("stream")
     return aimed
@@ -274,10 +299,10 @@ def _runs(doc: dict[str, Any]) -> Iterator[tuple[str, Operation, GenerationMode,
     for label in ("GET /v1/models", MODEL, "GET /openapi.json", STORED):
         for mode in both:
             yield "document", plain[label], mode, MAX_EXAMPLES
-    for label in (CHAT, RESPOND, DECIDE):
+    for label in (CHAT, RESPOND, DECIDE, MESSAGES, COUNT):
         for mode in both:
             yield "aimed", aimed[label], mode, MAX_EXAMPLES
-    for label in (CHAT, RESPOND):
+    for label in (CHAT, RESPOND, MESSAGES):
         yield "streamed", streamed[label], GenerationMode.POSITIVE, STREAMED_EXAMPLES
 
 
@@ -372,4 +397,9 @@ def _code(body: bytes) -> Any:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    return doc.get("code") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):
+        return None
+    error = doc.get("error")  # Anthropic's shape: the gateway's code leads its message
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"].split(":")[0]
+    return doc.get("code")
