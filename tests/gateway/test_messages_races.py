@@ -148,3 +148,33 @@ async def test_mixed_traffic_with_switches_hang_ups_and_an_operator_loses_nothin
     assert set(operator) <= {200, 409}, operator
     for name in NAMES:
         await eventually(partial(_settled, gw.gateway.fleet.routes[name]))
+
+
+async def test_a_message_for_a_parked_model_wakes_it_and_a_stopped_one_is_refused(
+    make_gateway: MakeGateway,
+) -> None:
+    """The lifecycle is chat's: parked, the next Message starts the model again and is
+    answered; stopped by the operator, it is refused in Anthropic's shape (409), not woken."""
+    name = "a"
+    gw = await make_gateway({"deployments": [launched(name, served=served(name))]})
+    runner, base = await management(gw)
+    auth = {"Authorization": f"Bearer {gw.key}"}
+    body = {"model": name, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with gw.client() as c, httpx.AsyncClient(headers=auth, timeout=60) as m:
+            assert (await c.post("/v1/messages", json=body)).status_code == 200
+            parked = await m.post(f"{base}/deployments/{name}/park")
+            assert parked.json()["deployment"]["state"] == "standby"
+            woken = await c.post("/v1/messages", json=body)
+            assert woken.status_code == 200, woken.text
+            assert validate_message(woken.json()).content[0].type == "text"
+            after = (await m.get(f"{base}/deployments/{name}")).json()["deployment"]
+            assert after["lifecycle"] == "ready"
+            assert (await m.post(f"{base}/deployments/{name}/stop")).status_code == 200
+            refused = await c.post("/v1/messages", json=body)
+    finally:
+        await runner.cleanup()
+    assert refused.status_code == 409
+    error = validate_error(refused.json()).error
+    assert error.type == "invalid_request_error"
+    assert error.message.startswith("deployment_stopped: ")
