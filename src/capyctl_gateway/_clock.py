@@ -1,11 +1,19 @@
-"""The clock a request's figures are read on.
+"""The gateway's one clock.
 
-Deadlines and timers run on ``loop.time()``. Under uvloop that is CLOCK_MONOTONIC read once per
-loop turn and kept in whole milliseconds, so figures taken from it come out as 7.0 and 4.0 ms.
-`stamp` reads the same clock (``time.monotonic``, which is what asyncio's own loop reads) at its
-full resolution: every milestone of a request (its arrival, the engine's head, the first and last
-output) is stamped with it, and a deadline derived from one is comparable with ``loop.time()`` to
-within that millisecond.
+Everything that times the gateway's own work reads it: deadlines and timers run on the event
+loop's time (``loop.time()``); `stamp` reads the same clock at its full resolution (under uvloop
+``loop.time()`` is kept in whole milliseconds, so figures taken from it would come out as 7.0 and
+4.0 ms): a request's milestones (its arrival, the engine's head, the first and last output), the
+lifecycle's idle clock, each state's start, crash backoffs, an owed delete's age. A deadline
+derived from a stamp is comparable with ``loop.time()`` to within that millisecond. `wall` is the
+same clock on the wall's scale (seconds since the epoch): what the collector stamps its snapshots
+with and judges their freshness by, and what settlement reads.
+
+A virtual clock moves it: `advance` jumps it forward, for an event loop whose time is `stamp`
+(``tests/vclock.py``: it jumps to its next timer whenever nothing else can run, as trio's
+``MockClock`` with ``autojump_threshold=0`` does), so that minutes of the lifecycle's timeouts
+pass in the seconds its work takes. Unmoved, `stamp` is ``time.monotonic`` and `wall` is
+``time.time``: what asyncio's and uvloop's loops read.
 
 Imports nothing of the gateway.
 """
@@ -14,6 +22,37 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["stamp"]
+__all__ = ["advance", "offset", "reset", "stamp", "wall"]
 
-stamp = time.monotonic
+_monotonic, _time = time.monotonic, time.time
+
+
+class _Moved:
+    """How far a virtual clock has moved this one (0 unless a test's loop moves it)."""
+
+    by = 0.0
+
+
+def stamp() -> float:
+    """The clock now (``time.monotonic``'s scale and resolution)."""
+    return _monotonic() + _Moved.by
+
+
+def wall() -> float:
+    """The clock now on the wall's scale (``time.time``'s)."""
+    return _time() + _Moved.by
+
+
+def advance(seconds: float) -> None:
+    """Move the clock forward by ``seconds`` (a virtual clock's jump)."""
+    _Moved.by += seconds
+
+
+def offset() -> float:
+    """How far the clock has been moved."""
+    return _Moved.by
+
+
+def reset() -> None:
+    """Put the clock back on real time (its virtual clock is closed)."""
+    _Moved.by = 0.0

@@ -21,12 +21,12 @@ configuration's ``engine_client: lean`` names it; the aiohttp fallback is gone).
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from ._clock import stamp
 from ._engine_answer import (
     HIGH_WATER,
     Body,
@@ -172,7 +172,7 @@ class _Connection(asyncio.Protocol):
             return
         if reuse and self._complete and self._keep and not transport.is_closing():
             self.resume()
-            self.idle_since = time.monotonic()
+            self.idle_since = stamp()
             self._pool.put(self)
         else:
             self.closed = True
@@ -234,7 +234,7 @@ class EngineClient:
 
     def _take(self, key: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(key)
-        now = time.monotonic()
+        now = stamp()
         while idle:
             conn = idle.pop()
             transport = conn.transport
@@ -273,7 +273,7 @@ class EngineClient:
     def _sweep(self) -> None:
         """Close the connections idle for over `IDLE_S` (every `SWEEP_S` while any is pooled)."""
         self._sweeper = None
-        limit = time.monotonic() - IDLE_S
+        limit = stamp() - IDLE_S
         for idle in self._idle.values():
             for conn in [c for c in idle if c.idle_since < limit or c.closed]:
                 idle.remove(conn)

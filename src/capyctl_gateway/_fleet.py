@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import aiohttp
 
 from canopyx_provider import AiohttpFetcher, Collector, EngineRestarted, Event, ProviderOptions
 
+from ._clock import wall
 from ._config import GatewayConfig
 from ._deployments.build import build_routes
 from ._deployments.checks import CheckWatch
@@ -100,7 +100,7 @@ async def open_fleet(
     env: Mapping[str, str],
     telemetry: Telemetry,
     collector_options: ProviderOptions | None = None,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = wall,
     engine_logs: Path | None = None,
     state_dir: Path | None = None,
     server: ServerIdentity | None = None,

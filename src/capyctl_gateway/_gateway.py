@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hmac
 import secrets
-import time
 from collections.abc import Callable
 
 import orjson
 from multidict import CIMultiDictProxy
 
+from ._clock import wall
 from ._config import GatewayConfig
 from ._deployments.queue import BodyBudget
 from ._fleet import Fleet
@@ -30,7 +30,7 @@ class Gateway:
         config: GatewayConfig,
         api_key: str,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = wall,
         started_at: int | None = None,
         prefix_seed: int | None = None,
     ) -> None:

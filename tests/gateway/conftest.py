@@ -16,6 +16,7 @@ from capyctl_gateway._runners import KINDS
 from tests.gateway.fake_engine import FakeEngine
 from tests.gateway.fake_runner import FakeEngines, fake_kinds
 from tests.gateway.serving import serve_workers
+from tests.vclock import VirtualLoop
 
 KEY = "k" * 43
 NO_GPU = Path("/nonexistent-capyctl-devices")
@@ -106,6 +107,10 @@ def fakes() -> FakeEngines | None:
 
 FAKES = pytest.fixture(lambda: FakeEngines())
 """Put ``fakes = FAKES`` in a module to run its launched engines on the fake runner."""
+VIRTUAL_CLOCK = pytest.fixture(lambda: ("asyncio", {"loop_factory": VirtualLoop}))
+"""Put ``anyio_backend = VIRTUAL_CLOCK`` in a module whose engines and clients all run in the
+test's process (the fake runner's, the fake engine): its tests run on the virtual clock
+(``tests/vclock.py``), every timeout at its configured length and idle time passing at once."""
 
 
 @pytest.fixture

@@ -15,12 +15,13 @@ import pytest
 
 from capyctl_gateway._lifecycle.comeback import COME_BACK_REASON
 from tests.eventually import eventually
-from tests.gateway.conftest import FAKES, WORKERS, Gw
+from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
 from tests.gateway.test_lifecycle import chat, launched, management, refused, transitions
 from tests.gateway.test_lifecycle_races import served
 
 workers = WORKERS
 fakes = FAKES
+anyio_backend = VIRTUAL_CLOCK  # every engine and client runs in this process
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]

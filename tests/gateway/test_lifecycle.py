@@ -26,11 +26,12 @@ from capyctl_gateway import ConfigError, GatewayConfig, load_config
 from capyctl_gateway._management.render import acted
 from capyctl_gateway._management.status import deployment_status
 from tests.eventually import eventually
-from tests.gateway.conftest import FAKES, WORKERS, Gw
+from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
 from tests.gateway.fake_runner import Script
 
 workers = WORKERS
 fakes = FAKES
+anyio_backend = VIRTUAL_CLOCK  # every engine and client runs in this process
 
 
 pytestmark = pytest.mark.anyio

@@ -1,8 +1,10 @@
 """A model test of the lifecycle: a seeded random schedule of concurrent traffic and operator
 commands against three launched deployments under a memory budget that holds two, over real
 sockets. It runs twice: on the fake runner (the launchable engine's application in this
-process), for hundreds of steps at ten times the pace, and on real engine processes (the
-launchable fake engine under its reaper) for a few dozen.
+process) on the virtual clock (``tests/vclock.py``: every timeout, backoff and the idle clock
+at their configured lengths, idle time passing at once), for thousands of steps in seconds;
+and on real engine processes (the launchable fake engine under its reaper) on real time, for a
+few dozen.
 
 The schedule mixes streamed and whole answers, short and long generations, clients that hang
 up before the head or mid-stream, requests that crash their engine, and operator starts, stops
@@ -15,7 +17,7 @@ its engine stops.
 
 CI runs a fixed seed and a bounded number of steps (`STEPS`); ``CAPYCTL_MODEL_SEED`` and
 ``CAPYCTL_MODEL_STEPS`` run others (the seed is printed, so a failure can be replayed). The long
-run: ``CAPYCTL_MODEL_STEPS=4000 .venv/bin/pytest tests/gateway/test_lifecycle_model.py -k fake``
+run: ``CAPYCTL_MODEL_STEPS=20000 .venv/bin/pytest tests/gateway/test_lifecycle_model.py -k virtual``
 (docs/reliability.md has its figures).
 """
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ import anyio
 import httpx
 import pytest
 
-from capyctl_gateway._lifecycle import crash
+from capyctl_gateway._clock import stamp
 from capyctl_gateway._lifecycle.operator import deployments_list
 from capyctl_gateway._lifecycle.rest import quiesce
 from capyctl_gateway._management.status import deployment_status
@@ -41,16 +42,18 @@ from tests.gateway.conftest import WORKERS, Gw
 from tests.gateway.fake_runner import FakeEngines
 from tests.gateway.test_lifecycle import launched, management
 from tests.gateway.test_lifecycle_races import running, said, served
+from tests.vclock import VirtualLoop
 
 pytestmark = pytest.mark.anyio
 workers = WORKERS  # one process, and two workers behind their authority
 MakeGateway = Callable[..., Awaitable[Gw]]
 SEED = int(os.environ.get("CAPYCTL_MODEL_SEED", "20261202"))
-STEPS = {"fake": 400, "process": 36}
+STEPS = {"process": 36, "virtual": 2000}
 """Steps per run in CI, by runner (``CAPYCTL_MODEL_STEPS`` sets both)."""
-PACE = {"fake": 0.1, "process": 1.0}
-"""The schedule's gaps and generation times, scaled: the fake runner starts an engine at once,
-so its run packs more overlap into each second."""
+PACE = {"process": 1.0, "virtual": 1.0}
+"""The schedule's gaps and generation times (seconds). On the virtual clock
+(``tests/vclock.py``) they and every timeout keep their length, and idle time passes in no
+time."""
 NAMES = ("a", "b", "c")
 GiB = 2**30
 BUDGET = 2 * GiB
@@ -101,15 +104,10 @@ class Run:
     """When the gateway saw each crashed engine gone (its instance turned failed)."""
 
 
-@pytest.fixture(params=["fake", "process"])
-def fakes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FakeEngines | None:
-    if request.param != "fake":
-        return None
-    # The schedule runs at `PACE`: so do the crash backoff's clocks, or a long run's crashes in
-    # a row (none serving `STEADY_S` between them) push it to its minute, past the clients'.
-    for name in ("BACKOFF_FIRST_S", "BACKOFF_MAX_S", "STEADY_S"):
-        monkeypatch.setattr(crash, name, getattr(crash, name) * PACE["fake"])
-    return FakeEngines()
+@pytest.fixture(params=["process", "virtual"])
+def fakes(request: pytest.FixtureRequest) -> FakeEngines | None:
+    """Real engine processes on real time, or the fake runner's on the virtual clock."""
+    return None if request.param == "process" else FakeEngines()
 
 
 def schedule(rng: random.Random, steps_n: int, pace: float) -> list[tuple[float, Ask | Command]]:
@@ -135,7 +133,7 @@ async def ask(c: httpx.AsyncClient, a: Ask, body: dict[str, Any] | None = None) 
         body = said("crash" if a.crash else f"take:{a.take}", a.dep)
     if a.stream:
         body["stream"] = True
-    a.began = time.monotonic()
+    a.began = stamp()
     try:
         if a.hang == "head":
             with anyio.move_on_after(0.05):
@@ -157,17 +155,17 @@ async def ask(c: httpx.AsyncClient, a: Ask, body: dict[str, Any] | None = None) 
     except httpx.HTTPError:
         a.complete = False  # a cut whole answer or stream
     finally:
-        a.ended = time.monotonic()
+        a.ended = stamp()
 
 
 async def command(m: httpx.AsyncClient, base: str, cmd: Command) -> None:
-    cmd.began = time.monotonic()
+    cmd.began = stamp()
     try:
         r = await m.post(f"{base}/deployments/{cmd.dep}/{cmd.verb}")
         cmd.status = r.status_code
         cmd.code = r.json().get("code") if r.status_code != 200 else None
     finally:
-        cmd.ended = time.monotonic()
+        cmd.ended = stamp()
 
 
 def watch(gw: Gw, run: Run) -> None:
@@ -181,7 +179,7 @@ def watch(gw: Gw, run: Run) -> None:
     def check(lc: Any) -> None:
         name, state = lc.inst.deployment, lc.state.value
         if state == "failed":
-            run.failed.append((name, time.monotonic()))
+            run.failed.append((name, stamp()))
         if state == "parked":
             asleep.add(name)
         elif state != "stopping":
@@ -219,10 +217,20 @@ def overlapped(a: Ask, run: Run) -> bool:
     return any(start <= a.ended and end >= a.began for start, end in faults)
 
 
+@pytest.fixture
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """The virtual runner's tests run on the virtual clock; the others on real time."""
+    if getattr(request.node, "callspec", None) and request.node.callspec.params.get("fakes") == (
+        "virtual"
+    ):
+        return ("asyncio", {"loop_factory": VirtualLoop})
+    return "asyncio"
+
+
 async def test_the_lifecycle_under_a_random_schedule_loses_no_request(
-    make_gateway: MakeGateway, fakes: FakeEngines | None
+    make_gateway: MakeGateway, fakes: FakeEngines | None, request: pytest.FixtureRequest
 ) -> None:
-    kind = "process" if fakes is None else "fake"
+    kind = str(request.node.callspec.params["fakes"])
     steps = int(os.environ.get("CAPYCTL_MODEL_STEPS", STEPS[kind]))
     print(f"lifecycle model: seed {SEED}, {steps} steps on the {kind} runner")  # noqa: T201
     memory = {"ready": "1GiB", "parked": 0}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -19,14 +18,16 @@ import anyio
 import httpx
 import pytest
 
+from capyctl_gateway._clock import stamp
 from capyctl_gateway._routing.place import EXIT_SEEN_S
 from tests.eventually import eventually
-from tests.gateway.conftest import FAKES, WORKERS, Gw
+from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
 from tests.gateway.fake_runner import Script
 from tests.gateway.test_lifecycle import chat, launched, management, pid_of, transitions
 
 workers = WORKERS
 fakes = FAKES  # the lifecycle's policy: on the fake runner (engines in this process)
+anyio_backend = VIRTUAL_CLOCK  # every engine and client runs in this process
 
 
 pytestmark = pytest.mark.anyio
@@ -291,13 +292,13 @@ async def test_the_idle_clock_runs_from_the_last_requests_end(
 
     def watch(lc: Any) -> None:
         if lc.state.value == "stopping":
-            stopping.append(time.monotonic())
+            stopping.append(stamp())
             stopped.set()
 
     gw.gateway.fleet.lifecycle.engines.observers.append(watch)
     async with gw.client(timeout=60) as c:
         r = await c.post("/v1/chat/completions", json=said("take:2.5", "my-model"))
-        ended = time.monotonic()
+        ended = stamp()
         assert r.status_code == 200
     with anyio.fail_after(10):
         await stopped.wait()
@@ -445,8 +446,8 @@ async def test_a_refusal_whose_exit_is_never_seen_is_answered_as_any_other(
     async with gw.client() as c:
         assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
         gw.fakes.exit(inst.key, seen=False)
-        began = time.monotonic()
+        began = stamp()
         r = await c.post("/v1/chat/completions", json=chat())
-        took = time.monotonic() - began
+        took = stamp() - began
     assert (r.status_code, r.json()["code"]) == (502, "engine_error"), r.text
     assert EXIT_SEEN_S <= took < EXIT_SEEN_S + 2

@@ -20,13 +20,14 @@ import pytest
 
 from tests.eventually import eventually
 from tests.gateway.anthropic_types import sse_events, validate_error, validate_message
-from tests.gateway.conftest import FAKES, WORKERS, Gw
+from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
 from tests.gateway.test_lifecycle import launched, management
 from tests.gateway.test_lifecycle_races import served
 from tests.gateway.test_responses_races import NAMES, REFUSALS, ROUNDS, _settled
 
 workers = WORKERS
 fakes = FAKES
+anyio_backend = VIRTUAL_CLOCK  # every engine and client runs in this process
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]

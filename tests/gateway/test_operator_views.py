@@ -16,10 +16,11 @@ from rich.console import Console
 
 from capyctl_gateway import create_management_app
 from capyctl_gateway._management.render import print_list, print_status
-from tests.gateway.conftest import FAKES, Gw, deployments
+from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, Gw, deployments
 from tests.gateway.fake_engine import FakeEngine
 
 fakes = FAKES
+anyio_backend = VIRTUAL_CLOCK  # every engine and client runs in this process
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]

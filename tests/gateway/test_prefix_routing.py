@@ -17,12 +17,13 @@ from aiohttp import web
 
 from canopyx_provider import ProviderOptions
 from tests.eventually import eventually
-from tests.gateway.conftest import FAKES, WORKERS, Gw, _serve, deployments
+from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw, _serve, deployments
 from tests.gateway.fake_engine import FakeEngine, vllm_stream
 from tests.gateway.test_lifecycle import launched, management
 
 workers = WORKERS
 fakes = FAKES  # launched engines run on the fake runner; url: engines are watched alike
+anyio_backend = VIRTUAL_CLOCK  # every engine and client runs in this process
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]
 SYSTEM = {name: f"You are the {name} desk. " * 120 for name in ("billing", "shipping", "legal")}

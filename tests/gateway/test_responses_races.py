@@ -20,13 +20,14 @@ import pytest
 
 from capyctl_gateway._deployments.routes import Route
 from tests.eventually import eventually
-from tests.gateway.conftest import FAKES, WORKERS, Gw
+from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
 from tests.gateway.openai_schemas import validate_event, validate_response
 from tests.gateway.test_lifecycle import launched, management
 from tests.gateway.test_lifecycle_races import served
 
 workers = WORKERS
 fakes = FAKES
+anyio_backend = VIRTUAL_CLOCK  # every engine and client runs in this process
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import deque
 from collections.abc import Callable
 
+from .._clock import stamp
 from .._errors import GatewayError, QueueFullError, UnavailableError
 from .._loop import running_loop
 
@@ -45,8 +45,8 @@ class DeploymentQueue:
         self.running = 0
         self.open = not gated
         """Whether requests may take running slots now (see the module's docstring)."""
-        self.idle_since = time.monotonic()
-        """When the last running request ended (``time.monotonic()``): the idle clock."""
+        self.idle_since = stamp()
+        """When the last running request ended (``_clock.stamp``): the idle clock."""
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._drained: asyncio.Event | None = None
 
@@ -101,7 +101,7 @@ class DeploymentQueue:
             return  # the slot passes on: running stays the same
         self.running -= 1
         if self.running == 0:
-            self.idle_since = time.monotonic()
+            self.idle_since = stamp()
             if self._drained is not None:
                 self._drained.set()
 

@@ -18,13 +18,13 @@ import ipaddress
 import itertools
 import math
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from yarl import URL
 
+from .._clock import stamp
 from .._config import Deployment, Launch
 from .._log import event
 from .prefixes import PrefixIndex
@@ -220,7 +220,7 @@ class Route:
     """The deployment's short ID: stable across restarts (kept in the store), shown by
     ``status`` and ``list`` and named by the router line."""
     turn: itertools.count[int] = field(default_factory=itertools.count)
-    clock: Callable[[], float] = time.monotonic
+    clock: Callable[[], float] = stamp
     resting: dict[int, float] = field(default_factory=dict)
     """Instances that failed to accept a request, with when their rest ends."""
     prefixes: PrefixIndex | None = None

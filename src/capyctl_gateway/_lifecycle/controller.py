@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 
+from .._clock import stamp
 from .._config import GatewayConfig
 from .._deployments.routes import EngineInstance, Route
 from .._deployments.settle import Settlement
@@ -194,7 +194,7 @@ class Lifecycle:
         its supervisor is open (a look that faults is logged, and the watch goes on)."""
 
         async def step() -> None:
-            await look(self, time.monotonic())
+            await look(self, stamp())
 
         return self.tasks.keep(step, every=TICK_S, kind="idle_watch", what="the idle watch")
 
@@ -232,7 +232,7 @@ async def _backoff(life: DeploymentLife, todo: list[Launched]) -> None:
     refused = life.refusal()
     if refused is not None:
         raise refused
-    wait = max((backoff_left(lc, time.monotonic()) for lc in todo), default=0.0)
+    wait = max((backoff_left(lc, stamp()) for lc in todo), default=0.0)
     if wait > 0:  # status shows how long
         name = life.deployment.name
         logger.warning("deployment %s crashed again; starting it in %.1f s", name, wait)

@@ -14,10 +14,10 @@ the delay before the next start (`BACKOFF_FIRST_S` up to `BACKOFF_MAX_S`); an en
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .._clock import stamp
 from .states import DeploymentLife, InstanceState, Launched
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ async def _watch(lifecycle: Lifecycle, lc: Launched) -> None:
 async def lost(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, why: str) -> None:
     """``lc``'s engine exited unasked (``why``): fail it, and start it again for the requests
     that wait for it."""
-    now = time.monotonic()
+    now = stamp()
     if now - lc.since >= STEADY_S:
         lc.crashes = 0
     lc.crashes += 1

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from .._clock import stamp
 from .._config import Deployment
 from .._deployments.routes import EngineInstance, Route
 from .._errors import DeploymentStoppedError
@@ -55,7 +55,7 @@ class Launched:
 
     inst: EngineInstance
     state: InstanceState = InstanceState.STOPPED
-    since: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=stamp)
     failure: str | None = None
     crashes: int = 0
     """Failed starts and exits nobody asked for, in a row (reset once it has served
@@ -187,7 +187,7 @@ class DeploymentLife:
 
     @property
     def idle_since(self) -> float | None:
-        """Since when no request has run (``time.monotonic()``); None while one runs."""
+        """Since when no request has run (``_clock.stamp``); None while one runs."""
         queue = self.route.queue
         return None if queue.running or queue.waiting else queue.idle_since
 

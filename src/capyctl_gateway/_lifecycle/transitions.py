@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .._clock import stamp
 from .._deployments.settle import Settlement
 from .._errors import DeploymentStoppedError, EngineControlError, StartFailedError
 from .._log import event
@@ -49,7 +49,7 @@ class Transitions:
                 answered = await runner.start(reason)
         except EngineControlError as exc:
             lc.failure = exc.message
-            lc.crashes, lc.crashed_at = lc.crashes + 1, time.monotonic()  # its next start waits
+            lc.crashes, lc.crashed_at = lc.crashes + 1, stamp()  # its next start waits
             lc.unconfirmed = lc.unconfirmed or exc.lingers  # its memory stays counted
             self.move(lc, InstanceState.FAILED, exc.message)
             raise
@@ -132,7 +132,7 @@ class Transitions:
             self.move(lc, state, reason)
 
     def move(self, lc: Launched, to: InstanceState, reason: str) -> None:
-        now = time.monotonic()
+        now = stamp()
         before, took = lc.state, now - lc.since
         lc.enter(to, now)
         self._budget.note(lc)

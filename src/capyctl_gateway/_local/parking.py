@@ -18,10 +18,10 @@ Each call takes the engine's key like any route.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 
+from .._clock import stamp
 from .._engines import EngineKind, facts
 from .._errors import ParkFailedError
 
@@ -78,11 +78,11 @@ async def _router_status(
 async def _router_until(
     session: aiohttp.ClientSession, base: str, headers: dict[str, str], model: str, want: str
 ) -> None:
-    end = time.monotonic() + PARK_TIMEOUT_S
+    end = stamp() + PARK_TIMEOUT_S
     while (status := await _router_status(session, base, headers, model)) != want:
         if status not in ("loading", "loaded", "unloaded", "sleeping"):
             raise ParkFailedError(f"the router says {model!r} is {status}")
-        if time.monotonic() > end:
+        if stamp() > end:
             raise ParkFailedError(f"{model!r} was not {want} within {PARK_TIMEOUT_S:.0f} s")
         await asyncio.sleep(STATUS_EVERY_S)
 

@@ -15,8 +15,8 @@ import contextlib
 import logging
 import os
 import signal
-import time
 
+from .._clock import stamp
 from .._store import Store
 from .process import gone_within
 
@@ -62,9 +62,9 @@ async def outlast(store: Store, within: float = OUTLAST_S) -> None:
             len(left),
             ", ".join(f"{key}: pid {pid}" for key, pid in sorted(left.items())),
         )
-    began = time.monotonic()
+    began = stamp()
     for key, pid in left.items():
-        if not await gone_within(pid, max(within - (time.monotonic() - began), 0.0)):
+        if not await gone_within(pid, max(within - (stamp() - began), 0.0)):
             logger.warning("%s: the engine a previous run left (pid %d) is killed", key, pid)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)

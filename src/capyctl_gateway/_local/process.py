@@ -17,10 +17,10 @@ import os
 import signal
 import socket
 import sys
-import time
 
 import aiohttp
 
+from .._clock import stamp
 from .._config import Launch
 from .._engines import EngineKind, facts
 from .._errors import StartFailedError
@@ -136,7 +136,7 @@ class EngineProcess:
         finally:
             os.close(write_fd)  # the engine's and its reaper's now
         self.log.follow(read_fd)
-        self.started_at = time.monotonic()
+        self.started_at = stamp()
         deadline = self.started_at + timeout_s
         health = f"{self.url}/health"
         while True:
@@ -152,7 +152,7 @@ class EngineProcess:
                 async with session.get(health, timeout=aiohttp.ClientTimeout(total=2)) as resp:
                     if resp.status == 200:
                         return
-            if time.monotonic() > deadline:
+            if stamp() > deadline:
                 await self.stop()
                 raise StartFailedError(
                     f"the engine did not answer /health within {timeout_s:.0f} s "

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
+from .._clock import wall
 from .._config import GatewayConfig
 from .._deployments.routes import EngineInstance
 from .._log import event
@@ -43,7 +43,7 @@ class Machines:
         identity: ServerIdentity,
         invites: Invites,
         found: Callable[[EngineInstance, str, str | None], None],
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = wall,
     ) -> None:
         """``found(instance, state, failure)``: where what a host reports of a launched
         engine's state goes (`Lifecycle.found`)."""

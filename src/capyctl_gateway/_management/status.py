@@ -3,9 +3,9 @@ and the cut requests each instance still counts."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+from .._clock import stamp
 from .._fleet import Fleet
 from .._lifecycle.crash import backoff_left
 from .._lifecycle.states import STARTABLE, DeploymentLife
@@ -61,7 +61,7 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
                 row["failure"] = lc.failure
             if lc.crashes:
                 row["failures_in_a_row"] = lc.crashes
-                wait = backoff_left(lc, time.monotonic())
+                wait = backoff_left(lc, stamp())
                 if wait > 0:
                     row["restart_backoff_s"] = round(wait, 1)
             proc = inst.runner.process()

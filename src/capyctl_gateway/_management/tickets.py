@@ -11,12 +11,12 @@ open at once (the oldest goes first). What stays in the browser's history opens 
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Callable
 
 import orjson
 from aiohttp import web
 
+from .._clock import stamp
 from .._errors import GatewayError, InvalidRequestError
 from .._gateway import Gateway
 from .._http.answers import error_response
@@ -36,7 +36,7 @@ MAX_REDEEM_BYTES = 1024
 class Tickets:
     """The tickets issued and not yet traded, each with when it expires."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = stamp) -> None:
         self._clock = clock
         self._open: dict[str, float] = {}
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._clock import stamp
 from .._errors import StartFailedError
 from .podstate import terminating
 
@@ -57,7 +57,7 @@ class Debt:
     tries: int = 0
     error: str | None = None
     """Why the last try did not prove it gone."""
-    since: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=stamp)
     paid: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def turn(self) -> bool:
@@ -93,7 +93,7 @@ class Debt:
         row["tries"] = self.tries
         if self.error is not None:
             row["error"] = self.error
-        row["owed_s"] = round(time.monotonic() - self.since, 1)
+        row["owed_s"] = round(stamp() - self.since, 1)
         return row
 
 

@@ -23,9 +23,9 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from typing import Any
 
+from .._clock import stamp
 from .kube import ExpiredError, KubeApi, KubeError
 
 __all__ = ["BACKOFF_MAX_S", "PodWatch", "uid_of"]
@@ -111,7 +111,7 @@ class PodWatch:
         """Keep ``pods`` true, for as long as its owner lets it run."""
         self.failing = 0
         while True:
-            began, events = time.monotonic(), 0
+            began, events = stamp(), 0
             try:
                 if not self.listed.is_set():
                     await self._list()
@@ -120,7 +120,7 @@ class PodWatch:
                     async for kind, obj in watch:
                         events += 1
                         self._apply(kind, obj)
-                if events == 0 and time.monotonic() - began < QUICK_END_S:
+                if events == 0 and stamp() - began < QUICK_END_S:
                     raise KubeError(200, "Ended", "the API server ended the watch at once")
                 self.renewals += 1
                 self.failing = 0
@@ -130,7 +130,7 @@ class PodWatch:
                 )
                 self.listed.clear()
             except KubeError as exc:
-                if events or time.monotonic() - began >= QUICK_END_S:
+                if events or stamp() - began >= QUICK_END_S:
                     self.failing = 0  # it ran before it failed: the backoff starts over
                 self.failing += 1
                 self.failures += 1
