@@ -61,10 +61,17 @@ class _JumpingSelector:
 class VirtualLoop(asyncio.SelectorEventLoop):
     """An asyncio loop on the gateway's clock, jumping it forward whenever it idles."""
 
+    opened: bool = False
+    """Whether a virtual loop is open (there is one clock: one at a time)."""
+
+    def __new__(cls) -> VirtualLoop:
+        if VirtualLoop.opened or _clock.offset():
+            raise RuntimeError("another virtual clock runs (or one was not closed)")
+        return super().__new__(cls)
+
     def __init__(self) -> None:
         super().__init__()
-        if _clock.offset():
-            raise RuntimeError("another virtual clock runs (or one was not closed)")
+        VirtualLoop.opened = True
         inner: selectors.BaseSelector = getattr(self, "_selector")  # noqa: B009 (asyncio's own)
         setattr(self, "_selector", _JumpingSelector(self, inner))  # noqa: B010
         self.in_threads = 0
@@ -89,3 +96,4 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     def close(self) -> None:
         super().close()
         _clock.reset()
+        VirtualLoop.opened = False
