@@ -3,8 +3,9 @@
 ``anthropic-version`` is one of `VERSIONS`: ``2023-06-01`` (what Claude Code sends) and
 ``2026-10-21`` (what the official Python SDK 2.17 sends), whose answers and events are the same
 shapes here (the tests hold them to that SDK's types); or absent. Any other is refused by
-name. ``anthropic-beta`` (comma-separated, the header given once or more) names betas; each is one the gateway serves (`BETAS`, with what it does here), or the
-request is refused naming it: a feature the gateway does not have is never taken silently.
+name. ``anthropic-beta`` (comma-separated, the header given once or more) names betas; each
+is one the gateway serves (`BETAS`, with what it does here), or the request is refused naming
+it: a feature the gateway does not have is never taken silently.
 """
 
 from __future__ import annotations
