@@ -61,7 +61,7 @@ class EngineFacts:
     sleep_env: tuple[tuple[str, str], ...] = ()
     """Environment a launched engine needs to be parked (as ``sleep_flags``)."""
     park_by: str | None = None
-    """How a park keeps its process up (``_local/parking.py`` has one driver each):
+    """How a park keeps its process up (``_deployments/parking.py`` has one driver each):
     ``sleep`` (vLLM's sleep mode), ``release`` (SGLang's memory release); None where it
     cannot (a llama.cpp router unloads its model instead)."""
     figures_in: str | None = None

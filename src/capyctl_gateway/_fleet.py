@@ -30,6 +30,7 @@ from ._clock import wall
 from ._config import GatewayConfig
 from ._deployments.build import build_routes
 from ._deployments.checks import CheckWatch
+from ._deployments.kinds import Opened
 from ._deployments.routes import Route
 from ._deployments.settle import CutRequest, Settlement
 from ._engine_client import IDLE_S, EngineClient
@@ -40,7 +41,7 @@ from ._lifecycle.watch import boot
 from ._loop import running_loop
 from ._machines.enroll import Invites, ServerIdentity
 from ._machines.server import Machines
-from ._runners import KINDS, Opened, RunnerKind, host_links, prepare, runner_for
+from ._runners import KINDS, RunnerKind, host_links, open_rooms, runner_for
 from ._store import Store, restore
 from ._tasks import Supervisor
 from ._telemetry import Telemetry
@@ -150,9 +151,10 @@ async def open_fleet(
             stack=stack,
             faults=faults,
         )
+        rooms = await open_rooms(opened, runners)  # what each kind shares (a cluster's watches)
         names = [d.name for d in config.deployments]
         ids = store.deployment_ids(names) if store is not None else new_short_ids(names)
-        routes = build_routes(config, env, settlement, runner_for(opened, runners), ids)
+        routes = build_routes(config, env, settlement, runner_for(rooms, runners), ids)
         collector.subscribe(CheckWatch(routes))
         collector.subscribe(settlement)
         tasks = Supervisor("the lifecycle", faults=faults)
@@ -166,14 +168,14 @@ async def open_fleet(
         lifecycle.engines.observers.append(_transitions(telemetry))
         lifecycle.engines.observers.append(_left_ready(routes))
         settlement.observers.append(_restarted(routes))
-        opened.hooks.found = lifecycle.found
-        await prepare(opened, runners)  # a previous run's engines go before this one starts any
+        for room in rooms.values():  # a previous run's engines go before this one starts any
+            await room.take_up(lifecycle.found)
         if store is not None:  # the collector polls: a restored cut is polled fast at once
             restore(store, routes, settlement, lifecycle)
         machines = None
         if server is not None:
             invites = Invites((state_dir or server.directory.parent) / "machines.sqlite3")
-            links = host_links(opened, config.hosts)
+            links = host_links(rooms)
             machines = Machines(
                 config, links, identity=server, invites=invites, found=lifecycle.found, clock=clock
             )

@@ -22,22 +22,23 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
 from canopyx_provider import Collector, adapter_for
 from capyctl_gateway._config import Deployment, Instance
+from capyctl_gateway._deployments.kinds import Found, Opened
 from capyctl_gateway._deployments.routes import EngineInstance
 from capyctl_gateway._deployments.runner import (
     HERE,
+    Described,
     ProcessView,
     Site,
     Tracked,
 )
+from capyctl_gateway._deployments.seen import Seen, SeenBy
 from capyctl_gateway._errors import ParkFailedError, StartFailedError
-from capyctl_gateway._local.seen import Seen, SeenBy
-from capyctl_gateway._runners import KINDS, Opened, RunnerKind
+from capyctl_gateway._runners import KINDS, RunnerKind
 from tests.gateway.launchable_engine import Sleep, build_app, parser
 
 __all__ = ["FakeEngines", "FakeRunner", "Script", "fake_kinds"]
@@ -87,16 +88,31 @@ class FakeEngines:
         its keeper's word, when its port already refuses."""
         self.runners[key].crash(status, seen=seen)
 
-    def make(self, inst: EngineInstance, configured: Instance, opened: Opened) -> FakeRunner:
-        dep = next(d for d in opened.config.deployments if d.name == inst.deployment)
-        runner = FakeRunner(inst, dep, self, collector=opened.collector, clock=opened.clock)
-        self.runners[inst.key] = runner
+    async def open(self, opened: Opened) -> FakeRoom:
+        return FakeRoom(self, opened)
+
+
+class FakeRoom:
+    """The fake kind's room: each runner it makes is kept by `FakeEngines`."""
+
+    def __init__(self, engines: FakeEngines, opened: Opened) -> None:
+        self._engines, self._opened = engines, opened
+
+    def runner(self, inst: EngineInstance, configured: Instance) -> FakeRunner:
+        o = self._opened
+        runner = FakeRunner(
+            inst, o.deployment(inst), self._engines, collector=o.collector, clock=o.clock
+        )
+        self._engines.runners[inst.key] = runner
         return runner
+
+    async def take_up(self, found: Found) -> None:
+        """A previous run's fake engines died with it."""
 
 
 def fake_kinds(engines: FakeEngines) -> Mapping[str, RunnerKind]:
     """The registry with this machine's kind replaced by the fake (hosts' stay real)."""
-    return {**KINDS, "local": RunnerKind(engines.make)}
+    return {**KINDS, "local": RunnerKind(KINDS["local"].claims, engines.open)}
 
 
 class FakeRunner(SeenBy):
@@ -136,8 +152,8 @@ class FakeRunner(SeenBy):
             return None
         return ProcessView(self._pid, self._port, list(launch.command))
 
-    def describe(self) -> dict[str, Any]:
-        return self.seen.row()
+    def describe(self) -> Described:
+        return self.seen.described()
 
     def log(self) -> None:
         return None

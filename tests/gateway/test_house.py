@@ -293,8 +293,8 @@ async def test_every_path_refuses_other_methods_with_405_and_hands_back_the_call
 def test_each_engine_kind_that_can_sleep_says_how_it_parks() -> None:
     """The engine facts table: a kind that can park with its process up names its driver,
     and each figures object it names is one the verifier keeps."""
+    from capyctl_gateway._deployments.parking import _DRIVERS
     from capyctl_gateway._engines import FACTS, FIGURE_OBJECTS
-    from capyctl_gateway._local.parking import _DRIVERS
     from capyctl_gateway._relay.figures import _ENGINE_FIGURES
 
     for kind, f in FACTS.items():

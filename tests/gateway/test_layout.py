@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from capyctl_gateway._runners import KINDS
+
 ROOT = Path(__file__).resolve().parents[2] / "src" / "capyctl_gateway"
-RUNNER_ROOMS = {"_local", "_machines", "_pods"}
-"""The rooms of the kinds of runners (``_runners.py`` is their registry)."""
+RUNNER_ROOMS = {kind.open.__module__.split(".")[1] for kind in KINDS.values()}
+"""The rooms of the kinds of runners, as their registry (``_runners.py``) names them: a new
+kind's room is held to what the others are without a line here."""
 # room -> the rooms of the gateway it must never import
 FORBIDDEN = {
     "_errors": {"_http", "_relay", "_deployments", "_management", "_gateway", "_config", "cli"},
@@ -63,40 +66,18 @@ FORBIDDEN = {
         "_pods",
         "_runners",
     },
-    # pods: reach their engines as one machine does (``_local``'s seen, parking and wake
-    # check); the reverse never
-    "_pods": {
-        "_http",
-        "_relay",
-        "_management",
-        "_gateway",
-        "cli",
-        "_lifecycle",
-        "_fleet",
-        "_machines",
-        "_runners",
-        "_workers",
-        "_host",
-    },
-    # a runner room: drives one kind of engine through the seam, never the policy
-    "_local": {
-        "_http",
-        "_relay",
-        "_management",
-        "_gateway",
-        "cli",
-        "_lifecycle",
-        "_fleet",
-        "_machines",
-        "_pods",
-        "_runners",
-        "_workers",
-        "_host",
-    },
     "_runners": {"_http", "_relay", "_management", "_gateway", "cli", "_lifecycle", "_fleet"},
     "_host": {"_http", "_management", "cli"},
     "_workers": {"_management", "_lifecycle", "_machines", "cli"},
 }
+# a runner room drives one kind of engine through the seam (what every kind needs is on the
+# seam's side, ``_deployments``), never the policy, and never another kind's room
+_RUNNER_ROOM_NEVER = {
+    "_http", "_relay", "_management", "_gateway", "cli", "_lifecycle", "_fleet", "_runners",
+    "_workers", "_host",
+}  # fmt: skip
+for _kind in RUNNER_ROOMS:
+    FORBIDDEN[_kind] = FORBIDDEN.get(_kind, _RUNNER_ROOM_NEVER) | (RUNNER_ROOMS - {_kind})
 _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
@@ -155,17 +136,38 @@ def test_the_workers_authority_imports_nothing_of_the_http_room() -> None:
     assert "_http" not in _imported_rooms(path)
 
 
-# Runner classes are made by the registry alone: no other room imports them.
-RUNNER_MODULES = {"_local.runner", "_local", "_machines.runner"}
-
-
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_only_the_registry_makes_runners(path: Path) -> None:
+def test_only_the_registry_opens_the_runner_rooms(path: Path) -> None:
+    """Runners and their rooms are made by the registry alone: no other room imports them."""
     room = _room(path)
     if room in RUNNER_ROOMS or room == "_runners":
         return
-    bad = _imported_modules(path) & RUNNER_MODULES
+    parts = [m.split(".") for m in _imported_modules(path)]
+    bad = {".".join(p) for p in parts if p[0] in RUNNER_ROOMS and p[-1] in ("runner", "room")}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: only _runners.py may"
+
+
+def _asks_a_kind(path: Path) -> list[str]:
+    """What ``path`` asks of an engine's kind by name: a key of its description
+    (``describe().get(...)``, ``describe()[...]``) or whether its deployment runs on pods."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        text = ast.unparse(node) if isinstance(node, ast.Call | ast.Subscript) else ""
+        if re.search(r"describe\(\)(\.get\(|\[)", text):
+            found.append(text)
+        if isinstance(node, ast.Attribute) and node.attr == "on_pods":
+            found.append(ast.unparse(node))
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nobody_outside_a_runner_room_asks_its_kind(path: Path) -> None:
+    """``status``, ``list``, the console and the lifecycle read a runner's typed description
+    (`Described`) and its `Site`, never a kind's keys or whether it runs on pods (the
+    configuration's own checks aside)."""
+    if _room(path) in RUNNER_ROOMS or _room(path) == "_config":
+        return
+    assert not _asks_a_kind(path), (path.relative_to(ROOT), _asks_a_kind(path))
 
 
 def _reads_a_runners_host_or_type(path: Path) -> list[int]:

@@ -30,6 +30,7 @@ from capyctl_gateway._pods.manifest import (
 )
 from capyctl_gateway._pods.podstate import pending
 from capyctl_gateway._pods.watch import PodWatch
+from capyctl_gateway._runners import kind_of
 
 K8S_VERSION = "1.37.0"
 
@@ -126,7 +127,7 @@ def test_pods_count_in_their_own_pool_and_park_auto_stops_them() -> None:
     d["lifecycle"] = {"park": "auto"}
     c = config(d)
     assert c.deployments[0].instances[0].pool == KUBERNETES_POOL
-    assert c.deployments[0].instances[0].runner_kind == "pod"
+    assert kind_of(c.deployments[0].instances[0]) == "pod"
     assert c.deployments[0].parks is False
     router = pod_dep()
     router["instances"][0]["launch"]["command"] = ["llama-server", "--models-dir", "/m"]

@@ -35,14 +35,6 @@ class Instance(BaseModel):
     """Its ``launch:`` runs as a Kubernetes pod (``kubernetes:`` says which cluster)."""
 
     @property
-    def runner_kind(self) -> str:
-        """Which kind of runner runs its engine (a key of ``_runners.KINDS``): ``host`` for
-        one on a host, ``pod`` for one on Kubernetes, ``local`` for one on this machine."""
-        if self.pod is not None:
-            return "pod"
-        return "host" if self.host is not None else "local"
-
-    @property
     def pool(self) -> str | None:
         """Where its memory counts (for the configuration's checks): its host's name, the
         pods' pool, or None for this machine."""

@@ -81,8 +81,8 @@ def build_routes(
             max_running=config.queue.max_running_per_deployment,
             max_waiting=config.queue.max_waiting_per_deployment,
             gated=d.launched,
+            holdup=_holdup(instances),
         )
-        queue.holdup = _holdup(instances)
         route = routes[d.name] = Route(d, instances, queue, waiters, ids[d.name])
         if d.routing.policy == "prefix" and len(instances) > 1:
             route.prefixes = PrefixIndex(d.routing.prefix_entries)

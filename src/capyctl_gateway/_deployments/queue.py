@@ -35,13 +35,16 @@ class DeploymentQueue:
     """Running slots and the FIFO of waiters of one deployment."""
 
     def __init__(
-        self, admission: Admission, *, max_running: int, max_waiting: int, gated: bool = False
+        self,
+        admission: Admission,
+        *,
+        max_running: int,
+        max_waiting: int,
+        gated: bool = False,
+        holdup: Callable[[], str | None] = lambda: None,
     ) -> None:
-        self._admission = admission
-        self.holdup: Callable[[], str | None] = _nothing
-        """Why it is not up yet, where a runner says more than "starting" (`Runner.holdup`)."""
-        self.max_running = max_running
-        self.max_waiting = max_waiting
+        self._admission, self.holdup = admission, holdup  # why it is not up yet (`Runner.holdup`)
+        self.max_running, self.max_waiting = max_running, max_waiting
         self.running = 0
         self.open = not gated
         """Whether requests may take running slots now (see the module's docstring)."""

@@ -119,6 +119,8 @@ class EngineInstance:
         self.runner = runner
         self.host = runner.site.machine or ""
         self.machine = machine_of(runner.site.machine, None)
+        if runner.site.reported is not None:
+            self.set_open(reachable=False, why=runner.site.reported)
         if self.url is not None:
             self.bind(self.url)
 

@@ -21,7 +21,8 @@ Never imports the HTTP surface, the relay, the lifecycle or the runner rooms.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._errors import EngineControlError
@@ -29,6 +30,7 @@ from .._errors import EngineControlError
 __all__ = [
     "HERE",
     "CacheCounts",
+    "Described",
     "Driver",
     "EngineControlError",
     "LoadSample",
@@ -36,6 +38,7 @@ __all__ = [
     "ProcessView",
     "Reported",
     "Runner",
+    "Shown",
     "Site",
     "Tracked",
     "View",
@@ -61,6 +64,12 @@ class Site:
     outlives_gateway: bool
     """Whether the engine keeps running when this gateway stops (a host's does: a server
     that comes back finds it as it was)."""
+    run_by: str = "the gateway (launch)"
+    """Who runs a launched engine there, as ``list`` says it."""
+    reported: str | None = None
+    """Why nothing reaches the engine until where it runs reports it (a host's first report
+    opens its gate: requests wait for it, as after a lost session, instead of failing on an
+    address never given); None where it is reached as soon as it has an address."""
 
     def said(self, reason: str) -> str:
         """``reason``, with where it happened when that is not this machine."""
@@ -101,6 +110,39 @@ class CacheCounts:
 
     def row(self) -> dict[str, int]:
         return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """One line of what ``status``, ``list`` and the console show under an instance beyond what
+    every instance has (a pod and where it runs, a watch that is down, a delete owed)."""
+
+    name: str
+    """What the line is about (``pod``, ``pod_watch``): the console marks its row with it."""
+    text: str
+    alarm: bool = False
+    """Whether it says something is wrong (the console shows it as a failure)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    """An engine as its runner sees it: what ``status``, ``list`` and the console show, typed,
+    so that none of them knows which kind of runner it is."""
+
+    watched: str | None = None
+    """What watches the engine says of it (the collector's or its host's state: ``ready``,
+    ``connecting``, ``failed``, ...); None where nothing watches it yet."""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """Its fields in ``status``'s JSON (load and ages, a host's session, a pod; ``state`` is
+    `watched`)."""
+    lines: tuple[Shown, ...] = ()
+    """What is printed under the instance (``status``, and ``list`` where it says where)."""
+    link: str | None = None
+    """The gateway's link to where it runs (a host's session: ``live``, ``lost``); None where
+    there is none."""
+    placed: str | None = None
+    """Where it runs now, in a line of ``list`` (a pod, its node and phase); None where the
+    instance's machine says it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +200,9 @@ class View(Protocol):
         """The running engine process, when the gateway runs it."""
         ...
 
-    def describe(self) -> dict[str, Any]:
-        """What ``status`` shows of the engine as this runner sees it (its state, load and
-        their ages; a host's session and ingress)."""
+    def describe(self) -> Described:
+        """The engine as this runner sees it (its state, load and their ages; a host's session
+        and ingress; a pod)."""
         ...
 
     def holdup(self) -> str | None:

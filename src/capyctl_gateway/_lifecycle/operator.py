@@ -95,7 +95,7 @@ def seen_ready(inst: EngineInstance) -> bool:
     """Whether what watches the instance's engine (the collector here, the host's reports
     there) says it is ready: the judgement ``status`` shows. An engine someone else runs is
     always admitting, so this alone says whether it can answer."""
-    return bool(inst.runner.describe().get("state") == "ready")
+    return inst.runner.describe().watched == "ready"
 
 
 def deployments_list(
@@ -121,11 +121,11 @@ def deployments_list(
             row["run_by"] = "someone else (url)"
             row["state"] = "ready" if row["ready"] else "unavailable"
         else:
-            row["run_by"] = "the gateway (pods)" if d.on_pods else "the gateway (launch)"
+            row["run_by"] = route.instances[0].runner.site.run_by
             row["state"] = life.state
-            if d.on_pods:  # each pod that exists now, where it runs
-                seen = [(i.index, i.runner.describe().get("pod")) for i in route.instances]
-                row["pods"] = [{"instance": n, **pod} for n, pod in seen if pod is not None]
+            placed = [(i.index, i.runner.describe().placed) for i in route.instances]
+            if any(where for _, where in placed):  # where each runs now, when its runner says
+                row["placed"] = [{"instance": n, "where": w} for n, w in placed if w]
             if life.operator_stopped:  # while its stop is under way, the state it is in
                 row["state"] = (
                     "stopped by an operator"

@@ -13,30 +13,30 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from canopyx_provider import Collector, adapter_for
 
 from .._config import Deployment, Launch
+from .._deployments.parking import drive
 from .._deployments.routes import EngineInstance
 from .._deployments.runner import (
     HERE,
+    Described,
     ProcessView,
     Site,
     Tracked,
     never,
 )
+from .._deployments.seen import Seen, SeenBy
+from .._deployments.wakecheck import auth_of, check, record
 from .._errors import StartFailedError
 from .._log import masked, secrets_in
 from .._store import Store
 from .enginelog import EngineLog, ShownLog, file_stem
-from .parking import drive
 from .pids import remember
 from .process import EngineProcess, PortLostError, free_port, launch_argv, launch_env
-from .seen import Seen, SeenBy
-from .wakecheck import auth_of, check, record
 
 __all__ = ["PORT_TRIES", "LocalRunner"]
 
@@ -86,8 +86,8 @@ class LocalRunner(SeenBy):
             return None
         return ProcessView(proc.pid, proc.port, proc.argv, reaper_pid=proc.reaper_pid)
 
-    def describe(self) -> dict[str, Any]:
-        return self.seen.row()
+    def describe(self) -> Described:
+        return self.seen.described()
 
     def log(self) -> ShownLog | None:
         return self._log

@@ -16,7 +16,15 @@ from typing import Any
 import orjson
 
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import CacheCounts, LoadSample, ProcessView, Reported, Site, Tracked
+from .._deployments.runner import (
+    CacheCounts,
+    Described,
+    LoadSample,
+    ProcessView,
+    Reported,
+    Site,
+    Tracked,
+)
 from .._deployments.settle import Settlement, settle_remote
 from .._errors import GatewayError, HostGoneError, OrderRefusedError
 from .._log import shown
@@ -109,12 +117,9 @@ class HostRunner(Reported):
             on=f"on host {link.name}",
             stopper="its host",
             outlives_gateway=True,
+            reported=f"host {link.name} has not reported yet",
         )
         self.latest: RemoteSample | None = None
-        link.runners[(inst.deployment, inst.index)] = self
-        # Nothing reaches it before its host's first report opens its gate: requests wait for
-        # the host (as after a lost session) instead of failing on an address it never gave.
-        inst.set_open(reachable=False, why=f"host {link.name} has not reported yet")
 
     @property
     def instance(self) -> EngineInstance:
@@ -157,17 +162,16 @@ class HostRunner(Reported):
             return None
         return ProcessView(r.pid, r.port, r.command)
 
-    def describe(self) -> dict[str, Any]:
-        """What ``status`` shows of the engine as the host last reported it: the session, the
-        engine's state and load with their ages, the ingress's requests in flight, the process,
-        and why it failed."""
+    def describe(self) -> Described:
+        """The engine as the host last reported it: the session, the engine's state and load
+        with their ages, the ingress's requests in flight, the process, and why it failed."""
         live = self._link.live
-        row: dict[str, Any] = {"session": "live" if live else "lost"}
+        link = "live" if live else "lost"
+        row: dict[str, Any] = {"session": link}
         s = self.latest
         if s is None:
-            return row
+            return Described(fields=row, link=link)
         r = s.report
-        row["state"] = "ready" if r.gate is not None and live else r.state
         row["report_age_s"] = round(self._time() - s.received_at, 3)
         seen = self.fresh()
         if seen is not None:
@@ -180,7 +184,8 @@ class HostRunner(Reported):
             row["process"] = {"pid": r.pid, "port": r.port, "command": shown(r.command)}
         if r.failure is not None:
             row["failure"] = r.failure
-        return row
+        watched = "ready" if r.gate is not None and live else r.state
+        return Described(watched=watched, fields=row, link=link)
 
     def log(self) -> None:
         inst = self._inst

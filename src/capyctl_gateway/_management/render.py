@@ -64,25 +64,8 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
             console.print(f"  not routed: {i['not_routed']}", soft_wrap=True)
         if "lifecycle" in i:
             console.print(f"  {i['lifecycle']}", soft_wrap=True)
-        if "pod" in i:
-            pod = i["pod"]
-            on = f" on node {pod['node']}" if pod.get("node") else ""
-            console.print(
-                f"  pod {pod['namespace']}/{pod['name']}{on}: {pod['phase']}", soft_wrap=True
-            )
-            if pod.get("waiting"):
-                console.print(f"  it waits: {pod['waiting']}", soft_wrap=True)
-        for owed in i.get("pod_deletes_owed", ()):
-            tries = f"; {owed['tries']} tries" if owed.get("tries") else ""
-            last = f", the last: {owed['error']}" if owed.get("error") else ""
-            console.print(
-                f"  pod {owed['namespace']}/{owed['name']}: its delete is owed for "
-                f"{owed['owed_s']:.0f} s ({owed['why']}{tries}{last}); tried again until it is "
-                "gone",
-                soft_wrap=True,
-            )
-        if i.get("pod_watch"):
-            console.print(f"  the pod watch is {i['pod_watch']}", soft_wrap=True)
+        for line in i.get("shown", ()):
+            console.print(f"  {line['text']}", soft_wrap=True)
         if "process" in i:
             proc = i["process"]
             keeper = f" (its reaper: {proc['reaper_pid']})" if proc.get("reaper_pid") else ""
@@ -153,7 +136,8 @@ def _list_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def _list_notes(console: Console, doc: dict[str, Any]) -> None:
-    """What ``list`` prints under its deployments: hosts, pods and the memory budget (where
+    """What ``list`` prints under its deployments: hosts, where each runs (a pod, its node), and
+    the memory budget (where
     something counts memory: a budget, or a deployment with ``memory:``)."""
     for d in doc["deployments"]:
         for h in d.get("hosts", []):
@@ -164,13 +148,8 @@ def _list_notes(console: Console, doc: dict[str, Any]) -> None:
                 + ("no fresh sample" if age is None else f"sample {age:.1f} s old"),
                 soft_wrap=True,
             )
-        for p in d.get("pods", []):
-            on = f" on node {p['node']}" if p.get("node") else ""
-            console.print(
-                f"{d['name']} instance {p['instance']}: pod {p['namespace']}/{p['name']}{on}, "
-                f"{p['phase']}" + (f"; it waits: {p['waiting']}" if p.get("waiting") else ""),
-                soft_wrap=True,
-            )
+        for p in d.get("placed", []):
+            console.print(f"{d['name']} instance {p['instance']}: {p['where']}", soft_wrap=True)
     budget = doc["memory_budget"]
     if budget is None and all(d.get("memory_held") is None for d in doc["deployments"]):
         return  # nothing counts memory (no budget, no `memory:`): no figure, not a zero

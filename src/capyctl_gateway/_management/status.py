@@ -47,7 +47,11 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
             ],
         }
         seen = inst.runner.describe()
-        row.update(seen)
+        row.update(seen.fields)
+        if seen.watched is not None:
+            row["state"] = seen.watched
+        if seen.lines:
+            row["shown"] = [{"name": x.name, "text": x.text, "alarm": x.alarm} for x in seen.lines]
         if inst.unusable is not None:
             row["not_routed"] = inst.unusable
         lc = launched.get(inst.index)
@@ -55,7 +59,7 @@ def deployment_status(fleet: Fleet, name: str) -> dict[str, Any] | None:
             row["lifecycle"] = lc.state.value
             if lc.state in STARTABLE and not lc.unconfirmed:
                 row["url"] = None  # its engine is gone: the address it had is no one's now
-            if "state" not in seen:  # nothing watches it: the lifecycle's word
+            if seen.watched is None:  # nothing watches it: the lifecycle's word
                 row["state"] = lc.state.value
             if lc.failure is not None:
                 row["failure"] = lc.failure
@@ -112,7 +116,7 @@ def instance_hosts(fleet: Fleet, name: str) -> list[dict[str, Any]]:
             continue
         sample = inst.runner.sample()
         age = round(sample.age_s, 3) if sample is not None else None
-        session = inst.runner.describe().get("session", "lost")
+        session = inst.runner.describe().link or "lost"
         out.append({"instance": inst.index, "host": host, "session": session, "sample_age_s": age})
     return out
 

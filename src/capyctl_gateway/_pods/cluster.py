@@ -1,13 +1,13 @@
 """This gateway's pods on its cluster: the API's client, one watch per namespace (``watch.py``),
-and the pod runners that read them.
+the deletes it owes (``deletes.py``), and the pod runners that read them.
 
-Opened once before any engine starts (the ``pod`` kind's preparation, ``_runners.py``): it
-connects with the operator's credentials, lists each namespace's pods of the owner, and takes
-up those a previous run left: a ready pod whose labels name a configured instance and whose
-spec hash is the configuration's is adopted (the lifecycle hears it found ready, as a host's
-engine is found), one per instance; every other pod of the owner is deleted, as a delete the
-gateway owes (``deletes.py``). The watches and the owed deletes run in the cluster's own
-supervisor until the fleet closes, after the lifecycle has stopped what it stops.
+Made by the pods' room (``room.py``) before any runner, connected with the operator's
+credentials, its namespaces' watches running from then on in its own supervisor until the
+fleet closes (after the lifecycle has stopped what it stops). Once the lifecycle exists it takes
+up what a previous run left (`Cluster.take_up`): a ready pod whose labels name a configured
+instance and whose spec hash is the configuration's is adopted (the lifecycle hears it found
+ready, as a host's engine is found), one per instance; every other pod of the owner is owed
+its delete.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._config import Kubernetes
 from .._deployments.routes import EngineInstance
 from .._tasks import Supervisor
 from .deletes import Debt
-from .kube import CALL_TIMEOUT_S, KubeApi, connect
+from .kube import CALL_TIMEOUT_S, KubeApi
 from .manifest import DEPLOYMENT, INSTANCE, SPEC, selector
 from .podstate import serving
 from .watch import PodWatch, uid_of
@@ -57,29 +57,38 @@ class Adopter(Protocol):
 class Cluster:
     """The gateway's pods on one cluster."""
 
-    def __init__(self, kube: Kubernetes, *, faults: Counter[str] | None = None) -> None:
-        """``faults``: where defects in its watches and deletes are counted."""
-        self.kube = kube
-        self.api: KubeApi | None = None
-        self.watches: dict[str, PodWatch] = {}
+    def __init__(
+        self,
+        kube: Kubernetes,
+        api: KubeApi,
+        namespaces: set[str],
+        *,
+        faults: Counter[str] | None = None,
+    ) -> None:
+        """The cluster that ``api`` reaches, its pods in ``namespaces`` watched from now on;
+        ``faults``: where defects in its watches and deletes are counted."""
+        self.kube, self.api = kube, api
         self.runners: dict[tuple[str, str], Adopter] = {}
-        """(deployment label, instance index) -> its runner."""
-        self.found: Callable[[Adopter, str], None] | None = None
+        """(deployment label, instance index) -> its runner (the pod room keeps it)."""
+        self.found: Callable[[Adopter, str], None] = _unheard
         """Told what became of a runner's engine unasked (``ready``: a pod taken up, which the
-        lifecycle takes up as ready; ``stopped``: an unproven stop's pod gone at last)."""
+        lifecycle takes up as ready; ``stopped``: an unproven stop's pod gone at last), once
+        the lifecycle hears (`take_up`)."""
         self.debts: dict[tuple[str, str], Debt] = {}
         """(namespace, pod name) -> the delete owed for it."""
         self.tasks = Supervisor("the pods", faults=faults)
+        self.watches: dict[str, PodWatch] = {}
+        for ns in sorted(namespaces):
+            w = self.watches[ns] = PodWatch(api, ns, selector(kube), kube.watch_timeout)
+            self._keep(w)
 
     def watch(self, namespace: str) -> PodWatch | None:
         return self.watches.get(namespace)
 
-    async def open(self, env: Mapping[str, str]) -> None:
-        """Connect, start every namespace's watch, and take up what a previous run left."""
-        self.api = api = await connect(self.kube, env)
-        for ns in sorted({r.namespace for r in self.runners.values()}):
-            w = self.watches[ns] = PodWatch(api, ns, selector(self.kube), self.kube.watch_timeout)
-            self._keep(w)
+    async def take_up(self, found: Callable[[Adopter, str], None]) -> None:
+        """Tell ``found`` from now on, and take up what a previous run left (each namespace
+        waited for until it is listed, within `CALL_TIMEOUT_S`)."""
+        self.found = found
         for ns, w in self.watches.items():
             try:
                 await asyncio.wait_for(w.listed.wait(), CALL_TIMEOUT_S)
@@ -131,7 +140,7 @@ class Cluster:
             del self.debts[key]
             debt.paid.set()
             logger.info("%s: its pod %s is gone (%d tries)", owner, run.name, debt.tries)
-            if runner is not None and runner.idle and self.found is not None:
+            if runner is not None and runner.idle:
                 self.found(runner, "stopped")
             return True
 
@@ -145,12 +154,15 @@ class Cluster:
 
     async def close(self) -> None:
         await self.tasks.aclose()
-        if self.api is not None:
-            await self.api.close()
+        await self.api.close()
 
     @staticmethod
     def kube_grace(pod: dict[str, Any]) -> int:
         return int((pod.get("spec") or {}).get("terminationGracePeriodSeconds") or 30)
+
+
+def _unheard(runner: Adopter, state: str) -> None:
+    """What the cluster tells before the lifecycle hears: nothing (no engine starts before)."""
 
 
 async def _take_up(cluster: Cluster, w: PodWatch) -> None:
@@ -167,8 +179,7 @@ async def _take_up(cluster: Cluster, w: PodWatch) -> None:
             taken.add(runner)
             runner.adopt(pod)
             logger.info("pod %s in %s: taken up as it runs", name, w.namespace)
-            if cluster.found is not None:
-                cluster.found(runner, "ready")
+            cluster.found(runner, "ready")
             continue
         why = "its spec changed" if runner is not None else "no deployment names it"
         if runner is not None and fits:

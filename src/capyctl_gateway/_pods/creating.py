@@ -66,10 +66,6 @@ async def create(cluster: Cluster, body: dict[str, Any], runner: Adopter) -> Pod
     meta = body["metadata"]
     ns, name = str(meta["namespace"]), str(meta["name"])
     api, where = cluster.api, runner.instance.where
-    if api is None:
-        raise StartFailedError(
-            "the Kubernetes API was not reached when the gateway started", began=False
-        )
     maybe = sent = False  # an earlier try may have stored it; a try was sent
     try:
         async for attempt in _retrying():
@@ -148,7 +144,6 @@ async def _read_back(cluster: Cluster, ns: str, name: str) -> dict[str, Any] | N
                 while (pod := w.pods.get(name)) is None:
                     await w.changed()
                 return pod
-    assert cluster.api is not None
     async for attempt in _retrying():
         with attempt:
             return await cluster.api.get(ns, name)

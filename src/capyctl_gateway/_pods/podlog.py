@@ -26,11 +26,8 @@ class PodLog:
         return cls(cluster, namespace, name, [s for s in (inst.engine_key, *found) if s])
 
     async def lines(self, count: int, max_bytes: int) -> list[str]:
-        api = self._cluster.api
-        if api is None:
-            return []
         try:
-            text = await api.log(self._ns, self._name, count, max_bytes)
+            text = await self._cluster.api.log(self._ns, self._name, count, max_bytes)
         except KubeError as exc:
             return [f"(the pod's log could not be read: {exc.reason})"]
         return [masked(line, self.secrets) for line in text.splitlines()[-count:]]

@@ -69,8 +69,8 @@ class PodRun:
         now, or the watch no longer has it within its grace period and a margin; one known by
         name alone, only by a 404), else why it is not (the API's reason, never its address)."""
         api, w = self.cluster.api, self.cluster.watch(self.namespace)
-        if api is None or w is None:
-            return "the Kubernetes API was not reached when the gateway started"
+        if w is None:
+            return "its namespace is not watched"
         self.stopping = True
         try:
             if await api.delete(self.namespace, self.name, grace_s, self.uid) is None:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._deployments.runner import Shown
+
 __all__ = [
     "condition",
     "ended",
+    "lines",
     "node_of",
     "pending",
     "phase",
+    "placed",
     "pod_url",
     "ready",
     "serving",
@@ -106,3 +110,32 @@ def shown(pod: dict[str, Any]) -> dict[str, Any]:
     if (why := pending(pod)) is not None:
         row["waiting"] = why
     return row
+
+
+def placed(row: dict[str, Any]) -> str:
+    """Where a pod runs, in a line of ``list`` (from its `shown` row)."""
+    on = f" on node {row['node']}" if row.get("node") else ""
+    waits = f"; it waits: {row['waiting']}" if row.get("waiting") else ""
+    return f"pod {row['namespace']}/{row['name']}{on}, {row['phase']}{waits}"
+
+
+def lines(fields: dict[str, Any]) -> tuple[Shown, ...]:
+    """What ``status`` prints under a pod's instance: the pod (``shown``), the watch when it is
+    down, each delete owed."""
+    out: list[Shown] = []
+    if (row := fields.get("pod")) is not None:
+        on = f" on node {row['node']}" if row.get("node") else ""
+        waits = f"; it waits: {row['waiting']}" if row.get("waiting") else ""
+        text = f"pod {row['namespace']}/{row['name']}{on}: {row['phase']}{waits}"
+        out.append(Shown("pod", text, alarm=bool(waits)))
+    if watch := fields.get("pod_watch"):
+        out.append(Shown("pod_watch", f"the pod watch is {watch}", alarm=True))
+    for owed in fields.get("pod_deletes_owed", ()):
+        tries = f"; {owed['tries']} tries" if owed.get("tries") else ""
+        last = f", the last: {owed['error']}" if owed.get("error") else ""
+        text = (
+            f"pod {owed['namespace']}/{owed['name']}: its delete is owed for "
+            f"{owed['owed_s']:.0f} s ({owed['why']}{tries}{last}); tried again until it is gone"
+        )
+        out.append(Shown("pod_delete_owed", text, alarm=True))
+    return tuple(out)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -28,19 +29,19 @@ import aiohttp
 from canopyx_provider import Collector, adapter_for
 
 from .._config import KUBERNETES_POOL, Deployment, Pod
+from .._deployments.parking import drive
 from .._deployments.routes import EngineInstance
-from .._deployments.runner import ProcessView, Site, Tracked, never
+from .._deployments.runner import Described, ProcessView, Site, Tracked, never
+from .._deployments.seen import Seen, SeenBy
+from .._deployments.wakecheck import auth_of, check, record
 from .._errors import EngineControlError, StartFailedError
-from .._local.parking import drive
-from .._local.seen import Seen, SeenBy
-from .._local.wakecheck import auth_of, check, record
 from .cluster import Cluster
 from .creating import create
 from .deletes import holding, settled
-from .manifest import DEPLOYMENT, INSTANCE, manifest, named
+from .manifest import manifest, named
 from .podlog import PodLog
 from .podrun import PodRun
-from .podstate import node_of, pending, pod_url, serving, shown
+from .podstate import lines, node_of, pending, placed, pod_url, serving, shown
 from .starting import healthy, until_ready
 from .watch import PodWatch, uid_of
 
@@ -77,13 +78,13 @@ class PodRunner(SeenBy):
             on=f"on Kubernetes, namespace {self.namespace}",
             stopper="Kubernetes",
             outlives_gateway=True,
+            run_by="the gateway (pods)",
         )
         self.seen = Seen(collector, inst.key, clock)
         self._run: PodRun | None = None
         self._recorded: str | None = None
         self._log: PodLog | None = None
-        labels = self._body["metadata"]["labels"]
-        cluster.runners[(labels[DEPLOYMENT], labels[INSTANCE])] = self
+        self.labels: dict[str, str] = self._body["metadata"]["labels"]  # its pods' (a restart's)
 
     # -- what it reads ------------------------------------------------------------------------
     def _watch(self) -> PodWatch:
@@ -101,16 +102,17 @@ class PodRunner(SeenBy):
     def process(self) -> ProcessView | None:
         return None  # its process is the kubelet's, on its node
 
-    def describe(self) -> dict[str, Any]:
-        row = self.seen.row()
+    def describe(self) -> Described:
+        fields: dict[str, Any] = {}
         if (pod := self._current()) is not None:
-            row["pod"] = shown(pod)
+            fields["pod"] = shown(pod)
         w = self._cluster.watch(self.namespace)
         if w is not None and w.broken is not None:
-            row["pod_watch"] = f"down: {w.broken}"
+            fields["pod_watch"] = f"down: {w.broken}"
         if debts := self._cluster.owed_by(self.instance.where):
-            row["pod_deletes_owed"] = [d.row() for d in debts]
-        return row
+            fields["pod_deletes_owed"] = [d.row() for d in debts]
+        described = self.seen.described(lines(fields), **fields)
+        return replace(described, placed=placed(fields["pod"]) if "pod" in fields else None)
 
     def holdup(self) -> str | None:
         """Why its engine is not up yet where Kubernetes says (a pod nothing can place, an
@@ -130,8 +132,7 @@ class PodRunner(SeenBy):
     def begin(self, exchange: Tracked) -> None:
         """Nothing ends an exchange with a pod from outside (its exit is `gone`'s)."""
 
-    def end(self, exchange: Tracked) -> None:
-        """See `begin`."""
+    end = begin
 
     # -- what it does -------------------------------------------------------------------------
     def adopt(self, pod: dict[str, Any]) -> None:

@@ -282,12 +282,9 @@ function instanceRows(name, doc, launched) {
       el("td", {}, shown(inst.router_running)),
       el("td", {}, launched ? el("button", { type: "button", "data-log": inst.index,
         onclick: () => showLog(name, inst.index) }, logs.has(`${name}/${inst.index}`) ? "Hide log" : "Log") : "")));
-    if (inst.pod) {
-      const p = inst.pod;
-      body.append(el("tr", { "data-pod-of": inst.index }, el("td", {}),
-        el("td", { class: p.waiting ? "failure" : "muted", colspan: 10 },
-          `pod ${p.namespace}/${p.name}` + (p.node ? ` on node ${p.node}` : "") + `: ${p.phase}`
-          + (p.waiting ? `; it waits: ${p.waiting}` : ""))));
+    for (const line of inst.shown || []) {  // what its runner shows of it: a pod, its node
+      body.append(el("tr", { [`data-${line.name.replaceAll("_", "-")}-of`]: inst.index }, el("td", {}),
+        el("td", { class: line.alarm ? "failure" : "muted", colspan: 10 }, line.text)));
     }
     if (inst.failure) {
       body.append(el("tr", {}, el("td", {}), el("td", { class: "failure", colspan: 10 },

@@ -17,8 +17,8 @@ import aiohttp
 import orjson
 
 from .._config import Deployment
-from .._deployments.routes import EngineInstance
 from .._errors import StartFailedError
+from .routes import EngineInstance
 
 __all__ = ["CHECK_TIMEOUT_S", "answer", "auth_of", "check", "compare", "record"]
 

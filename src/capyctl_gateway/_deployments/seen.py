@@ -11,7 +11,7 @@ from typing import Any
 
 from canopyx_provider import Collector, EngineAdapter, TargetState
 
-from .._deployments.runner import CacheCounts, LoadSample
+from .runner import CacheCounts, Described, LoadSample, Shown
 
 __all__ = ["Seen", "SeenBy"]
 
@@ -90,6 +90,12 @@ class Seen:
         if status.error:
             row["error"] = status.error
         return row
+
+    def described(self, lines: tuple[Shown, ...] = (), **fields: Any) -> Described:
+        """The engine as the collector sees it (`row`), with a kind's own ``fields`` and
+        ``lines``."""
+        row = self.row()
+        return Described(watched=row.pop("state", None), fields={**row, **fields}, lines=lines)
 
     def silent_s(self) -> float | None:
         """How long the engine has answered none of its polls; None while it answers. An
