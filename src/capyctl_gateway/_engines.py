@@ -80,6 +80,9 @@ class EngineFacts:
     finish_reasons: frozenset[str] = frozenset({"stop", "length", "tool_calls"})
     """The finish reasons the engine's sources say it sends (a tool call answer's
     ``tool_calls`` included): any other ends the stream unverified."""
+    warm_flag: str | None = None
+    """The flag that names where a launched engine saves its cache for a warm wake
+    (llama.cpp's ``--slot-save-path``); None where the gateway keeps none for it."""
 
 
 FACTS: dict[EngineKind, EngineFacts] = {
@@ -126,6 +129,7 @@ FACTS: dict[EngineKind, EngineFacts] = {
         forced_flags=("--metrics",),
         figures_in="timings",
         chunk_keys=frozenset({"system_fingerprint", "timings"}),
+        warm_flag="--slot-save-path",
     ),
     EngineKind.TENSORFOLD: EngineFacts(
         delta_keys=frozenset({"role", "content", "reasoning_content", "tool_calls"}),

@@ -150,6 +150,7 @@ async def open_fleet(
             env=env,
             stack=stack,
             faults=faults,
+            warm_dir=state_dir / "warm" if state_dir is not None else None,
         )
         rooms = await open_rooms(opened, runners)  # what each kind shares (a cluster's watches)
         names = [d.name for d in config.deployments]

@@ -35,7 +35,14 @@ from .parts import (
     Seconds,
 )
 from .pods import KUBERNETES_POOL, Kubernetes, Pod
-from .rules import budget_problem, empty_sections_dropped, kept_ready_problem, url_only_problem
+from .rules import (
+    budget_problem,
+    empty_sections_dropped,
+    kept_ready_problem,
+    url_only_problem,
+    warm_problem,
+    warms,
+)
 
 __all__ = [
     "Api",
@@ -101,6 +108,7 @@ class Deployment(BaseModel):
         for i, inst in enumerate(self.instances):
             if inst.launch is not None:
                 problem = launch_problem(self.engine, inst.launch.command, inst.launch.env)
+                problem = problem or warm_problem(self, inst.launch.command)
                 if problem is not None:
                     raise ValueError(f"instances.{i}.launch.command: {problem}")
                 if inst.pod is not None and secrets_in(inst.launch.command, inst.launch.env):
@@ -138,6 +146,11 @@ class Deployment(BaseModel):
         if self.on_pods:  # a parked pod keeps its GPU in the scheduler's books: auto stops
             return park == "sleep"
         return park == "sleep" or (park == "auto" and (self.router or self.can_park and self._gpu))
+
+    @cached_property
+    def warms(self) -> bool:
+        """Its engines' caches are kept across their stops (`rules.warms`)."""
+        return warms(self)
 
     @cached_property
     def on_pods(self) -> bool:

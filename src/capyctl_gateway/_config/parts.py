@@ -103,6 +103,15 @@ class Lifecycle(BaseModel):
     come_back: bool = False
     """Switched out to make room for another deployment, it starts again by itself once the
     memory budget has room for it (never switching another out for that)."""
+    warm_cache: bool = True
+    """What the engine had cached is saved before it stops (a park, a switch, an idle or an
+    operator's stop) and restored when it starts again, before it takes a request: launched
+    llama.cpp servers (one model each). ``off`` turns it off."""
+    warm_cache_disk: Bytes = 4 * 2**30
+    """The disk the deployment's saved caches may hold, all its instances together."""
+    warm_cache_timeout: Seconds = 30.0
+    """How long the saves before a stop, or the restores after a start, may take in all; past
+    it the rest is given up and the instance serves cold."""
 
 
 class Routing(BaseModel):

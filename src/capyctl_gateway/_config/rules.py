@@ -10,6 +10,8 @@
   machine than the budget: one of them could never start, and would try again for ever.
 - ``lifecycle.come_back`` with no budget, or on a deployment kept ready: no switch would ever
   take it out.
+- A launch command that sets where the engine saves its cache (llama.cpp's
+  ``--slot-save-path``) while the gateway keeps its warm cache there.
 """
 
 from __future__ import annotations
@@ -18,12 +20,20 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .._engines import FACTS
 from .pods import KUBERNETES_POOL
 
 if TYPE_CHECKING:
     from . import Deployment
 
-__all__ = ["budget_problem", "kept_ready_problem", "size", "url_only_problem"]
+__all__ = [
+    "budget_problem",
+    "kept_ready_problem",
+    "size",
+    "url_only_problem",
+    "warm_problem",
+    "warms",
+]
 
 
 def url_only_problem(deployments: Sequence[Deployment]) -> str | None:
@@ -42,6 +52,29 @@ def url_only_problem(deployments: Sequence[Deployment]) -> str | None:
             return f"{why}, so lifecycle.{key} would do nothing; remove it"
         if d.memory is not None:
             return f"{why} nor counts their memory, so memory would do nothing; remove it"
+    return None
+
+
+def warms(d: Deployment) -> bool:
+    """Whether what ``d``'s engines cached is saved before they stop and restored when they
+    start (``lifecycle.warm_cache``, where the engine's kind allows it: one-model llama.cpp
+    servers this gateway runs on its own machine)."""
+    return (
+        d.lifecycle.warm_cache
+        and FACTS[d.engine].warm_flag is not None
+        and d.launched
+        and not d.router
+        and not d.on_pods
+        and not d.remote
+    )
+
+
+def warm_problem(d: Deployment, command: Sequence[str]) -> str | None:
+    """Why ``command`` may not run for ``d``: it sets where the engine saves its cache, which
+    is the gateway's while it keeps ``d``'s warm cache."""
+    flag = FACTS[d.engine].warm_flag
+    if d.warms and any(a.split("=", 1)[0] == flag for a in command):
+        return f"sets {flag}, where the gateway keeps its warm cache (lifecycle.warm_cache: off)"
     return None
 
 

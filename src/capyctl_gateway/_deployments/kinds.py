@@ -52,6 +52,9 @@ class Opened:
     """Where a room closes what it opened, after the lifecycle has stopped its engines."""
     faults: Counter[str] = field(default_factory=Counter)
     """Where defects in a room's own background tasks are counted (the lifecycle's count)."""
+    warm_dir: Path | None = None
+    """Where the engines' warm caches are kept (``<state-dir>/warm``); None without a state
+    directory (no warm cache then)."""
 
     def deployment(self, inst: EngineInstance) -> Deployment:
         """The configured deployment ``inst`` was built from."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._errors import EngineControlError
+from .warm import WarmShown
 
 __all__ = [
     "HERE",
@@ -143,6 +144,9 @@ class Described:
     placed: str | None = None
     """Where it runs now, in a line of ``list`` (a pod, its node and phase); None where the
     instance's machine says it."""
+    warm: WarmShown | None = None
+    """What its warm cache saved and restored (``_deployments/warm.py``); None where its
+    runner keeps none."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,10 @@
 someone else runs (``url:``), its load read from the collector.
 
 Starting runs the process (``process.py``) and waits for its ``/health``; once it answers, the
-collector watches it and the process is recorded in the store (``pids.py``: a gateway started
-again outlasts it). Parking and waking go to the engine's own routes (``parking.py``);
-stopping stops its process group. The collector stops watching an engine that stops. An engine
+collector watches it, the process is recorded in the store (``pids.py``: a gateway started
+again outlasts it) and its warm cache is restored (``warm.py``), which a stop saves first.
+Parking and waking go to the engine's own routes (``parking.py``); stopping stops its process
+group. The collector stops watching an engine that stops. An engine
 someone else runs is watched from the start.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -25,6 +27,7 @@ from .._deployments.runner import (
     HERE,
     Described,
     ProcessView,
+    Shown,
     Site,
     Tracked,
     never,
@@ -37,6 +40,7 @@ from .._store import Store
 from .enginelog import EngineLog, ShownLog, file_stem
 from .pids import remember
 from .process import EngineProcess, PortLostError, free_port, launch_argv, launch_env
+from .warm import WarmCache
 
 __all__ = ["PORT_TRIES", "LocalRunner"]
 
@@ -61,9 +65,10 @@ class LocalRunner(SeenBy):
         log_dir: Path,
         clock: Callable[[], float],
         store: Store | None,
+        warm: WarmCache,
     ) -> None:
         self._inst, self._dep, self._session, self._log_dir = inst, deployment, session, log_dir
-        self._store = store
+        self._store, self._warm = store, warm
         self._proc: EngineProcess | None = None
         self.seen = Seen(collector, inst.key, clock)
         self._recorded: str | None = None
@@ -87,7 +92,9 @@ class LocalRunner(SeenBy):
         return ProcessView(proc.pid, proc.port, proc.argv, reaper_pid=proc.reaper_pid)
 
     def describe(self) -> Described:
-        return self.seen.described()
+        warm = self._warm.shown()
+        lines = (Shown("warm_cache", warm.line()),) if warm.on or warm.why_off else ()
+        return replace(self.seen.described(lines, warm_cache=warm.row()), warm=warm)
 
     def log(self) -> ShownLog | None:
         return self._log
@@ -99,7 +106,9 @@ class LocalRunner(SeenBy):
         return "dispatch_closed"  # never: this machine is always reached
 
     def begin(self, exchange: Tracked) -> None:
-        """Nothing ends an exchange on this machine from outside."""
+        """Nothing ends an exchange on this machine from outside; its engine's cache may
+        hold something new (its warm cache saves it)."""
+        self._warm.began()
 
     def end(self, exchange: Tracked) -> None:
         """See `begin`."""
@@ -113,7 +122,7 @@ class LocalRunner(SeenBy):
         if launch is None:
             raise StartFailedError(f"{inst.where} is an engine someone else runs")
         for _ in range(PORT_TRIES):
-            proc, self._log = _process(inst, d, launch, self._log_dir)
+            proc, self._log = _process(inst, d, launch, self._log_dir, self._warm.flags())
             self._proc = proc
             try:
                 await proc.start(self._session, launch.startup_timeout)
@@ -140,6 +149,7 @@ class LocalRunner(SeenBy):
         remember(self._store, inst.key, proc.pid)
         if d.parks and not d.router:  # what its wake checks will be compared with
             self._recorded = await record(self._session, inst, d)
+        inst.restored = await self._warm.restore(proc.url, auth_of(inst))  # before it admits
         return f"answered on port {proc.port}"
 
     async def park(self, reason: str) -> None:
@@ -152,6 +162,9 @@ class LocalRunner(SeenBy):
             await check(self._session, inst, d, self._recorded)
 
     async def stop(self, reason: str) -> bool:
+        if self._proc is not None and not self._proc.exited():  # what it cached, for its next
+            await self._warm.save(self._proc.url, auth_of(self._inst))
+        self._warm.stopped()
         self.seen.unwatch()
         if self._proc is not None:
             await self._proc.stop()
@@ -173,7 +186,7 @@ class LocalRunner(SeenBy):
 
 
 def _process(
-    inst: EngineInstance, d: Deployment, launch: Launch, log_dir: Path
+    inst: EngineInstance, d: Deployment, launch: Launch, log_dir: Path, extra: list[str]
 ) -> tuple[EngineProcess, ShownLog]:
     """The engine's process on a free port (not started), and its log as the gateway shows it:
     the engine's output may carry its keys (vLLM prints its arguments), masked as ``status``
@@ -181,7 +194,7 @@ def _process(
     port = free_port()
     log = EngineLog(log_dir, file_stem(d.name, inst.index), launch.logs)
     sleep = d.parks and not d.router  # a router parks by unloading: no flags
-    argv = launch_argv(d.engine, launch, port, sleep=sleep)
+    argv = [*launch_argv(d.engine, launch, port, sleep=sleep), *extra]
     env = launch_env(d.engine, launch, sleep=sleep)
     secrets = [s for s in (inst.engine_key, *secrets_in(argv, env)) if s]
     return EngineProcess(argv, env, log, port), ShownLog(log, secrets)

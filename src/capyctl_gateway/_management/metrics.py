@@ -17,8 +17,10 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from .._deployments.warm import WHYS
 from .._gateway import Gateway
 from .._lifecycle.states import InstanceState
+from .._scheduling.policy import REASONS
 from .._tasks import FAULT_KINDS
 from .._telemetry import BUCKETS, PHASES, Telemetry
 
@@ -41,6 +43,7 @@ class _GatewayCollector:
         yield from _settled(t)
         yield from _collector_state(gw)
         yield from _prefix_cache(gw)
+        yield from _warm_cache(gw)
         yield from _lifecycle(gw)
         yield from _timings(t)
 
@@ -157,6 +160,46 @@ def _prefix_cache(gw: Gateway) -> Iterator[Metric]:
     yield from (queried, hits)
 
 
+def _warm_cache(gw: Gateway) -> Iterator[Metric]:
+    """What each instance's warm cache saved, restored and failed to, since the gateway
+    started, and what it holds on disk (instances whose runner keeps one)."""
+    labels = ["deployment", "instance"]
+    saves = CounterMetricFamily(
+        "capyctl_warm_cache_saves", "Prefixes (engine slots) saved before a stop.", labels=labels
+    )
+    restores = CounterMetricFamily(
+        "capyctl_warm_cache_restores", "Prefixes restored after a start.", labels=labels
+    )
+    moved = CounterMetricFamily(
+        "capyctl_warm_cache_bytes",
+        "Bytes of saved caches written (save) and read back (restore).",
+        labels=[*labels, "op"],
+    )
+    failures = CounterMetricFamily(
+        "capyctl_warm_cache_failures",
+        "Saves and restores that did not happen, by why (the instance served cold).",
+        labels=[*labels, "op", "why"],
+    )
+    disk = GaugeMetricFamily(
+        "capyctl_warm_cache_disk_bytes", "What the saved caches hold on disk.", labels=labels
+    )
+    for name, route in gw.fleet.routes.items():
+        for inst in route.instances:
+            warm = inst.runner.describe().warm
+            if warm is None or not warm.on:
+                continue
+            row, c = [name, str(inst.index)], warm.counts
+            saves.add_metric(row, c.saves)
+            restores.add_metric(row, c.restores)
+            moved.add_metric([*row, "save"], c.saved_bytes)
+            moved.add_metric([*row, "restore"], c.restored_bytes)
+            for op in ("save", "restore"):
+                for why in WHYS:
+                    failures.add_metric([*row, op, why], c.failures.get((op, why), 0))
+            disk.add_metric(row, warm.disk_bytes)
+    yield from (saves, restores, moved, failures, disk)
+
+
 def _lifecycle(gw: Gateway) -> Iterator[Metric]:
     state = GaugeMetricFamily(
         "capyctl_lifecycle_state",
@@ -184,6 +227,7 @@ def _lifecycle(gw: Gateway) -> Iterator[Metric]:
     for kind in FAULT_KINDS:  # a count, not a sample: none seen is a measured 0
         faults.add_metric([kind], gw.fleet.tasks.faults[kind])
     yield faults
+    yield from _scheduling(gw)
     held = GaugeMetricFamily(
         "capyctl_memory_held_bytes", "Memory held by launched deployments (their memory:)."
     )
@@ -222,3 +266,26 @@ def exposition(gateway: Gateway) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_GatewayCollector(gateway))
     return generate_latest(registry)
+
+
+def _scheduling(gw: Gateway) -> Iterator[Metric]:
+    """The scheduler's switches by reason, and the seconds each deployment spent starting,
+    waking, parking, stopping and draining."""
+    scheduler = gw.fleet.lifecycle.scheduler
+    switches = CounterMetricFamily(
+        "capyctl_switches",
+        "Deployments switched out to make room for another, by the scheduler's reason.",
+        labels=["reason"],
+    )
+    for reason in REASONS:  # a count, not a sample: none seen is a measured 0
+        switches.add_metric([reason], scheduler.switches[reason])
+    yield switches
+    spent = CounterMetricFamily(
+        "capyctl_lifecycle_seconds",
+        "Seconds the instances of each deployment spent in a transition (starting, waking, "
+        "parking, stopping) or draining before one.",
+        labels=["deployment", "phase"],
+    )
+    for (dep, phase), seconds in sorted(scheduler.costs.spent.items()):
+        spent.add_metric([dep, phase], seconds)
+    yield spent

@@ -80,10 +80,12 @@ def log_route(
 
 def _why(instance: EngineInstance, more: dict[str, Any]) -> str:
     """The text line's reason for a choice among several instances: ``(prefix: 12 of 40 blocks,
-    load 1)``; nothing for a lone instance."""
+    load 1)``; nothing for a lone instance; and for the first request on an instance since its
+    warm cache was restored, what was: ``(warm: 1 prefix restored, 9333 tokens)``."""
+    warm = f" (warm: {more['warm_cache']})" if "warm_cache" in more else ""
     why = more.get("why")
     if why is None:
-        return ""
+        return warm
     rows: list[dict[str, Any]] = more.get("candidates", [])
     mine = next((c for c in rows if c["instance"] == instance.index), {})
     parts = [str(why)]
@@ -94,7 +96,7 @@ def _why(instance: EngineInstance, more: dict[str, Any]) -> str:
     stale = sum(1 for s in more.get("skipped", ()) if s["reason"] == "stale_sample")
     if stale:
         parts.append(f"{stale} passed over for a stale sample")
-    return f" ({', '.join(parts)})"
+    return f" ({', '.join(parts)}){warm}"
 
 
 def closed_reason(i: EngineInstance) -> str:

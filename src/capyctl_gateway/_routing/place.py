@@ -150,6 +150,9 @@ def _log_choice(asked: Placing, route: Route, choice: Choice, refused: set[int])
     """The ``router_selection`` line: with why, the candidates weighed and the instances
     skipped when there was a choice (or the instance is on a host)."""
     instance = choice.instance
+    warm: dict[str, Any] = {}
+    if instance.restored is not None:  # the first request since its engine's warm restore
+        warm["warm_cache"], instance.restored = instance.restored, None
     if len(route.instances) > 1 or asked.dep.remote:
         shown, skipped_ = candidates(route, refused, choice)
         prefix: dict[str, Any] = {}
@@ -164,6 +167,7 @@ def _log_choice(asked: Placing, route: Route, choice: Choice, refused: set[int])
             **prefix,
             candidates=shown,
             skipped=skipped_,
+            **warm,
         )
     else:
-        log_route("router_selection", asked, route, instance)
+        log_route("router_selection", asked, route, instance, **warm)
