@@ -83,20 +83,25 @@ class Tally:
                 last = out.last_at - arrival
             ttft = out.ttft
         total = stamp() - arrival
-        return Figures(
-            self.deployment,
-            self.api,
-            self.ending.value,
-            self.code,
-            self.status,
-            self.instance,
-            slot,
-            activation,
-            head,
-            content,
-            last,
-            total,
-            ttft,
+        # Made as a tuple is, without the NamedTuple's own __new__ (a Python frame): about
+        # 2,500 instructions less, once a request.
+        return _new_figures(
+            Figures,
+            (
+                self.deployment,
+                self.api,
+                str(self.ending),  # its value (a StrEnum's), without the enum's descriptor
+                self.code,
+                self.status,
+                self.instance,
+                slot,
+                activation,
+                head,
+                content,
+                last,
+                total,
+                ttft,
+            ),
         )
 
 
@@ -138,6 +143,9 @@ class Figures(NamedTuple):
     was asked, the wait for a slot and for a start or wake left out."""
 
 
+_new_figures = tuple.__new__
+
+
 def record(t: Telemetry, r: Tally) -> None:
     add(t, r.figures(), running_loop().time())
 
@@ -159,7 +167,7 @@ def add(t: Telemetry, f: Figures, now: float) -> None:
         end,
         ttft,
     ) = f
-    outcome = Ending(ending)
+    outcome = _ENDINGS.get(ending) or Ending(ending)  # (the enum's call: a Python frame)
     t.requests[(deployment, api, outcome)] += 1
     if outcome is Ending.REFUSED and code is not None:
         t.refusals[(deployment, code)] += 1
@@ -198,3 +206,4 @@ _FINE = frozenset({Ending.COMPLETED, Ending.HANG_UP})
 
 
 _INDEX = {i: str(i) for i in range(64)}
+_ENDINGS = {e.value: e for e in Ending}

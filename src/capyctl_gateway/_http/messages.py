@@ -55,11 +55,11 @@ async def _count(call: Call, ex: Exchange, cap: int) -> web.StreamResponse:
 
 
 def _check_messages(body: dict[str, Any], dep: Deployment) -> Checked:
-    return Checked(*check_messages(body, dep))
+    return check_messages(body, dep)
 
 
 def _check_count(body: dict[str, Any], dep: Deployment) -> Checked:
-    return Checked(check_tokens(body, dep), False)  # a count is answered whole
+    return check_tokens(body, dep), False, None  # a count is answered whole
 
 
 def _in_band(dep: Deployment, notes: Any) -> InBand:

@@ -5,23 +5,24 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from .._config import Api, Deployment, GatewayConfig
+from .._config import REMOTE_MAX_BODY_BYTES, Api, Deployment, GatewayConfig
 from .._engines import facts
 from .._errors import RefusedError, TooLargeError, UnknownModelError, invalid
+from .._machines.protocol import INGRESS_MAX_BODY_BYTES
 
 __all__ = [
     "CHAT_FIELDS",
+    "MAX_PRIORITY",
     "ENDPOINTS",
     "DECISION_FIELDS",
-    "ChatRequest",
-    "DecisionRequest",
     "MAX_NESTING",
     "caller_request_id",
+    "fits_a_host",
+    "take_priority",
     "check_chat",
     "check_decision",
     "check_salt",
@@ -54,8 +55,12 @@ CHAT_FIELDS = frozenset(
         "separate_reasoning", "stream_reasoning", "include_reasoning",
         # prefix-cache isolation
         "cache_salt",
+        # the queue's order (vLLM's and SGLang's field)
+        "priority",
     }
 )  # fmt: skip
+MAX_PRIORITY = 2**31 - 1
+"""A request's ``priority`` lies within ±this (a 32-bit integer, as engines take it)."""
 
 DECISION_FIELDS = frozenset({"model", "state", "questions", "images", "files"})
 CACHE_SALT_UNSUPPORTED = (
@@ -65,19 +70,6 @@ MAX_SALT_BYTES = 1024
 MAX_NESTING = 254
 """How deep a body may nest, its own object included: orjson reads 1,024 levels but writes at
 most 254, and the engine's copy is written by it (a test holds orjson to this figure)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
-    deployment: Deployment
-    body: dict[str, Any]
-    stream: bool
-
-
-@dataclass(frozen=True, slots=True)
-class DecisionRequest:
-    deployment: Deployment
-    body: dict[str, Any]
 
 
 _LONG_DIGITS = re.compile(rb"\d{20}|-\d{19}")
@@ -90,9 +82,8 @@ def _tokens_within(raw: bytes, limit: int) -> None:
     """Refuse a body that may hold more than ``limit`` JSON values, before it is parsed (the
     parse's time and memory grow with its values): each value past the first follows one of
     ``,`` ``:`` ``[`` ``{``, so their count bounds them. Counted in strings too: one C pass per
-    character, where telling strings apart would cost a parse."""
-    if len(raw) <= limit:
-        return  # it cannot hold more
+    character, where telling strings apart would cost a parse. (A body of ``limit`` bytes
+    or fewer cannot hold more: the caller asks only of a longer one.)"""
     seen = 0
     for ch in _TOKENS:
         seen += raw.count(ch)
@@ -122,9 +113,10 @@ def _exact_integers(raw: bytes, body: Any) -> None:
     """Refuse an integer the engine would not receive exactly: orjson reads one outside
     -2^63 .. 2^64-1 as a float, and the engine would get another number than the one sent.
     Looked for in three steps, each run only where the one before found something: a run of
-    digits anywhere (one C pass), a float that large in what orjson read (a walk of its values,
-    bounded by ``max_json_tokens``), the standard library's parse of the integers (as bounded)."""
-    if _LONG_DIGITS.search(raw) is None or not _out_of_range(body):
+    digits anywhere (one C pass: `_LONG_DIGITS`, the caller's), a float that large in what
+    orjson read (a walk of its values, bounded by ``max_json_tokens``), the standard library's
+    parse of the integers (as bounded)."""
+    if not _out_of_range(body):
         return
 
     def exact(text: str) -> int:
@@ -151,14 +143,17 @@ def resolve(
     """The checks every request shares, in order: no more JSON values than the limit (413), a
     JSON object with a string ``model`` (400), a deployment of that name (404), serving the
     API of ``endpoint`` (400 api_mismatch)."""
-    _tokens_within(raw, config.limits.max_json_tokens)
+    limit = config.limits.max_json_tokens
+    if len(raw) > limit:  # a body no longer cannot hold more
+        _tokens_within(raw, limit)
     try:
         body = orjson.loads(raw)  # nested past 1,024 levels: refused here, else when written
     except orjson.JSONDecodeError as exc:
         raise invalid(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
-    _exact_integers(raw, body)
+    if _LONG_DIGITS.search(raw) is not None:
+        _exact_integers(raw, body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required and must be a non-empty string")
@@ -175,9 +170,9 @@ def resolve(
     return body, deployment
 
 
-def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
+def check_chat(body: dict[str, Any], deployment: Deployment) -> bool:
     """The chat checks after `resolve` (which found ``deployment``), in the documented order
-    (`check_salt`, every API's, follows them)."""
+    (`check_salt`, every API's, follows them); whether the client asked for a stream."""
     for key in body:
         if key not in CHAT_FIELDS:
             raise invalid(f"request field `{key[:64]}` is not accepted")
@@ -197,7 +192,7 @@ def check_chat(body: dict[str, Any], deployment: Deployment) -> ChatRequest:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options must be an object")
-    return ChatRequest(deployment, body, bool(stream))
+    return bool(stream)
 
 
 def check_salt(body: dict[str, Any], deployment: Deployment, *, in_band: bool) -> None:
@@ -213,7 +208,21 @@ def check_salt(body: dict[str, Any], deployment: Deployment, *, in_band: bool) -
         raise RefusedError(CACHE_SALT_UNSUPPORTED, code="cache_salt_unsupported", in_band=in_band)
 
 
-def check_decision(body: dict[str, Any], deployment: Deployment) -> DecisionRequest:
+def take_priority(body: dict[str, Any], deployment: Deployment) -> int:
+    """A chat request's ``priority`` (0 where not given): a whole number within
+    ±`MAX_PRIORITY`, the lower served first in the gateway's queue. It stays in the engine's
+    request only where its engines schedule by it (`Deployment.schedules_by_priority`)."""
+    if "priority" not in body:
+        return 0
+    priority = body["priority"]
+    if type(priority) is not int or abs(priority) > MAX_PRIORITY:
+        raise invalid(f"priority must be a whole number from {-MAX_PRIORITY} to {MAX_PRIORITY}")
+    if not deployment.schedules_by_priority:
+        del body["priority"]
+    return priority
+
+
+def check_decision(body: dict[str, Any], deployment: Deployment) -> None:
     """The decision checks after `resolve` (which found ``deployment``)."""
     for key in body:
         if key not in DECISION_FIELDS:
@@ -224,7 +233,6 @@ def check_decision(body: dict[str, Any], deployment: Deployment) -> DecisionRequ
             not isinstance(value, list) or not all(isinstance(v, str) for v in value)
         ):
             raise invalid(f"{key} must be a list of data-URI strings")
-    return DecisionRequest(deployment, body)
 
 
 def engine_payload(
@@ -254,3 +262,20 @@ def caller_request_id(values: list[str]) -> str | None:
     if not 1 <= len(value) <= 128 or not all("!" <= c <= "~" for c in value):
         raise invalid("X-Request-Id must be 1 to 128 printable ASCII characters without spaces")
     return value
+
+
+def fits_a_host(name: str, sent: int, payload: int) -> None:
+    """Refuse (413) a request for a deployment on another machine that its host's ingress
+    would not take: the body the client sent over 8 MiB, or the engine's copy of it (the
+    model renamed, a stream asked for, numbers written out) past the ingress's limit."""
+    if sent > REMOTE_MAX_BODY_BYTES:
+        raise TooLargeError(
+            f"deployment {name} runs on another machine: its requests must fit in "
+            f"{REMOTE_MAX_BODY_BYTES} bytes"
+        )
+    if payload > INGRESS_MAX_BODY_BYTES:
+        raise TooLargeError(
+            f"deployment {name} runs on another machine: the request as the engine would get "
+            f"it is {payload} bytes, over the {INGRESS_MAX_BODY_BYTES} its host takes (the "
+            "gateway writes numbers such as 1e5 out in full: 100000.0)"
+        )
