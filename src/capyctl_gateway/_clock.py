@@ -25,34 +25,33 @@ import time
 __all__ = ["advance", "offset", "reset", "stamp", "wall"]
 
 _monotonic, _time = time.monotonic, time.time
-
-
-class _Moved:
-    """How far a virtual clock has moved this one (0 unless a test's loop moves it)."""
-
-    by = 0.0
+_by = 0.0
+"""How far a virtual clock has moved this one (0 unless a test's loop moves it): a module
+global, which a hot path's `stamp` reads for less than a class attribute (about 10 ns)."""
 
 
 def stamp() -> float:
     """The clock now (``time.monotonic``'s scale and resolution)."""
-    return _monotonic() + _Moved.by
+    return _monotonic() + _by
 
 
 def wall() -> float:
     """The clock now on the wall's scale (``time.time``'s)."""
-    return _time() + _Moved.by
+    return _time() + _by
 
 
 def advance(seconds: float) -> None:
     """Move the clock forward by ``seconds`` (a virtual clock's jump)."""
-    _Moved.by += seconds
+    global _by
+    _by += seconds
 
 
 def offset() -> float:
     """How far the clock has been moved."""
-    return _Moved.by
+    return _by
 
 
 def reset() -> None:
     """Put the clock back on real time (its virtual clock is closed)."""
-    _Moved.by = 0.0
+    global _by
+    _by = 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import select
+import socket
 from collections.abc import Callable
 from typing import Protocol
 
@@ -21,6 +22,7 @@ __all__ = [
     "EngineConnectionError",
     "EngineResponse",
     "unasked_read",
+    "watching",
 ]
 
 HIGH_WATER = 256 * 1024
@@ -178,18 +180,20 @@ class EngineResponse:
         self._conn.done(reuse=False)
 
 
-_POLL = select.poll()
+def watching(sock: socket.socket | None) -> select.poll | None:
+    """What `unasked_read` asks of a connection's socket ``sock``: a poll of it, registered
+    once, as the connection is made (None without a socket)."""
+    if sock is None:
+        return None
+    watch = select.poll()
+    watch.register(sock.fileno(), select.POLLIN)
+    return watch
 
 
-def unasked_read(fd: int) -> bool:
-    """Whether an idle connection's socket ``fd`` has something to read: its engine closed it
-    (an engine that just died, its end not yet read by the loop) or sent what nobody asked
-    for. Either way no request may go on it: one that did would be lost to an engine that
-    provably never got it. One poll that does not wait (about 0.6 us)."""
-    if fd < 0:
-        return False
-    _POLL.register(fd, select.POLLIN)
-    try:
-        return bool(_POLL.poll(0))
-    finally:
-        _POLL.unregister(fd)
+def unasked_read(watch: select.poll | None) -> bool:
+    """Whether an idle connection's socket (``watch``: `watching` it) has something to read:
+    its engine closed it (an engine that just died, its end not yet read by the loop) or sent
+    what nobody asked for. Either way no request may go on it: one that did would be lost to an
+    engine that provably never got it. One poll that does not wait (about 0.3 us: registered
+    once, not at every request)."""
+    return watch is not None and bool(watch.poll(0))

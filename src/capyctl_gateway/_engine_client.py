@@ -21,6 +21,7 @@ configuration's ``engine_client: lean`` names it; the aiohttp fallback is gone).
 from __future__ import annotations
 
 import asyncio
+import select
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -34,6 +35,7 @@ from ._engine_answer import (
     EngineConnectionError,
     EngineResponse,
     unasked_read,
+    watching,
 )
 from ._loop import running_loop
 
@@ -62,7 +64,7 @@ class _Connection(asyncio.Protocol):
         self._pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.fd = -1  # its socket's (none: -1)
+        self.watch: select.poll | None = None  # its socket, for `unasked_read`
         self.closed = False
         self.idle_since = 0.0
         # httptools looks its callbacks up once, here: each body piece (one per event of a
@@ -79,8 +81,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        self.fd = -1 if sock is None else sock.fileno()
+        self.watch = watching(transport.get_extra_info("socket"))
 
     def data_received(self, data: bytes) -> None:
         if self._complete:  # nothing was asked: an engine that says more is not trusted
@@ -240,7 +241,7 @@ class EngineClient:
             transport = conn.transport
             if conn.closed or transport is None or transport.is_closing():
                 continue
-            if now - conn.idle_since > IDLE_S or unasked_read(conn.fd):
+            if now - conn.idle_since > IDLE_S or unasked_read(conn.watch):
                 conn.done(reuse=False)
                 continue
             return conn

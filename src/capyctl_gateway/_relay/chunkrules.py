@@ -12,6 +12,7 @@ from .._errors import UnverifiedError
 
 __all__ = [
     "MAX_TOOL_CALLS",
+    "Calls",
     "ChoiceRules",
     "ClientForm",
     "check_fields",
@@ -166,7 +167,8 @@ MAX_TOOL_CALLS = 4096
 
 
 class ChoiceRules:
-    """The rules on a stream's one choice, and what they keep of it (one object per stream).
+    """The rules on a stream's one choice, one object per deployment (the stream's own state,
+    its tool calls so far, is the caller's: ``calls``).
 
     n is 1, so the choice's index is 0: another's text would be merged into it. Beside the
     delta, a choice is relayed as the engine sent it, once its finish_reason is one its engine
@@ -174,19 +176,16 @@ class ChoiceRules:
     first delta, and keeps its id and name: a later delta may repeat them, never change them.
     """
 
-    __slots__ = ("calls", "delta_keys", "finishes", "text_keys")
+    __slots__ = ("delta_keys", "finishes", "text_keys")
 
     def __init__(
         self, delta_keys: frozenset[str], text_keys: tuple[str, ...], finishes: frozenset[str]
     ) -> None:
         self.delta_keys, self.text_keys, self.finishes = delta_keys, text_keys, finishes
-        self.calls: dict[int, tuple[int | None, int]] = {}
-        """Each tool call's index, with the hashes of its id (None until it has one) and of
-        its function's name: what a later delta of it is held to, in a few bytes."""
 
-    def check(self, choice: Any) -> tuple[bool, bool, bool]:
-        """Check a chunk's one choice; return whether it carries text, tool calls, and a
-        finish."""
+    def check(self, choice: Any, calls: Calls) -> tuple[bool, bool, bool]:
+        """Check a chunk's one choice (``calls``: its stream's tool calls so far, kept up to
+        date); return whether it carries text, tool calls, and a finish."""
         if type(choice) is not dict:
             raise UnverifiedError("the choice is not an object")
         index = choice.get("index")
@@ -218,33 +217,39 @@ class ChoiceRules:
                     raise UnverifiedError(f"delta {key} is not a string")
                 if value:
                     text = True
-        calls = delta.get("tool_calls")
-        if calls is not None:
-            check_tool_calls(calls)
-            for call in calls:
-                self._same_call(call)
-        return text, bool(calls), finish is not None
+        made = delta.get("tool_calls")
+        if made is not None:
+            check_tool_calls(made)
+            for call in made:
+                _same_call(call, calls)
+        return text, bool(made), finish is not None
 
-    def _same_call(self, call: dict[str, Any]) -> None:
-        """Hold a tool call's delta (its shape checked) to what its first one said."""
-        cid = call.get("id") or None
-        fn = call.get("function")
-        name = (fn.get("name") if fn is not None else None) or None
-        ids = None if cid is None else hash(cid)
-        known = self.calls.get(call["index"])
-        if known is None:
-            if name is None:
-                raise UnverifiedError("a tool call has no name in its first delta")
-            if len(self.calls) >= MAX_TOOL_CALLS:
-                raise UnverifiedError(f"the answer makes more than {MAX_TOOL_CALLS} tool calls")
-            self.calls[call["index"]] = (ids, hash(name))
-            return
-        if ids is not None and ids != known[0]:
-            if known[0] is not None:
-                raise UnverifiedError("a tool call's id changed mid-call")
-            self.calls[call["index"]] = (ids, known[1])
-        if name is not None and hash(name) != known[1]:
-            raise UnverifiedError("a tool call's name changed mid-call")
+
+Calls = dict[int, tuple[int | None, int]]
+"""A stream's tool calls so far: each one's index, with the hashes of its id (None until it has
+one) and of its function's name: what a later delta of it is held to, in a few bytes."""
+
+
+def _same_call(call: dict[str, Any], calls: Calls) -> None:
+    """Hold a tool call's delta (its shape checked) to what its first one said."""
+    cid = call.get("id") or None
+    fn = call.get("function")
+    name = (fn.get("name") if fn is not None else None) or None
+    ids = None if cid is None else hash(cid)
+    known = calls.get(call["index"])
+    if known is None:
+        if name is None:
+            raise UnverifiedError("a tool call has no name in its first delta")
+        if len(calls) >= MAX_TOOL_CALLS:
+            raise UnverifiedError(f"the answer makes more than {MAX_TOOL_CALLS} tool calls")
+        calls[call["index"]] = (ids, hash(name))
+        return
+    if ids is not None and ids != known[0]:
+        if known[0] is not None:
+            raise UnverifiedError("a tool call's id changed mid-call")
+        calls[call["index"]] = (ids, known[1])
+    if name is not None and hash(name) != known[1]:
+        raise UnverifiedError("a tool call's name changed mid-call")
 
 
 def check_usage(usage: dict[str, Any]) -> None:

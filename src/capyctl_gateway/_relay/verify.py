@@ -21,7 +21,14 @@ import orjson
 
 from .._engines import EngineKind, facts
 from .._errors import EngineRejectedError, UnverifiedError
-from .chunkrules import ChoiceRules, ClientForm, check_fields, check_frame, check_usage
+from .chunkrules import (
+    Calls,
+    ChoiceRules,
+    ClientForm,
+    check_fields,
+    check_frame,
+    check_usage,
+)
 from .refusal import EngineRefusalError
 from .template import CHUNK_FRAME, ENGINE_OBJECTS, TEXT_KEYS, Template, TemplateText
 
@@ -32,6 +39,7 @@ class ChunkVerifier:
     """Checks one engine stream chunk by chunk and keeps what the answer's metrics need."""
 
     __slots__ = (
+        "_calls",
         "_chunk_keys",
         "_form",
         "_rules",
@@ -51,9 +59,8 @@ class ChunkVerifier:
 
     def __init__(self, kind: EngineKind, *, served: str, public: str, hide: bool = False) -> None:
         """``hide``: withhold the counts of cached prompt tokens from the client."""
-        delta_keys, text_keys, self._form = _fixed(kind, served, public, hide)
-        self._rules = ChoiceRules(delta_keys, text_keys, facts(kind).finish_reasons)
-        self._chunk_keys = _chunk_keys(kind)
+        self._rules, self._chunk_keys, self._form = _fixed(kind, served, public, hide)
+        self._calls: Calls = {}
         self.served = served
         self.public = public
         self.id: str | None = None
@@ -156,7 +163,7 @@ class ChunkVerifier:
         return self._form.of(raw, chunk)
 
     def _choice(self, choice: Any, now: float) -> bool:
-        text, calls, finish = self._rules.check(choice)
+        text, calls, finish = self._rules.check(choice, self._calls)
         if text:
             if self.first_text_at is None:
                 self.first_text_at = now
@@ -187,23 +194,20 @@ class ChunkVerifier:
             raise UnverifiedError("the engine said [DONE] before any finish_reason")
 
 
-@functools.lru_cache(maxsize=8)
-def _chunk_keys(kind: EngineKind) -> tuple[frozenset[str], frozenset[str]]:
-    """A chunk's fields beside its frame that ``kind`` may send, and those only as null."""
-    f = facts(kind)
-    return CHUNK_FRAME | {"usage"} | f.chunk_keys, f.null_chunk_keys
-
-
 @functools.lru_cache(maxsize=256)
 def _fixed(
     kind: EngineKind, served: str, public: str, hide: bool
-) -> tuple[frozenset[str], tuple[str, ...], ClientForm]:
-    """What a verifier of a deployment needs, the same for each of its requests: the delta keys
-    allowed, the text keys among them, and what its clients get of a chunk (the engine's
-    ``model`` member and the public name as JSON: a chunk written as orjson writes it, compact,
-    keys once, numbers and strings in their shortest form, as the engines write them,
-    re-serialises to its own bytes with only the model renamed)."""
-    delta_keys = facts(kind).delta_keys
-    text_keys = tuple(k for k in TEXT_KEYS if k in delta_keys)
+) -> tuple[ChoiceRules, tuple[frozenset[str], frozenset[str]], ClientForm]:
+    """What a verifier of a deployment needs, the same for each of its requests (made once,
+    not at every request): the rules on a choice (the delta keys allowed, the text keys among
+    them, the finish reasons), the chunk's fields beside its frame that ``kind`` may send and
+    those only as null, and what its clients get of a chunk (the engine's ``model`` member and
+    the public name as JSON: a chunk written as orjson writes it, compact, keys once, numbers
+    and strings in their shortest form, as the engines write them, re-serialises to its own
+    bytes with only the model renamed)."""
+    f = facts(kind)
+    text_keys = tuple(k for k in TEXT_KEYS if k in f.delta_keys)
+    rules = ChoiceRules(f.delta_keys, text_keys, f.finish_reasons)
+    chunk_keys = (CHUNK_FRAME | {"usage"} | f.chunk_keys, f.null_chunk_keys)
     served_member = b'"model":' + orjson.dumps(served)
-    return delta_keys, text_keys, ClientForm(served_member, orjson.dumps(public), hide)
+    return rules, chunk_keys, ClientForm(served_member, orjson.dumps(public), hide)
