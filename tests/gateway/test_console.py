@@ -504,12 +504,16 @@ async def test_the_list_shows_each_pools_budget_and_each_deployments_share(
             "held": 2**30,
             "budget": 2**30,
             "deployments": [{"name": "here", "held": 2**30}, {"name": "idle", "held": 0}],
+            "resident": ["here"],
+            "waiting": [],
         },
         {
             "pool": "kubernetes",
             "held": 2**30,
             "budget": 2**30,
             "deployments": [{"name": "pod", "held": 2**30}],
+            "resident": ["pod"],
+            "waiting": [],
         },
     ]
     assert "over_budget" not in doc  # each pool holds its budget, none more

@@ -55,6 +55,18 @@ FORBIDDEN = {
         *RUNNER_ROOMS,
         "_runners",
     },
+    # when to switch: reads the lifecycle's states, never drives an engine or answers a client
+    "_scheduling": {
+        "_http",
+        "_relay",
+        "_management",
+        "_gateway",
+        "cli",
+        "_fleet",
+        "_workers",
+        *RUNNER_ROOMS,
+        "_runners",
+    },
     "_management": {"cli"},
     "_machines": {
         "_http",
@@ -82,7 +94,7 @@ _EVERY_ROOM = {
     "_http", "_relay", "_deployments", "_management", "_gateway", "_config", "_lifecycle",
     "_machines", "_host", "_routing", "_engines", "_errors", "_store", "_telemetry", "cli",
     "_fleet", "_workers", "_local", "_pods", "_runners", "_tasks", "_tally", "_responses",
-    "_messages",
+    "_messages", "_scheduling",
 }  # fmt: skip
 for _leaf in ("_loop", "_ulid", "_log", "_events", "_engine_answer", "_engine_client", "_aiohttp"):
     FORBIDDEN[_leaf] = _EVERY_ROOM
@@ -226,6 +238,9 @@ ONE_CONCEPT_CLASSES = {
     # the same for a pod: a start creates it, waits on the watch and asks the engine itself;
     # a previous run's pod taken up; one run's pod and its deletion are `PodRun`'s
     "_pods/runner.py:PodRunner": 175,
+    # one deployment's admission: its running slots, its line of waiters, its gate and its idle
+    # clock (what the scheduler reads of it), each touched on every request
+    "_deployments/queue.py:DeploymentQueue": 150,
     # every launched deployment's state, its activations (one per wave) and closings
     "_lifecycle/controller.py:Lifecycle": 175,
     # cut requests: recording, the evidence of each collector event (a restart proven among

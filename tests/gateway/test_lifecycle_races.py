@@ -186,7 +186,8 @@ async def test_a_switch_whose_drain_fails_fails_and_the_old_model_serves_on(
     caplog.set_level(logging.INFO, logger="capyctl_gateway")
     memory, cycle = {"ready": "1GiB"}, {"drain_timeout": "300ms"}
     deps = [launched(n, served=served(n), memory=memory, lifecycle=cycle) for n in ("a", "b")]
-    gw = await make_gateway({"resources": {"memory_budget": "1GiB"}, "deployments": deps})
+    resources = {"memory_budget": "1GiB", "switching": "on_arrival"}  # the switch at once
+    gw = await make_gateway({"resources": resources, "deployments": deps})
     async with gw.client(timeout=60) as c:
         assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
         pid = pid_of(gw, "a")
@@ -340,7 +341,8 @@ async def test_an_operators_stop_abandons_the_switch_it_meets(
     abandons the activation it meets: a serves on, c never starts."""
     memory, cycle = {"ready": "1GiB"}, {"drain_timeout": "20s"}
     deps = [launched(n, served=served(n), memory=memory, lifecycle=cycle) for n in ("a", "c")]
-    gw = await make_gateway({"resources": {"memory_budget": "1GiB"}, "deployments": deps})
+    resources = {"memory_budget": "1GiB", "switching": "on_arrival"}  # the switch at once
+    gw = await make_gateway({"resources": resources, "deployments": deps})
     assert gw.fakes is not None
     runner, base = await management(gw)
     auth = {"Authorization": f"Bearer {gw.key}"}

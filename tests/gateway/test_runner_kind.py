@@ -205,7 +205,7 @@ async def test_a_kind_written_in_its_own_module_serves_shows_and_stops(gw: Gw) -
     assert listed["run_by"] == "the gateway (the test kind)"
     assert listing["pools"] == [
         {"pool": "the test kind", "held": 2**30, "budget": 2**30, "deployments": [
-            {"name": "tested", "held": 2**30}]}
+            {"name": "tested", "held": 2**30}], "resident": ["tested"], "waiting": []}
     ]  # fmt: skip
     text = Console(width=200, record=True)
     print_list(text, listing)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
@@ -133,6 +134,11 @@ class Deployment(BaseModel):
         return self.engine.value == "llamacpp" and any(
             i.launch is not None and "--models-dir" in i.launch.command for i in self.instances
         )
+
+    @cached_property
+    def schedules_by_priority(self) -> bool:
+        """Its engines order their queue by ``priority`` (sent to them alone: `_by_priority`)."""
+        return any(i.launch is not None and _by_priority(i.launch.command) for i in self.instances)
 
     @property
     def can_park(self) -> bool:
@@ -281,3 +287,12 @@ def _describe(e: Any) -> str:
     if e["type"] == "missing":
         return "required key missing"
     return str(e["msg"]).removeprefix("Value error, ")
+
+
+def _by_priority(command: list[str]) -> bool:
+    """Whether an engine's command line asks it to schedule by a request's ``priority`` (vLLM's
+    ``--scheduling-policy priority``, SGLang's ``--enable-priority-scheduling``); vLLM without
+    it refuses a request that gives one."""
+    if "--enable-priority-scheduling" in command or "--scheduling-policy=priority" in command:
+        return True
+    return ("--scheduling-policy", "priority") in itertools.pairwise(command)

@@ -80,6 +80,18 @@ class Resources(BaseModel):
 
     memory_budget: Bytes | None = None
     """What launched deployments may hold at once (ready and parked); absent: no limit."""
+    switching: Literal["cost_aware", "on_arrival", "collate"] = "cost_aware"
+    """When a deployment is switched out for another that waits (``_scheduling/``):
+    ``cost_aware`` keeps the resident one while its requests keep coming, up to what the
+    switch costs and `max_switch_wait`; ``on_arrival`` switches as soon as a request arrives
+    (the gateway before the scheduler); ``collate`` switches as soon as the resident one has
+    nothing to do (llama-swap's collation, for comparison)."""
+    max_switch_wait: Seconds = 30.0
+    """The longest a request waits for its deployment because another is being kept in (the
+    fairness bound of ``cost_aware``), before the switch itself."""
+    switch_patience: float = Field(default=2.0, ge=0, le=100, allow_inf_nan=False)
+    """How many times the switch's cost a request waits before a busy resident deployment is
+    switched out for it (``cost_aware``)."""
 
 
 class Memory(BaseModel):
@@ -103,6 +115,12 @@ class Lifecycle(BaseModel):
     come_back: bool = False
     """Switched out to make room for another deployment, it starts again by itself once the
     memory budget has room for it (never switching another out for that)."""
+    start_estimate: Seconds = 10.0
+    """What a start (or a wake) of it costs until one is measured: what the scheduler weighs
+    a switch to it by (``resources.switching: cost_aware``)."""
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    """Among deployments waiting for the same memory, the lower goes first (vLLM's
+    convention); within the fairness bound."""
     warm_cache: bool = True
     """What the engine had cached is saved before it stops (a park, a switch, an idle or an
     operator's stop) and restored when it starts again, before it takes a request: launched

@@ -1,4 +1,5 @@
-"""Admission: at most N requests run per deployment, first come first served; a bounded number
+"""Admission: at most N requests run per deployment, first come first served within a request's
+``priority`` (the lower first, vLLM's convention; 0 unless the request says); a bounded number
 wait, per deployment and in total. A waiter that hangs up or misses its deadline leaves at once.
 
 A deployment the gateway launches has a gate on its queue: shut while no instance of it serves
@@ -12,15 +13,18 @@ else runs (``url:``) has no gate: its queue is always open."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections import deque
+import bisect
+import itertools
 from collections.abc import Callable
 
 from .._clock import stamp
 from .._errors import GatewayError, QueueFullError, UnavailableError
 from .._loop import running_loop
 
-__all__ = ["Admission", "BodyBudget", "DeploymentQueue", "Slot"]
+__all__ = ["GAP_WEIGHT", "Admission", "BodyBudget", "DeploymentQueue", "Line", "Slot"]
+
+GAP_WEIGHT = 0.3
+"""The weight of the newest quiet spell in a queue's moving average (`DeploymentQueue.gap`)."""
 
 
 class Admission:
@@ -31,8 +35,44 @@ class Admission:
         self.waiting = 0
 
 
+class Line:
+    """The requests waiting for a slot of one deployment, in the order they are let in: a
+    lower ``priority`` first, then first come."""
+
+    __slots__ = ("_arrivals", "entries")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, int, float, asyncio.Future[None]]] = []
+        """(priority, arrival, since, future), sorted by (priority, arrival)."""
+        self._arrivals = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def join(self, priority: int) -> tuple[int, int, float, asyncio.Future[None]]:
+        """A new waiter's entry, in its place."""
+        entry = (priority, next(self._arrivals), stamp(), running_loop().create_future())
+        bisect.insort(self.entries, entry, key=_order)
+        return entry
+
+    def leave(self, entry: tuple[int, int, float, asyncio.Future[None]]) -> None:
+        """``entry`` waits no more (it may have been let in, or failed, already)."""
+        at = bisect.bisect_left(self.entries, _order(entry), key=_order)
+        if at < len(self.entries) and self.entries[at] is entry:
+            del self.entries[at]
+
+    def first(self) -> asyncio.Future[None] | None:
+        """Take the first waiter out of the line (None when it is empty)."""
+        return self.entries.pop(0)[3] if self.entries else None
+
+    @property
+    def oldest(self) -> float | None:
+        """Since when the longest waiter has waited (``_clock.stamp``)."""
+        return min((since for _, _, since, _ in self.entries), default=None)
+
+
 class DeploymentQueue:
-    """Running slots and the FIFO of waiters of one deployment."""
+    """Running slots and the line of waiters of one deployment."""
 
     def __init__(
         self,
@@ -50,29 +90,54 @@ class DeploymentQueue:
         """Whether requests may take running slots now (see the module's docstring)."""
         self.idle_since = stamp()
         """When the last running request ended (``_clock.stamp``): the idle clock."""
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.gap: float | None = None
+        """How long it has typically been quiet before a request came (a moving average of
+        each quiet spell a request ended by being let in at once); None before the first."""
+        self._waiters = Line()
         self._drained: asyncio.Event | None = None
+        self._quiet: asyncio.Event | None = None
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, deadline: float) -> None:
-        """Take a running slot, waiting until ``deadline`` (``loop.time()``) at the latest.
+    @property
+    def oldest(self) -> float | None:
+        """Since when the longest waiter has waited (``_clock.stamp``); None while none waits."""
+        return self._waiters.oldest
+
+    @property
+    def quiet(self) -> bool:
+        """No request runs or waits."""
+        return self.running == 0 and not self._waiters.entries
+
+    async def until_quiet(self) -> None:
+        """Return once no request runs or waits (at once if none does)."""
+        while not self.quiet:
+            if self._quiet is None:
+                self._quiet = asyncio.Event()
+            await self._quiet.wait()
+
+    async def acquire(self, deadline: float, priority: int = 0) -> None:
+        """Take a running slot, waiting until ``deadline`` (``loop.time()``) at the latest,
+        behind the waiters of a lower ``priority`` and those of its own that came before.
 
         Raises:
             QueueFullError: 429 ``queue_full`` when no place is left to wait.
             UnavailableError: 503 ``unavailable`` when the deadline passes while waiting.
         """
-        if self.open and self.running < self.max_running and not self._waiters:
+        if self.open and self.running < self.max_running and not self._waiters.entries:
+            if self.running == 0:  # a quiet spell ends: how long its clients paused
+                gap = stamp() - self.idle_since
+                self.gap = gap if self.gap is None else self.gap + GAP_WEIGHT * (gap - self.gap)
             self.running += 1
             return
         if len(self._waiters) >= self.max_waiting:
             raise QueueFullError("this model's waiting queue is full; retry shortly")
         if self._admission.waiting >= self._admission.max_waiting_total:
             raise QueueFullError("the gateway's waiting queue is full; retry shortly")
-        waiter: asyncio.Future[None] = running_loop().create_future()
-        self._waiters.append(waiter)
+        entry = self._waiters.join(priority)
+        waiter = entry[3]
         self._admission.waiting += 1
         try:
             async with asyncio.timeout_at(deadline):
@@ -95,8 +160,8 @@ class DeploymentQueue:
             self._admission.waiting -= 1
             if not waiter.done():
                 waiter.cancel()
-            with contextlib.suppress(ValueError):  # release() may have taken it already
-                self._waiters.remove(waiter)
+            self._waiters.leave(entry)
+            self._was_quiet()
 
     def release(self) -> None:
         """Give the slot back: to the longest waiter if there is one (and the gate is open)."""
@@ -107,11 +172,16 @@ class DeploymentQueue:
             self.idle_since = stamp()
             if self._drained is not None:
                 self._drained.set()
+            self._was_quiet()
+
+    def _was_quiet(self) -> None:
+        if self._quiet is not None and self.quiet:
+            self._quiet.set()
+            self._quiet = None
 
     def _hand_over(self) -> bool:
         """Give a slot to the longest waiter still waiting; whether there was one."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        while (waiter := self._waiters.first()) is not None:
             if not waiter.done():
                 waiter.set_result(None)
                 return True
@@ -127,16 +197,15 @@ class DeploymentQueue:
         """Every waiter leaves with its own ``error()`` (what they waited for failed); how
         many there were."""
         failed = 0
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        while (waiter := self._waiters.first()) is not None:
             if not waiter.done():
                 waiter.set_exception(error())
                 failed += 1
         return failed
 
-    def slot(self, deadline: float) -> Slot:
+    def slot(self, deadline: float, priority: int = 0) -> Slot:
         """``async with queue.slot(deadline)``: a running slot, held for the block."""
-        return Slot(self, deadline)
+        return Slot(self, deadline, priority)
 
     async def drained(self, within_s: float) -> bool:
         """Wait until no request runs (at most ``within_s``); whether none does."""
@@ -153,8 +222,8 @@ class DeploymentQueue:
         return True
 
 
-def _nothing() -> None:
-    return None
+def _order(entry: tuple[int, int, float, asyncio.Future[None]]) -> tuple[int, int]:
+    return entry[0], entry[1]
 
 
 def _granted(waiter: asyncio.Future[None]) -> bool:
@@ -166,13 +235,13 @@ class Slot:
     """A running slot of one deployment, taken on entry (waiting until ``deadline`` at the
     latest; the errors of `DeploymentQueue.acquire`) and given back on exit."""
 
-    __slots__ = ("_deadline", "_queue")
+    __slots__ = ("_deadline", "_priority", "_queue")
 
-    def __init__(self, queue: DeploymentQueue, deadline: float) -> None:
-        self._queue, self._deadline = queue, deadline
+    def __init__(self, queue: DeploymentQueue, deadline: float, priority: int = 0) -> None:
+        self._queue, self._deadline, self._priority = queue, deadline, priority
 
     async def __aenter__(self) -> None:
-        await self._queue.acquire(self._deadline)
+        await self._queue.acquire(self._deadline, self._priority)
 
     async def __aexit__(self, *exc: object) -> None:
         self._queue.release()

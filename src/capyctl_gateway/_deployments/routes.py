@@ -61,11 +61,13 @@ class Facts:
     """What the chooser may weigh of a request, besides the instances' load: the model it asks
     for (the deployment's name), its ``cache_salt`` and its prompt's prefix fingerprints
     (``_routing/prefix.py``; the salt is folded into them, so one salt's prefix never matches
-    another's)."""
+    another's), and its ``priority``."""
 
     model: str
     salt: str | None = None
     prefix: tuple[int, ...] = ()
+    priority: int = 0
+    """Its place in the deployment's queue (the lower first)."""
 
 
 @dataclass(eq=False)

@@ -10,11 +10,12 @@ did not answer, a pod whose delete is owed) keeps the memory counted; a start of
 before the proof reserves its own memory beside it (the earlier engine's is counted apart,
 as lingering, until the instance's engines are provably gone).
 
-Making room switches out other deployments, longest unused first and idle before busy; never
-one with requests waiting for it, one being activated, one already closing, or one kept ready
-(``activation: always``). When none can
-go now but another activation or closing is under way, or memory is held by an engine whose
-stop is not proven yet (a pod whose delete is owed), it waits for that and looks again;
+Making room switches out other deployments: which and when is the scheduler's
+(``_scheduling/``: ``resources.switching``); never one being activated, one already closing, or
+one kept ready (``activation: always``). While the scheduler waits (its time, the resident one
+going quiet), or another activation or closing is under way, or memory is held by an engine
+whose stop is not proven yet (a pod whose delete is owed), the activation waits for that and
+looks again;
 when nothing can change, or a switch fails (its running requests did not finish within its
 ``drain_timeout``), the waiters get a retryable 503.
 
@@ -25,11 +26,11 @@ budget."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from .._config import GatewayConfig
-from .._errors import UnavailableError
+from .._scheduling.scheduler import Scheduler
+from .room import make_room
 from .states import HOLDING, DeploymentLife, InstanceState, Launched
 
 __all__ = ["MemoryBudget"]
@@ -41,14 +42,17 @@ class MemoryBudget:
         config: GatewayConfig,
         lives: dict[str, DeploymentLife],
         switch_out: Callable[[DeploymentLife, DeploymentLife], asyncio.Task[bool]],
+        scheduler: Scheduler,
     ) -> None:
-        self._config = config
-        self.lives = lives
-        self._switch_out = switch_out
+        self.config, self.scheduler, self.lives = config, scheduler, lives
+        self.switch_out = switch_out
         self._holds: dict[Launched, int] = {}
         self._lingering: dict[Launched, int] = {}
         """What an instance's earlier engine, not provably gone, holds beside its own."""
         self._changed = asyncio.Event()
+        self._promised: dict[str, DeploymentLife] = {}
+        """pool -> the deployment a switch there is making room for: the room is its own
+        (another's activation that comes meanwhile does not take it)."""
 
     def _of(self, lc: Launched) -> int:
         return self._holds.get(lc, 0) + self._lingering.get(lc, 0)
@@ -101,7 +105,7 @@ class MemoryBudget:
     ) -> bool:
         """Check and reserve, in one step, the memory ``starting`` and ``waking`` need on each
         pool; whether there was room (nothing is reserved when there was not)."""
-        budget = self._config.resources.memory_budget
+        budget = self.config.resources.memory_budget
         memory = life.deployment.memory
         if budget is None or memory is None:
             return True
@@ -109,6 +113,8 @@ class MemoryBudget:
             if lc.unconfirmed and lc in self._holds:
                 self._lingering[lc] = self._lingering.get(lc, 0) + self._holds.pop(lc)
         todo = [*starting, *waking]
+        if any(self._promised.get(_pool(lc), life) is not life for lc in todo):
+            return False  # a switch makes this room for another
         for pool in {_pool(lc) for lc in todo}:
             need = sum(memory.ready - self._holds.get(lc, 0) for lc in todo if _pool(lc) == pool)
             if self.held_in(pool) + need > budget:
@@ -120,100 +126,36 @@ class MemoryBudget:
     async def make_room(
         self, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
     ) -> None:
-        """Reserve what ``life``'s activation needs, switching others out as it must.
+        """Reserve what ``life``'s activation needs, switching others out as the scheduler
+        says (``room.py``).
 
         Raises:
             UnavailableError: no room can be made now (retryable).
         """
-        while not self.reserve(life, starting, waking):
-            pools = {_pool(lc) for lc in [*starting, *waking]}
-            victim = _victim(self.lives, life, pools, self._holds)
-            if victim is not None:
-                with _blocked(life):
-                    came_to_rest = await asyncio.shield(self._switch_out(victim, life))
-                if not came_to_rest:
-                    raise life.refusal() or _serves_on(life, victim)
-                continue
-            under_way = _under_way(self.lives, life)
-            unproven = any(lc.unconfirmed and _pool(lc) in pools for lc in self._holds)
-            if not under_way and not unproven:
-                budget = self._config.resources.memory_budget
-                raise UnavailableError(
-                    f"deployment {life.deployment.name} needs more of the memory budget "
-                    f"({budget}) than is free, and every deployment holding it has requests "
-                    "waiting or running that it must serve first"
-                )
-            with _blocked(life):  # an activation or closing ends, or a stop is proven
-                changed = asyncio.ensure_future(self._changed.wait())
-                try:
-                    await asyncio.wait([*under_way, changed], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    changed.cancel()
+        await make_room(self, life, starting, waking)
 
+    def promise(self, pools: set[str], life: DeploymentLife | None) -> None:
+        """Keep the room that frees in ``pools`` for ``life`` (None: for whoever asks)."""
+        for pool in pools:
+            if life is not None:
+                self._promised[pool] = life
+            elif pool in self._promised:
+                del self._promised[pool]
 
-@contextlib.contextmanager
-def _blocked(life: DeploymentLife) -> Iterator[None]:
-    """``life``'s activation waits for memory another deployment holds meanwhile."""
-    life.blocked = True
-    try:
-        yield
-    finally:
-        life.blocked = False
+    def promised_to(self, pool: str) -> DeploymentLife | None:
+        return self._promised.get(pool)
 
+    def holds(self, lc: Launched) -> int:  # its earlier engine's lingering memory aside
+        return self._holds.get(lc, 0)
 
-def _serves_on(life: DeploymentLife, victim: DeploymentLife) -> UnavailableError:
-    return UnavailableError(
-        f"deployment {life.deployment.name} needs memory that deployment "
-        f"{victim.deployment.name} holds, and its running requests did not "
-        "finish within its lifecycle.drain_timeout; it serves on",
-    )
+    def unproven(self, pools: set[str]) -> bool:
+        """Whether memory in ``pools`` is held by an engine whose stop is not proven yet."""
+        return any(lc.unconfirmed and _pool(lc) in pools for lc in self._holds)
 
-
-def _victim(
-    lives: dict[str, DeploymentLife],
-    target: DeploymentLife,
-    pools: set[str],
-    holds: dict[Launched, int],
-) -> DeploymentLife | None:
-    """The deployment to switch out for ``target``: one whose ready or parked engine holds
-    memory in ``pools`` (what a stopped one holds waits for the proof of its stop)."""
-    up = (InstanceState.READY, InstanceState.PARKED)
-    candidates = [
-        life
-        for life in lives.values()
-        if life is not target
-        and life.closing is None
-        and not life.activating
-        and life.route.queue.waiting == 0
-        and life.deployment.lifecycle.activation != "always"
-        and any(
-            _pool(lc) in pools and lc.state in up and holds.get(lc, 0) > 0 for lc in life.launched
-        )
-    ]
-    return min(candidates, key=_unused_first, default=None)
+    async def changed(self) -> None:
+        """Return at the next change of what is held."""
+        await self._changed.wait()
 
 
 def _pool(lc: Launched) -> str:
     return lc.inst.runner.site.pool
-
-
-def _under_way(
-    lives: dict[str, DeploymentLife], target: DeploymentLife
-) -> list[asyncio.Task[None] | asyncio.Task[bool]]:
-    """Activations (not themselves waiting for room) and closings under way besides
-    ``target``'s: what may free or settle memory soon."""
-    tasks: list[asyncio.Task[None] | asyncio.Task[bool]] = []
-    for life in lives.values():
-        if life is target:
-            continue
-        if life.closing is not None:
-            tasks.append(life.closing)
-        if life.activation is not None and life.activating and not life.blocked:
-            tasks.append(life.activation)
-    return tasks
-
-
-def _unused_first(life: DeploymentLife) -> tuple[bool, float]:
-    """Idle deployments before busy ones; among them the longest unused first."""
-    since = life.idle_since
-    return (since is None, since or 0.0)

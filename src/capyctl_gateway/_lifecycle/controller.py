@@ -35,6 +35,7 @@ from .._errors import (
     InternalError,
     UnavailableError,
 )
+from .._scheduling.scheduler import Scheduler
 from .._tasks import Supervisor
 from . import comeback
 from .budget import MemoryBudget
@@ -77,9 +78,10 @@ class Lifecycle:
         self._launched = {
             lc.inst.key: (life, lc) for life in self.lives.values() for lc in life.launched
         }
-        self.budget = MemoryBudget(config, self.lives, self._switch_out)
+        self.scheduler = Scheduler(config)
+        self.budget = MemoryBudget(config, self.lives, self._switch_out, self.scheduler)
         self.engines = Transitions(self.lives, settlement, self.budget)
-        self.engines.observers += (exit_watch(self), comeback.watch(self))
+        self.engines.observers += (exit_watch(self), comeback.watch(self), self.scheduler.costs)
 
     # -- requests ------------------------------------------------------------------------
     def want(self, name: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from .._clock import stamp
 from .._deployments.routes import EngineInstance
 from .._errors import (
     ActivationFailedError,
@@ -16,12 +17,13 @@ from .._errors import (
 )
 from .controller import Lifecycle, fresh
 from .rest import quiesce
-from .states import DeploymentLife
+from .states import DeploymentLife, InstanceState
 
 __all__ = [
     "deployments_list",
     "operator_park",
     "operator_start",
+    "pool_schedule",
     "operator_stop",
     "seen_ready",
 ]
@@ -102,8 +104,9 @@ def deployments_list(
     lifecycle: Lifecycle, routes: dict[str, Any], budget: int | None
 ) -> dict[str, Any]:
     """Every deployment: how it is run, its state, its instances and the memory it holds; and
-    each memory pool: what it holds of the budget (which every pool has whole), and each
-    deployment's share."""
+    each memory pool: what it holds of the budget (which every pool has whole), each
+    deployment's share, which are resident, which wait and since when, and the switch the
+    scheduler means to make next (`pool_schedule`)."""
     rows = []
     for name, route in routes.items():
         d = route.deployment
@@ -146,9 +149,34 @@ def deployments_list(
         }
         if budget is not None and row["held"] > budget:  # only an unconfirmed stop does this
             row["over_budget"] = True
+        row.update(pool_schedule(lifecycle, pool))
         pools.append(row)
     doc: dict[str, Any] = {"deployments": rows, "memory_budget": budget, "memory_held": held}
     if any("over_budget" in p for p in pools):  # each pool has the whole budget
         doc["over_budget"] = True
     doc["pools"] = pools
     return doc
+
+
+def pool_schedule(lifecycle: Lifecycle, pool: str) -> dict[str, Any]:
+    """What ``list`` shows of the scheduler in ``pool``: the deployments resident there (an
+    engine ready or parked), those whose requests wait to be switched in (how many, the oldest's
+    wait), and the switch it means to make next and why (absent while none is meant)."""
+    now = stamp()
+    resident, waiting = [], []
+    for name, life in lifecycle.lives.items():
+        if not any(lc.inst.runner.site.pool == pool for lc in life.launched):
+            continue
+        up = [lc for lc in life.launched if lc.state in (InstanceState.READY, InstanceState.PARKED)]
+        if up:
+            resident.append(name)
+        queue = life.route.queue
+        if queue.waiting and not life.serves_now and queue.oldest is not None:
+            waiting.append(
+                {"name": name, "requests": queue.waiting, "oldest_s": round(now - queue.oldest, 1)}
+            )
+    row: dict[str, Any] = {"resident": resident, "waiting": waiting}
+    intent = lifecycle.scheduler.intents.get(pool)
+    if intent is not None:
+        row["next_switch"] = intent.row(now)
+    return row

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .._clock import stamp
 from .._deployments.settle import SettleRule
 from .states import DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
@@ -65,7 +66,9 @@ async def closing(
     rested = False
     try:
         within = life.deployment.lifecycle.drain_timeout
+        began = stamp()
         drained = await life.route.queue.drained(within)
+        lifecycle.scheduler.costs.drained(life, stamp() - began)
         unwanted = unless() if unless is not None else None
         if unwanted is not None:
             logger.info(

@@ -150,6 +150,8 @@ def _list_notes(console: Console, doc: dict[str, Any]) -> None:
             )
         for p in d.get("placed", []):
             console.print(f"{d['name']} instance {p['instance']}: {p['where']}", soft_wrap=True)
+    for pool in doc.get("pools", []):
+        _pool_schedule(console, pool)
     budget = doc["memory_budget"]
     if budget is None and all(d.get("memory_held") is None for d in doc["deployments"]):
         return  # nothing counts memory (no budget, no `memory:`): no figure, not a zero
@@ -163,6 +165,22 @@ def _list_notes(console: Console, doc: dict[str, Any]) -> None:
         ),
         soft_wrap=True,
     )
+
+
+def _pool_schedule(console: Console, pool: dict[str, Any]) -> None:
+    """What the scheduler does in ``pool``: what waits to be switched in, and its next switch."""
+    for w in pool.get("waiting", []):
+        console.print(
+            f"{pool['pool']}: deployment {w['name']} waits to be switched in "
+            f"({w['requests']} requests, the oldest for {w['oldest_s']:.1f} s)",
+            soft_wrap=True,
+        )
+    if (nxt := pool.get("next_switch")) is not None:
+        when = "once it has nothing to do" if nxt["in_s"] is None else f"within {nxt['in_s']:.1f} s"
+        console.print(
+            f"{pool['pool']}: next switch: {nxt['out']} out, {nxt['in']} in, {when} ({nxt['why']})",
+            soft_wrap=True,
+        )
 
 
 def size(n: int) -> str:

@@ -59,7 +59,7 @@ async def place(
     if asked.dep.launched:
         tally.launched, tally.gated = True, not route.queue.open
         fleet.lifecycle.want(name)  # refused now, or waits in the queue for its start
-    async with route.queue.slot(deadline):
+    async with route.queue.slot(deadline, asked.facts.priority):
         tally.slot = stamp()
         return await _offer(route, asked, deadline, attempt, lambda: fleet.lifecycle.want(name))
 

@@ -154,7 +154,9 @@ class Line:
         if isinstance(m, Admit):
             gid = m.gid
             dep = self.fleet.routes[m.deployment].deployment
-            grant = Grant(self, gid, dep, m.rid, m.caller, Facts(m.deployment, m.salt, m.prefix))
+            grant = Grant(
+                self, gid, dep, m.rid, m.caller, Facts(m.deployment, m.salt, m.prefix, m.priority)
+            )
             self.grants[gid] = grant
             task = self.tasks[gid] = running_loop().create_task(
                 self._place(grant, Api(m.api), m.left)

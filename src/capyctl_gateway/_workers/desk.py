@@ -105,7 +105,11 @@ class RemoteDesk:
             )
         left = deadline - loop.time()
         dep, api, facts = call.dep.name, call.api.value, call.facts
-        wire.send(Admit(gid, dep, api, call.rid, call.caller, left, facts.salt, facts.prefix))
+        wire.send(
+            Admit(
+                gid, dep, api, call.rid, call.caller, left, facts.salt, facts.prefix, facts.priority
+            )
+        )
         ex: Exchange | None = None
         asking = True
         self._live[gid] = None

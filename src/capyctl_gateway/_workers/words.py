@@ -35,9 +35,9 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Admit:
-    """Place request ``gid`` (its deployment, API, IDs and routing facts: its salt and its
-    prefix fingerprints, never its body; ``left``: seconds before its deadline when it was
-    sent)."""
+    """Place request ``gid`` (its deployment, API, IDs and routing facts: its salt, its
+    prefix fingerprints and its priority, never its body; ``left``: seconds before its deadline
+    when it was sent)."""
 
     TAG: ClassVar[str] = "A"
     gid: int
@@ -48,16 +48,19 @@ class Admit:
     left: float
     salt: str | None
     prefix: tuple[int, ...]
+    priority: int = 0
 
     def encode(self) -> list[Any]:
         s = self
         chain = pack(s.prefix)
-        return [s.TAG, s.gid, s.deployment, s.api, s.rid, s.caller, s.left, s.salt, chain]
+        return [
+            s.TAG, s.gid, s.deployment, s.api, s.rid, s.caller, s.left, s.salt, chain, s.priority
+        ]  # fmt: skip
 
     @classmethod
     def decode(cls, m: list[Any]) -> Admit:
-        _, gid, deployment, api, rid, caller, left, salt, chain = m
-        return cls(gid, deployment, api, rid, caller, left, salt, unpack(chain))
+        _, gid, deployment, api, rid, caller, left, salt, chain, priority = m
+        return cls(gid, deployment, api, rid, caller, left, salt, unpack(chain), priority)
 
 
 @dataclass(frozen=True, slots=True)

@@ -390,7 +390,13 @@ function pool(p) {
     meter,
     el("span", { class: "muted", "data-shares": p.pool },
       p.deployments.map((d) => `${d.name} ${size(d.held)}`).join(" · ")),
-    p.over_budget ? el("span", { class: "bad" }, "over budget: a stop was not confirmed") : null);
+    p.over_budget ? el("span", { class: "bad" }, "over budget: a stop was not confirmed") : null,
+    ...(p.waiting || []).map((w) => el("span", { class: "muted", "data-waits": w.name },
+      `${w.name} waits to be switched in: ${w.requests} requests, the oldest ${w.oldest_s.toFixed(1)} s`)),
+    p.next_switch ? el("span", { class: "muted", "data-next-switch": p.pool },
+      `next switch: ${p.next_switch.out} out, ${p.next_switch.in} in`
+      + (p.next_switch.in_s === null ? " once it is idle" : ` within ${p.next_switch.in_s.toFixed(1)} s`)
+      + ` (${p.next_switch.why})`) : null);
 }
 
 // -- the live stream -------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""Making room in the memory budget for an activation (`MemoryBudget.make_room`): the scheduler
+says which deployment to switch out and when (``_scheduling/``); this waits meanwhile, and has
+the lifecycle switch out the one it names. The room a switch frees is promised to the
+activation it was made for: another that comes meanwhile waits for that activation first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .._clock import stamp
+from .._errors import UnavailableError
+from .._scheduling.scheduler import Switch, Wait
+from .states import DeploymentLife, InstanceState, Launched
+
+if TYPE_CHECKING:
+    from .budget import MemoryBudget
+
+__all__ = ["make_room"]
+
+
+async def make_room(
+    budget: MemoryBudget, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
+) -> None:
+    """Reserve what ``life``'s activation needs in ``budget``, switching others out as the
+    scheduler says. Raises UnavailableError (retryable) when no room can be made now."""
+    pools = {_pool(lc) for lc in [*starting, *waking]}
+    scheduler = budget.scheduler
+    try:
+        while not budget.reserve(life, starting, waking):
+            candidates = _candidates(budget, life, pools)
+            verdict = scheduler.decide(life, candidates, _waiting(budget, life, pools), pools)
+            if isinstance(verdict, Switch):
+                budget.promise(pools, life)
+                with _blocked(life):
+                    came_to_rest = await asyncio.shield(budget.switch_out(verdict.out, life))
+                if not came_to_rest:
+                    raise life.refusal() or _serves_on(life, verdict.out)
+                continue
+            await _wait(budget, life, pools, verdict)
+    finally:
+        scheduler.settled(pools)
+        for pool in pools:
+            if budget.promised_to(pool) is life:
+                budget.promise({pool}, None)
+
+
+async def _wait(
+    budget: MemoryBudget, life: DeploymentLife, pools: set[str], verdict: Wait | None
+) -> None:
+    """Wait for what may make room: the time the scheduler named, a deployment it watches
+    going quiet, an activation or closing under way ending (the one a switch makes room for
+    first), a change of what is held (a stop proven). Raises UnavailableError when nothing
+    can."""
+    under_way: list[asyncio.Future[Any]] = list(_under_way(budget.lives, life))
+    for pool in pools:
+        owner = budget.promised_to(pool)
+        if owner is not None and owner is not life and owner.activation is not None:
+            under_way.append(owner.activation)
+    if verdict is None and not under_way and not budget.unproven(pools):
+        raise UnavailableError(
+            f"deployment {life.deployment.name} needs more of the memory budget "
+            f"({budget.config.resources.memory_budget}) than is free, and every deployment "
+            "holding it has requests waiting or running that it must serve first"
+        )
+    events: list[asyncio.Future[Any]] = [asyncio.ensure_future(budget.changed())]
+    watch = verdict.watch if verdict is not None else ()
+    events += [  # once one is quiet, its idle time runs
+        asyncio.ensure_future(b.route.queue.until_quiet()) for b in watch if not b.route.queue.quiet
+    ]
+    left = None if verdict is None or verdict.until is None else verdict.until - stamp()
+    with _blocked(life):
+        try:
+            await asyncio.wait(
+                [*under_way, *events], timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for event in events:
+                event.cancel()
+
+
+def _candidates(
+    budget: MemoryBudget, target: DeploymentLife, pools: set[str]
+) -> list[DeploymentLife]:
+    """The deployments the scheduler may switch out for ``target``: one whose ready or parked
+    engine holds memory in ``pools`` (what a stopped one holds waits for the proof of its
+    stop), not closing, not being activated, not kept ready."""
+    up = (InstanceState.READY, InstanceState.PARKED)
+    return [
+        life
+        for life in budget.lives.values()
+        if life is not target
+        and life.closing is None
+        and not life.activating
+        and life.deployment.lifecycle.activation != "always"
+        and any(
+            _pool(lc) in pools and lc.state in up and budget.holds(lc) > 0 for lc in life.launched
+        )
+    ]
+
+
+def _waiting(budget: MemoryBudget, target: DeploymentLife, pools: set[str]) -> list[DeploymentLife]:
+    """Every deployment waiting for room in ``pools`` now, ``target`` among them."""
+    waiting = [
+        life
+        for life in budget.lives.values()
+        if life.blocked and any(_pool(lc) in pools for lc in life.launched)
+    ]
+    return [*waiting, target] if target not in waiting else waiting
+
+
+@contextlib.contextmanager
+def _blocked(life: DeploymentLife) -> Iterator[None]:
+    """``life``'s activation waits for memory another deployment holds meanwhile."""
+    life.blocked = True
+    try:
+        yield
+    finally:
+        life.blocked = False
+
+
+def _serves_on(life: DeploymentLife, victim: DeploymentLife) -> UnavailableError:
+    return UnavailableError(
+        f"deployment {life.deployment.name} needs memory that deployment "
+        f"{victim.deployment.name} holds, and its running requests did not "
+        "finish within its lifecycle.drain_timeout; it serves on",
+    )
+
+
+def _pool(lc: Launched) -> str:
+    return lc.inst.runner.site.pool
+
+
+def _under_way(
+    lives: dict[str, DeploymentLife], target: DeploymentLife
+) -> list[asyncio.Task[None] | asyncio.Task[bool]]:
+    """Activations (not themselves waiting for room) and closings under way besides
+    ``target``'s: what may free or settle memory soon."""
+    tasks: list[asyncio.Task[None] | asyncio.Task[bool]] = []
+    for life in lives.values():
+        if life is target:
+            continue
+        if life.closing is not None:
+            tasks.append(life.closing)
+        if life.activation is not None and life.activating and not life.blocked:
+            tasks.append(life.activation)
+    return tasks
