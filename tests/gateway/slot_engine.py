@@ -3,7 +3,8 @@ tests.gateway.slot_engine -m MODEL [-c CTX] [--parallel N] [--slot-save-path DIR
 flags] --host H --port P``.
 
 It speaks what the gateway's warm cache uses of llama-server b10798 (``_deployments/slots.py``)
-the way that build does: ``/props`` (the model's path, ``build_info``, the slots and each one's
+the way that build does: ``--slot-save-path`` must name a directory (it exits 1 before
+listening otherwise), ``/props`` (the model's path, ``build_info``, the slots and each one's
 context), ``/slots`` (``id_task`` once a slot ran a task), ``POST /slots/{id}?action=save`` and
 ``action=restore`` within ``--slot-save-path`` (501 without it, 400 for a name with a path),
 a file written in place (a save cut short leaves a partial one), and a restore that checks only
@@ -206,6 +207,12 @@ def build_app(args: argparse.Namespace) -> web.Application:
 def main(argv: list[str] | None = None) -> None:
     args, _ = parser().parse_known_args(argv)
     sys.stdout.write(f"slot engine args: {sys.argv[1:]}\n")
+    if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
+        sys.stdout.write(  # as llama-server b10798 checks it, before it listens
+            f'error while handling argument "--slot-save-path": not a directory: '
+            f"{args.slot_save_path}\n"
+        )
+        sys.exit(1)
     sys.stdout.flush()
     web.run_app(build_app(args), host=args.host, port=args.port, print=None)
 

@@ -306,6 +306,24 @@ async def test_a_restore_past_its_bound_serves_cold_and_says_why(
     assert "was not all restored (timeout)" in caplog.text
 
 
+async def test_a_request_whose_deadline_passes_during_a_restore_is_answered_at_its_deadline(
+    tmp_path: Path, model: Path
+) -> None:
+    journal, state = tmp_path / "journal", tmp_path / "state"
+    async with serving({"deployments": [warm(model, journal)]}, state) as (gw, c):
+        await ask(c, "first")
+    slow = warm(model, journal, faults="restore-delay=30")
+    config = {"queue": {"request_deadline": "1s"}, "deployments": [slow]}
+    async with serving(config, state) as (gw, c):
+        messages = [{"role": "user", "content": "second"}]
+        with anyio.fail_after(10):
+            r = await c.post(
+                "/v1/chat/completions", json={"model": "my-model", "messages": messages}
+            )
+        assert (r.status_code, r.json()["code"]) == (503, "unavailable")
+        assert gw.fleet.lifecycle.lives["my-model"].state == "starting"  # still restoring
+
+
 async def test_an_engine_that_refuses_its_files_serves_cold_and_drops_them(
     tmp_path: Path, model: Path
 ) -> None:
@@ -357,6 +375,23 @@ async def test_operator_commands_during_a_save_wait_for_it(tmp_path: Path, model
         await operator_start(lifecycle, "my-model", known=True)
         assert warm_row(gw)["last_restore"]["prefixes"] == 1
         assert await ask(c, "second") >= len(SYSTEM)
+
+
+async def test_a_frozen_engine_is_replaced_without_waiting_for_a_save(
+    tmp_path: Path, model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    journal, state = tmp_path / "journal", tmp_path / "state"
+    frozen = warm(model, journal, unresponsive_timeout="1s", warm_cache_timeout="60s")
+    async with serving({"deployments": [frozen]}, state) as (gw, c):
+        await ask(c, "first")
+        doc = deployment_status(gw.fleet, "my-model")
+        assert doc is not None
+        pid = int(doc["instances"][0]["process"]["pid"])
+        os.kill(pid, signal.SIGSTOP)  # it answers nothing from now on
+        with anyio.fail_after(30):  # its silence (1 s), its stop (a grace, then SIGKILL): not 60 s
+            await anyio.to_thread.run_sync(wait_gone, pid)
+    assert asked(journal, "save") == []
 
 
 async def test_nothing_is_saved_again_when_nothing_ran_since_the_restore(

@@ -46,6 +46,10 @@ __all__ = ["PORT_TRIES", "LocalRunner"]
 
 PORT_TRIES = 3
 """Starts a start makes when the port it chose is taken before the engine binds it."""
+SILENT_S = 5.0
+"""An engine that has answered none of its polls this long (or ``unresponsive_timeout``, if
+shorter) is stopped without being asked to save its cache: a frozen one would hold its stop
+for the warm cache's whole timeout."""
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -162,8 +166,10 @@ class LocalRunner(SeenBy):
             await check(self._session, inst, d, self._recorded)
 
     async def stop(self, reason: str) -> bool:
-        if self._proc is not None and not self._proc.exited():  # what it cached, for its next
-            await self._warm.save(self._proc.url, auth_of(self._inst))
+        proc, silent = self._proc, self.seen.silent_s()  # what it cached, for its next start
+        quiet = min(SILENT_S, self._dep.lifecycle.unresponsive_timeout)
+        if proc is not None and not proc.exited() and (silent or 0.0) < quiet:
+            await self._warm.save(proc.url, auth_of(self._inst))
         self._warm.stopped()
         self.seen.unwatch()
         if self._proc is not None:

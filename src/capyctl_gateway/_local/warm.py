@@ -55,15 +55,7 @@ class WarmCache:
         self._name, self._session, self._lock = deployment.name, session, lock
         lc = deployment.lifecycle
         self._budget, self._timeout = lc.warm_cache_disk, lc.warm_cache_timeout
-        self._why_off = (
-            "lifecycle.warm_cache: off"
-            if not lc.warm_cache
-            else "not kept for this engine"
-            if not deployment.warms
-            else "no state directory"
-            if root is None
-            else None
-        )
+        self._why_off = _why_off(deployment, root)
         self._dir = InstanceDir(root, deployment.name, inst.index) if root is not None else None
         self._where, self._launch = inst.where, inst.launch
         self._key: WarmKey | None = None
@@ -76,8 +68,14 @@ class WarmCache:
         self._failures: Counter[tuple[str, str]] = Counter()
 
     def flags(self) -> list[str]:
-        """What the engine's command line gets: where it saves its slots."""
+        """What the engine's command line gets: where it saves its slots, made first (the
+        engine refuses a path that is not a directory); nothing where it cannot be made."""
         if self._why_off is not None or self._dir is None:
+            return []
+        try:
+            self._dir.open()
+        except OSError as exc:
+            self._failed("restore", "failed", f"its directory: {exc}; it runs without one")
             return []
         return ["--slot-save-path", str(self._dir.path)]
 
@@ -156,6 +154,15 @@ class WarmCache:
                 duration_s=round(done.duration_s, 3),
             )
         return done
+
+
+def _why_off(d: Deployment, root: Path | None) -> str | None:
+    """Why an instance of ``d`` keeps no warm cache; None where it keeps one."""
+    if not d.lifecycle.warm_cache:
+        return "lifecycle.warm_cache: off"
+    if not d.warms:
+        return "not kept for this engine"
+    return "no state directory" if root is None else None
 
 
 def _prefixes(n: int) -> str:

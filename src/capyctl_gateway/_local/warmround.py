@@ -84,14 +84,10 @@ class Restore(_Round):
     async def run(self, launch: Launch | None) -> tuple[WarmKey | None, int]:
         """The engine's key and slot count (None, 0 where they could not be read)."""
         try:
-            self.d.open()
             props = await slots.props(self.session, self.url, self.headers, self.left())
             key = await key_of(props, launch)
         except WarmCacheError as exc:
             self.fail("restore", exc.why, exc.message)
-            return None, 0
-        except OSError as exc:
-            self.fail("restore", "failed", f"its directory: {exc}")
             return None, 0
         try:
             await self._restore(key, props.slots)
