@@ -125,3 +125,21 @@ def test_one_virtual_clock_at_a_time() -> None:
             VirtualLoop()
 
     run(main)
+
+
+def test_the_hot_paths_clock_moves_with_it_and_is_time_monotonic_unmoved() -> None:
+    """`_clock.now` (the relay's, read at each call) is `stamp` while the clock is moved, and
+    ``time.monotonic`` itself, no Python frame, before and after."""
+    seen: dict[str, float] = {}
+    assert _clock.now is time.monotonic
+
+    async def main() -> None:
+        s0, n0 = _clock.stamp(), _clock.now()
+        await asyncio.sleep(3600)
+        seen.update(stamp=_clock.stamp() - s0, now=_clock.now() - n0)
+        seen["apart"] = abs(_clock.now() - _clock.stamp())
+
+    run(main)
+    assert 3600 <= seen["stamp"] < 3601 and 3600 <= seen["now"] < 3601, seen
+    assert seen["apart"] < 0.01
+    assert _clock.now is time.monotonic  # back on real time, without a frame

@@ -27,7 +27,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from ._clock import stamp
+from . import _clock
 from ._engine_answer import (
     HIGH_WATER,
     Body,
@@ -159,7 +159,7 @@ class _Connection(asyncio.Protocol):
     def send(self, request: bytes) -> asyncio.Future[EngineResponse]:
         assert self.transport is not None
         if self._asked:  # one parser a connection: it reads answer after answer
-            self._head = running_loop().create_future()
+            self._head = self._head.get_loop().create_future()  # (no `running_loop` call)
             self._headers = CIMultiDict()
             self.body = Body(self)
             self._complete = self._keep = False
@@ -173,7 +173,7 @@ class _Connection(asyncio.Protocol):
             return
         if reuse and self._complete and self._keep and not transport.is_closing():
             self.resume()
-            self.idle_since = stamp()
+            self.idle_since = _clock.now()
             self._pool.put(self)
         else:
             self.closed = True
@@ -235,7 +235,7 @@ class EngineClient:
 
     def _take(self, key: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(key)
-        now = stamp()
+        now = _clock.now()
         while idle:
             conn = idle.pop()
             transport = conn.transport
@@ -274,7 +274,7 @@ class EngineClient:
     def _sweep(self) -> None:
         """Close the connections idle for over `IDLE_S` (every `SWEEP_S` while any is pooled)."""
         self._sweeper = None
-        limit = stamp() - IDLE_S
+        limit = _clock.now() - IDLE_S
         for idle in self._idle.values():
             for conn in [c for c in idle if c.idle_since < limit or c.closed]:
                 idle.remove(conn)

@@ -22,7 +22,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from .._clock import stamp
+from .. import _clock
 from .._config import Api, Deployment, GatewayConfig
 from .._deployments.routes import EngineInstance, Facts
 from .._errors import GatewayError, UnknownModelError
@@ -218,7 +218,7 @@ class Inference:
             return error_response(err, headers)
 
     async def _serve(self, request: web.Request, surface: Surface) -> web.StreamResponse:
-        tally = Tally(surface.name, stamp())
+        tally = Tally(surface.name, _clock.now())
         rid = new_ulid()
         headers = {REQUEST_ID: rid}
         config = self.gw.config

@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from .._clock import stamp
+from .. import _clock
 from .._errors import EngineError
 from .exchange import Exchange
 from .figures import Figures, num, put
@@ -63,19 +63,19 @@ async def relay_decision(
 ) -> bytes:
     """Forward ``payload`` (addressed to the engine); return the client's answer's bytes
     (``hide``: without the engine's count of cached prompt tokens, or the figure of it)."""
-    sent_at = stamp()
+    sent_at = _clock.now()
     async with ex:  # what the engine answered, refusals included, is judged inside it
         resp = await ex.post(payload)
         if resp.status != 200:
             forwarded(ex, resp)
         raw = await resp.content.read(max_bytes + 1)
         ex.complete()
-        ex.outcome.last_at = stamp()
+        ex.outcome.last_at = _clock.now()
         if resp.status != 200:
             raise await refusal(resp, ex.where, raw)
         answer = _answer(raw, ex.where, max_bytes)
     answer["model"] = public
-    figures = decision_figures(answer, arrival=arrival, sent_at=sent_at, now=stamp())
+    figures = decision_figures(answer, arrival=arrival, sent_at=sent_at, now=_clock.now())
     if hide:
         _withhold_cached(answer, figures)
     answer["capyctl"] = {"metrics": figures}

@@ -32,7 +32,7 @@ from types import TracebackType
 import aiohttp
 from yarl import URL
 
-from .._clock import stamp
+from .. import _clock
 from .._engine_client import Body, EngineClient, EngineResponse
 from .._errors import EngineError
 from .._loop import running_loop
@@ -161,7 +161,7 @@ class Exchange:
             if self._aborted is not None:  # aborted as the head arrived: too late to cancel
                 self.response.close()
                 raise aiohttp.ServerDisconnectedError(self._aborted)
-        self.outcome.head_at = stamp()
+        self.outcome.head_at = _clock.now()
         return self.response
 
     def abortable(self) -> None:

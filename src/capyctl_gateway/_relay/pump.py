@@ -29,8 +29,8 @@ import asyncio
 
 from aiohttp import web
 
+from .. import _clock
 from .._aiohttp import StreamWriter, chunk, chunk_writer
-from .._clock import stamp
 from .._engine_answer import Body
 from .._errors import EngineError
 from .assemble import Folding
@@ -114,7 +114,7 @@ class Pump:
         if self.done or self.error is not None:
             return  # read after the end, or after a fault: the task reads no further
         block = parts[0] if len(parts) == 1 else b"".join(parts)
-        now = stamp()
+        now = _clock.now()
         try:
             events, done = self._reader.relay(block, now)
         except Exception as exc:  # the task raises it, as its own read would
@@ -184,7 +184,7 @@ class Fold:
 
     def take(self, block: bytes) -> None:
         """Fold one read of the stream."""
-        now = stamp()
+        now = _clock.now()
         self._size += len(block)
         verifier = self._reader.verifier
         chunks = verifier.chunks
