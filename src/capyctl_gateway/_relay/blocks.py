@@ -63,46 +63,56 @@ class BlockReader:
             and not v.finished
             and self.decoder.idle
         ):
-            written = block[head_len + 6 : len(block) - t.tail_len - 2]
-            try:
-                text = _loads(b'"' + written + b'"')
+            end = len(block) - t.tail_len - 2
+            try:  # the text with the quotes around it, as written: a whole JSON string
+                text = _loads(block[head_len + 5 : end + 1])
             except _JSONError:
                 pass  # the full check says what is wrong with it
             else:
                 v.text_chunks(1, bool(text), now)
-                return [t.out_head + written + t.out_tail], False
+                return [t.out_head + block[head_len + 6 : end] + t.out_tail], False
+        return self._relay_events(block, now)
+
+    def _relay_events(self, block: bytes, now: float) -> tuple[list[bytes], bool]:
+        """`relay` of any other read: several events (an engine that got ahead of us), whole,
+        each matched against the template in place or else verified alone; or part of an
+        event, or what is not only ``data:`` lines, which the decoder takes (one call a read,
+        not a chunk)."""
+        v = self.verifier
+        t = v.template
         out: list[bytes] = []
-        rest = self._whole_events(block)
+        rest = self.decoder.whole_events(block)
         if rest is not None:
             texts = 0  # template chunks not yet counted, and whether one carried text
             seen_text = False
+            head_len, data_head, tail, tail_len, out_head, out_tail = t.shape
             for i, part in enumerate(rest):
-                head_len = t.head_len
                 if (
                     head_len >= 0
-                    and part.startswith(t.data_head)
-                    and part.endswith(t.tail)
-                    and len(part) >= head_len + 6 + t.tail_len
+                    and part.startswith(data_head)
+                    and part.endswith(tail)
+                    and len(part) >= head_len + 6 + tail_len
                     and not v.finished
                 ):
-                    written = part[head_len + 6 : len(part) - t.tail_len]
-                    try:
-                        text = _loads(b'"' + written + b'"')
+                    end = len(part) - tail_len
+                    try:  # the text within its quotes, as written: a whole JSON string
+                        text = _loads(part[head_len + 5 : end + 1])
                     except _JSONError:
                         pass  # the full check says what is wrong with it
                     else:
                         texts += 1
                         seen_text = seen_text or bool(text)
-                        out += (t.out_head, written, t.out_tail)
+                        out += (out_head, part[head_len + 6 : end], out_tail)
                         continue
                 if texts:
                     v.text_chunks(texts, seen_text, now)
                     texts, seen_text = 0, False
                 if part.startswith(_DATA) and b"\n" not in part:
                     if part == _DONE_EVENT:
-                        self._after_done(rest, i)
+                        self.decoder.feed_events(rest[i + 1 :])  # read, not verified
                         return out, True
                     out.append(v.relay(part[6:], now))
+                    head_len, data_head, tail, tail_len, out_head, out_tail = t.shape  # learnt
                     continue
                 block = b"\n\n".join(rest[i:]) + b"\n\n"  # the decoder takes the rest
                 break
@@ -118,23 +128,23 @@ class BlockReader:
 
     def collect(self, block: bytes, now: float, into: Folding) -> bool:
         """Fold ``block``'s chunks into ``into``; whether ``[DONE]`` came."""
-        rest = self._whole_events(block)
+        rest = self.decoder.whole_events(block)
         if rest is not None:
             v = self.verifier
             t = v.template
             texts: list[str] = []  # template texts not yet folded in
             seen_text = False
+            head_len, data_head, tail, tail_len, _, _ = t.shape
             for i, part in enumerate(rest):
-                head_len = t.head_len
                 if (
                     head_len >= 0
-                    and part.startswith(t.data_head)
-                    and part.endswith(t.tail)
-                    and len(part) >= head_len + 6 + t.tail_len
+                    and part.startswith(data_head)
+                    and part.endswith(tail)
+                    and len(part) >= head_len + 6 + tail_len
                     and not v.finished
                 ):
-                    try:
-                        text = _loads(b'"' + part[head_len + 6 : len(part) - t.tail_len] + b'"')
+                    try:  # the text within its quotes, as written
+                        text = _loads(part[head_len + 5 : len(part) - tail_len + 1])
                     except _JSONError:
                         pass
                     else:
@@ -147,9 +157,10 @@ class BlockReader:
                     texts, seen_text = [], False
                 if part.startswith(_DATA) and b"\n" not in part:
                     if part == _DONE_EVENT:
-                        self._after_done(rest, i)
+                        self.decoder.feed_events(rest[i + 1 :])  # read, not verified
                         return True
                     into.add(v.collect(part[6:], now))
+                    head_len, data_head, tail, tail_len, _, _ = t.shape  # learnt anew, maybe
                     continue
                 block = b"\n\n".join(rest[i:]) + b"\n\n"
                 break
@@ -163,19 +174,3 @@ class BlockReader:
                 return True
             into.add(self.verifier.collect(data, now))
         return False
-
-    def _after_done(self, events: list[bytes], at: int) -> None:
-        """What follows ``[DONE]`` in its block is read but not verified, as the decoder
-        would: bytes there that are not SSE still fail the stream."""
-        if at + 1 < len(events):
-            self.decoder.feed(b"\n\n".join(events[at + 1 :]) + b"\n\n")
-
-    def _whole_events(self, block: bytes) -> list[bytes] | None:
-        """``block``'s events when it holds whole events only and the decoder holds nothing
-        (each still with its ``data: ``, if it has one); else None."""
-        if not self.decoder.idle or b"\r" in block:
-            return None
-        parts = block.split(b"\n\n")
-        if parts.pop():  # the block ends inside an event
-            return None
-        return parts

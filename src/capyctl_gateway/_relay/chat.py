@@ -14,8 +14,8 @@ import logging
 import orjson
 from aiohttp import web
 
+from .. import _clock
 from .._aiohttp import HeadWithFirstWrite
-from .._clock import stamp
 from .._config import Deployment
 from .._errors import (
     ClientGoneError,
@@ -41,6 +41,7 @@ __all__ = [
     "note_outcome",
     "relay_chat",
     "start_stream",
+    "stream_end",
     "stream_error",
     "stream_reader",
     "unverified",
@@ -63,14 +64,14 @@ async def relay_chat(
     reader = stream_reader(dep)
     verifier = reader.verifier
     out: web.StreamResponse | None = None
-    sent_at = stamp()
+    sent_at = _clock.now()
     try:
         async with ex:
             content = await ex.open_stream(payload)
             done = False
             last: list[bytes] = []
             while not done and (block := await content.readany()):
-                now = stamp()
+                now = _clock.now()
                 parts, done = reader.relay(block, now)
                 if parts:
                     if verifier.first_output_at is not None:
@@ -90,15 +91,8 @@ async def relay_chat(
             ex.complete()
             if out is None:
                 out = await start_stream(request, headers)
-            # The last chunks, the figures, [DONE] and the end of the chunked body leave in
-            # one write (with the head too when the whole answer came in one read).
-            last += (
-                b": x-capyctl-metrics ",
-                orjson.dumps(answer_figures(ex, dep, verifier, sent_at)),
-                b"\n\ndata: [DONE]\n\n",
-            )
             ex.writing = True
-            await out.write_eof(b"".join(last))
+            await out.write_eof(stream_end(last, answer_figures(ex, dep, verifier, sent_at)))
             ex.writing = False
         return out
     except (ClientGoneError, ConnectionResetError):
@@ -113,6 +107,14 @@ async def relay_chat(
         return await stream_error(request, out, err, headers)
     finally:
         note_outcome(ex, verifier)
+
+
+def stream_end(last: list[bytes], figures: Figures) -> bytes:
+    """What ends a verified chat stream, in one write with the end of the chunked body (and
+    with the head too when the whole answer came in one read): its ``last`` events, the
+    answer's ``figures`` as a comment, and ``[DONE]``."""
+    last += (b": x-capyctl-metrics ", orjson.dumps(figures), b"\n\ndata: [DONE]\n\n")
+    return b"".join(last)
 
 
 async def collect_chat(ex: Exchange, dep: Deployment, payload: bytes, *, max_bytes: int) -> bytes:
@@ -134,7 +136,7 @@ async def fold(
     is refused."""
     reader = stream_reader(dep)
     verifier = reader.verifier
-    sent_at = stamp()
+    sent_at = _clock.now()
     try:
         async with ex:
             content = await ex.open_stream(payload)

@@ -67,20 +67,20 @@ def client_bytes(
 
 class ClientForm:
     """What a deployment's clients get of a checked chunk: the engine's bytes with the model
-    renamed (`client_bytes`), less, where it withholds them, the counts of cached prompt
-    tokens (`withheld`). Frozen, one per deployment."""
+    renamed (`client_bytes`, which the verifier calls itself: a call less per chunk), less,
+    where it withholds them, the counts of cached prompt tokens (`without_counts`). Frozen,
+    one per deployment."""
 
     __slots__ = ("public_json", "served_member", "withhold")
 
     def __init__(self, served_member: bytes, public_json: bytes, withhold: bool) -> None:
         self.served_member, self.public_json, self.withhold = served_member, public_json, withhold
 
-    def of(self, raw: bytes, chunk: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        """The chunk as its client gets it, and its bytes."""
-        out = client_bytes(raw, chunk, self.served_member, self.public_json)
-        if self.withhold and (kept := withheld(chunk)) is not None:
-            return kept, orjson.dumps(kept)
-        return chunk, out
+    def without_counts(self, chunk: dict[str, Any], out: bytes) -> tuple[dict[str, Any], bytes]:
+        """A checked chunk (``out``: its bytes with the model renamed) as the client of a
+        deployment that withholds the counts gets it (`withheld`), and its bytes."""
+        kept = withheld(chunk)
+        return (chunk, out) if kept is None else (kept, orjson.dumps(kept))
 
 
 def withheld(chunk: dict[str, Any]) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._engines import EngineKind, facts
+from .._engines import FACTS, EngineKind
 
 __all__ = ["Figures", "chat_figures", "num", "put"]
 
@@ -39,7 +39,7 @@ def chat_figures(
 ) -> Figures:
     """The figures of one chat answer. Times are ``loop.time()`` seconds."""
     out: Figures = {}
-    key = facts(family).figures_in
+    key = FACTS[family].figures_in
     found = engine_objects.get(key) if key is not None else None
     if key is not None and isinstance(found, dict):
         _ENGINE_FIGURES[key](found, out)
@@ -58,7 +58,7 @@ def _cached_tokens(family: EngineKind, usage: dict[str, Any] | None) -> float | 
         return None
     details = usage.get("prompt_tokens_details")
     cached = num(details.get("cached_tokens")) if isinstance(details, dict) else None
-    if facts(family).cached_only_when_some and not cached:
+    if FACTS[family].cached_only_when_some and not cached:
         return None  # a count it gives only when some were cached: none says nothing
     return cached
 

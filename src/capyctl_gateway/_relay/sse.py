@@ -51,6 +51,24 @@ class SSEDecoder:
             raise SSEError("an event is longer than 64 KiB")
         return events
 
+    def whole_events(self, block: bytes) -> list[bytes] | None:
+        """``block``'s events when it holds whole events only and nothing of an event is held
+        (each still with its ``data: ``, if it has one), for a reader that takes them in place;
+        else None (`feed` takes it)."""
+        if self._buf or self._data or b"\r" in block:
+            return None
+        parts = block.split(b"\n\n")
+        if parts.pop():  # the block ends inside an event
+            return None
+        return parts
+
+    def feed_events(self, events: list[bytes]) -> None:
+        """Read whole ``events`` (`whole_events`' parts) as `feed` would, for what follows
+        ``[DONE]`` in its block: read but not verified, so bytes there that are not SSE still
+        fail the stream."""
+        if events:
+            self.feed(b"\n\n".join(events) + b"\n\n")
+
     @property
     def idle(self) -> bool:
         """Nothing of an event held: the next block starts at a line's start, in no event."""

@@ -46,6 +46,7 @@ class Template:
         "key",
         "out_head",
         "out_tail",
+        "shape",
         "tail",
         "tail_event",
         "tail_len",
@@ -60,6 +61,9 @@ class Template:
         """The template's non-null chunk-level fields (system_fingerprint, ...)."""
         self.key = "content"
         """The delta key the text is under: content, or the engine's reasoning key."""
+        self.shape: tuple[int, bytes, bytes, int, bytes, bytes] = (-1, b"", b"", -1, b"", b"")
+        """``(head_len, data_head, tail, tail_len, out_head, out_tail)`` in one read: what the
+        block reader's loops keep in locals, read again only after a chunk it cannot take."""
 
     def match(self, raw: bytes) -> tuple[bytes, str] | None:
         """The text of ``raw`` as written and decoded, if ``raw`` is the template but for
@@ -72,12 +76,12 @@ class Template:
             or len(raw) < head_len + self.tail_len
         ):
             return None
-        written = raw[head_len : len(raw) - self.tail_len]
-        try:
-            text = orjson.loads(b'"' + written + b'"')  # a whole JSON string, nothing more
+        end = len(raw) - self.tail_len
+        try:  # the text within its quotes (the head's last byte, the tail's first), as written
+            text = orjson.loads(raw[head_len - 1 : end + 1])  # a whole JSON string, nothing more
         except orjson.JSONDecodeError:
             return None  # the full check says what is wrong with it
-        return written, text
+        return raw[head_len:end], text
 
     def learn(self, raw: bytes, chunk: dict[str, Any], out: bytes, *, finished: bool) -> None:
         """Make ``chunk`` the template if it is a plain text chunk found in its own bytes."""
@@ -116,5 +120,13 @@ class Template:
         self.out_head = b"data: " + out[: out_at + cut]
         self.out_tail = out[out_at + back :] + b"\n\n"
         self.head_len, self.tail_len = len(self.head), len(self.tail)
+        self.shape = (
+            self.head_len,
+            self.data_head,
+            self.tail,
+            self.tail_len,
+            self.out_head,
+            self.out_tail,
+        )
         self.extra = {k: v for k, v in chunk.items() if k not in CHUNK_FRAME and v is not None}
         self.key = key

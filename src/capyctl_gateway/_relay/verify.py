@@ -28,6 +28,7 @@ from .chunkrules import (
     check_fields,
     check_frame,
     check_usage,
+    client_bytes,
 )
 from .refusal import EngineRefusalError
 from .template import CHUNK_FRAME, ENGINE_OBJECTS, TEXT_KEYS, Template, TemplateText
@@ -83,7 +84,7 @@ class ChunkVerifier:
         t = self.template
         found = None if self.finished else t.match(raw)
         if found is not None:
-            self._text_chunk(found[1], now)
+            self.text_chunks(1, bool(found[1]), now)
             return t.out_head + found[0] + t.out_tail
         chunk, out = self.check(raw, now)
         self._learn(raw, chunk, out)
@@ -95,7 +96,7 @@ class ChunkVerifier:
         t = self.template
         found = None if self.finished else t.match(raw)
         if found is not None:
-            self._text_chunk(found[1], now)
+            self.text_chunks(1, bool(found[1]), now)
             return TemplateText(found[1], t.extra, t.key)
         chunk, out = self.check(raw, now)
         self._learn(raw, chunk, out)
@@ -103,10 +104,6 @@ class ChunkVerifier:
 
     def _learn(self, raw: bytes, chunk: dict[str, Any], out: bytes) -> None:
         self.template.learn(raw, chunk, out, finished=self.finished)
-
-    def _text_chunk(self, text: str, now: float) -> None:
-        """The full check's bookkeeping for a template chunk carrying ``text``."""
-        self.text_chunks(1, bool(text), now)
 
     def text_chunks(self, n: int, text: bool, now: float) -> None:
         """The full check's bookkeeping for ``n`` template chunks, all at ``now``; ``text``:
@@ -160,7 +157,9 @@ class ChunkVerifier:
         self.chunks += 1
         self.last_at = now
         chunk["model"] = self.public
-        return self._form.of(raw, chunk)
+        form = self._form  # what its clients get: the engine's bytes, the model renamed
+        out = client_bytes(raw, chunk, form.served_member, form.public_json)
+        return (chunk, out) if not form.withhold else form.without_counts(chunk, out)
 
     def _choice(self, choice: Any, now: float) -> bool:
         text, calls, finish = self._rules.check(choice, self._calls)
