@@ -73,10 +73,11 @@ class Assembler:
             return
         if self._first is None:
             self._first = chunk
-        for key, value in chunk.items():
-            # null ones (vLLM's prompt_text, prompt_token_ids) are left out
-            if key not in ("id", "object", "created", "model", "choices") and value is not None:
-                self._chunk_extra[key] = value
+        if len(chunk) > 5:  # a verified chunk has the five of its frame, and may have more
+            for key, value in chunk.items():
+                # null ones (vLLM's prompt_text, prompt_token_ids) are left out
+                if key not in _FRAME and value is not None:
+                    self._chunk_extra[key] = value
         for choice in chunk["choices"]:
             delta = choice["delta"]
             content = delta.get("content")
@@ -147,6 +148,9 @@ class Assembler:
         }
         out.update(self._chunk_extra)  # usage, metrics, timings, tensorfold...: the last non-null
         return out
+
+
+_FRAME = ("id", "object", "created", "model", "choices")
 
 
 def _joined(parts: list[Any] | None, more: Any) -> list[Any] | None:

@@ -63,14 +63,14 @@ class BlockReader:
             and not v.finished
             and self.decoder.idle
         ):
-            end = len(block) - t.tail_len - 2
-            try:  # the text with the quotes around it, as written: a whole JSON string
-                text = _loads(block[head_len + 5 : end + 1])
+            quoted = block[head_len + 5 : len(block) - t.tail_len - 1]  # the text, as written
+            try:
+                text = _loads(quoted)  # a whole JSON string, nothing more
             except _JSONError:
                 pass  # the full check says what is wrong with it
             else:
                 v.text_chunks(1, bool(text), now)
-                return [t.out_head + block[head_len + 6 : end] + t.out_tail], False
+                return [t.out_open + quoted + t.out_close], False
         return self._relay_events(block, now)
 
     def _relay_events(self, block: bytes, now: float) -> tuple[list[bytes], bool]:
@@ -85,24 +85,24 @@ class BlockReader:
         if rest is not None:
             texts = 0  # template chunks not yet counted, and whether one carried text
             seen_text = False
-            head_len, data_head, tail, tail_len, out_head, out_tail = t.shape
+            head_len, data_head, tail, least, at, back, out_open, out_close = t.shape
             for i, part in enumerate(rest):
                 if (
                     head_len >= 0
                     and part.startswith(data_head)
                     and part.endswith(tail)
-                    and len(part) >= head_len + 6 + tail_len
+                    and len(part) >= least
                     and not v.finished
                 ):
-                    end = len(part) - tail_len
-                    try:  # the text within its quotes, as written: a whole JSON string
-                        text = _loads(part[head_len + 5 : end + 1])
+                    quoted = part[at : len(part) - back]  # the text within its quotes
+                    try:
+                        text = _loads(quoted)  # a whole JSON string, nothing more
                     except _JSONError:
                         pass  # the full check says what is wrong with it
                     else:
                         texts += 1
                         seen_text = seen_text or bool(text)
-                        out += (out_head, part[head_len + 6 : end], out_tail)
+                        out += (out_open, quoted, out_close)
                         continue
                 if texts:
                     v.text_chunks(texts, seen_text, now)
@@ -112,7 +112,7 @@ class BlockReader:
                         self.decoder.feed_events(rest[i + 1 :])  # read, not verified
                         return out, True
                     out.append(v.relay(part[6:], now))
-                    head_len, data_head, tail, tail_len, out_head, out_tail = t.shape  # learnt
+                    head_len, data_head, tail, least, at, back, out_open, out_close = t.shape
                     continue
                 block = b"\n\n".join(rest[i:]) + b"\n\n"  # the decoder takes the rest
                 break
@@ -134,17 +134,17 @@ class BlockReader:
             t = v.template
             texts: list[str] = []  # template texts not yet folded in
             seen_text = False
-            head_len, data_head, tail, tail_len, _, _ = t.shape
+            head_len, data_head, tail, least, at, back, _, _ = t.shape
             for i, part in enumerate(rest):
                 if (
                     head_len >= 0
                     and part.startswith(data_head)
                     and part.endswith(tail)
-                    and len(part) >= head_len + 6 + tail_len
+                    and len(part) >= least
                     and not v.finished
                 ):
                     try:  # the text within its quotes, as written
-                        text = _loads(part[head_len + 5 : len(part) - tail_len + 1])
+                        text = _loads(part[at : len(part) - back])
                     except _JSONError:
                         pass
                     else:
@@ -160,7 +160,7 @@ class BlockReader:
                         self.decoder.feed_events(rest[i + 1 :])  # read, not verified
                         return True
                     into.add(v.collect(part[6:], now))
-                    head_len, data_head, tail, tail_len, _, _ = t.shape  # learnt anew, maybe
+                    head_len, data_head, tail, least, at, back, _, _ = t.shape  # learnt, maybe
                     continue
                 block = b"\n\n".join(rest[i:]) + b"\n\n"
                 break

@@ -44,7 +44,9 @@ class Template:
         "head",
         "head_len",
         "key",
+        "out_close",
         "out_head",
+        "out_open",
         "out_tail",
         "shape",
         "tail",
@@ -53,7 +55,7 @@ class Template:
     )
 
     def __init__(self) -> None:
-        self.head = self.tail = self.out_head = self.out_tail = b""
+        self.head = self.tail = self.out_head = self.out_tail = self.out_open = self.out_close = b""
         self.data_head = self.tail_event = b""
         """The head as an SSE event starts: ``data: `` and the head."""
         self.head_len = self.tail_len = -1
@@ -61,13 +63,26 @@ class Template:
         """The template's non-null chunk-level fields (system_fingerprint, ...)."""
         self.key = "content"
         """The delta key the text is under: content, or the engine's reasoning key."""
-        self.shape: tuple[int, bytes, bytes, int, bytes, bytes] = (-1, b"", b"", -1, b"", b"")
-        """``(head_len, data_head, tail, tail_len, out_head, out_tail)`` in one read: what the
-        block reader's loops keep in locals, read again only after a chunk it cannot take."""
+        self.shape: tuple[int, bytes, bytes, int, int, int, bytes, bytes] = (
+            -1,
+            b"",
+            b"",
+            0,
+            0,
+            0,
+            b"",
+            b"",
+        )
+        """What the block reader's loops keep in locals, read again only after a chunk the
+        template does not take: ``(head_len, data_head, tail, least, at, back, out_open,
+        out_close)``. An event ``data_head + text + tail`` of ``least`` bytes at least has its
+        text with its quotes at ``[at:len - back]``; its client gets ``out_open``, that, then
+        ``out_close``: one slice a chunk, no concatenation."""
 
     def match(self, raw: bytes) -> tuple[bytes, str] | None:
-        """The text of ``raw`` as written and decoded, if ``raw`` is the template but for
-        its text; else None."""
+        """The text of ``raw`` as written (within its quotes: what goes between `out_open`
+        and `out_close`) and decoded, if ``raw`` is the template but for its text; else
+        None."""
         head_len = self.head_len
         if (
             head_len < 0
@@ -76,12 +91,12 @@ class Template:
             or len(raw) < head_len + self.tail_len
         ):
             return None
-        end = len(raw) - self.tail_len
+        quoted = raw[head_len - 1 : len(raw) - self.tail_len + 1]
         try:  # the text within its quotes (the head's last byte, the tail's first), as written
-            text = orjson.loads(raw[head_len - 1 : end + 1])  # a whole JSON string, nothing more
+            text = orjson.loads(quoted)  # a whole JSON string, nothing more
         except orjson.JSONDecodeError:
             return None  # the full check says what is wrong with it
-        return raw[head_len:end], text
+        return quoted, text
 
     def learn(self, raw: bytes, chunk: dict[str, Any], out: bytes, *, finished: bool) -> None:
         """Make ``chunk`` the template if it is a plain text chunk found in its own bytes."""
@@ -120,13 +135,18 @@ class Template:
         self.out_head = b"data: " + out[: out_at + cut]
         self.out_tail = out[out_at + back :] + b"\n\n"
         self.head_len, self.tail_len = len(self.head), len(self.tail)
-        self.shape = (
+        # The head ends with the text's opening quote and the tail begins with its closing one
+        # (in the engine's bytes and in the client's alike): a slice holds the text quoted.
+        self.out_open, self.out_close = self.out_head[:-1], self.out_tail[1:]
+        self.shape = (  # least: an event with no text; its quoted text past "data: ", to the end
             self.head_len,
             self.data_head,
             self.tail,
-            self.tail_len,
-            self.out_head,
-            self.out_tail,
+            self.head_len + 6 + self.tail_len,
+            self.head_len + 5,
+            self.tail_len - 1,
+            self.out_open,
+            self.out_close,
         )
         self.extra = {k: v for k, v in chunk.items() if k not in CHUNK_FRAME and v is not None}
         self.key = key

@@ -85,7 +85,7 @@ class ChunkVerifier:
         found = None if self.finished else t.match(raw)
         if found is not None:
             self.text_chunks(1, bool(found[1]), now)
-            return t.out_head + found[0] + t.out_tail
+            return t.out_open + found[0] + t.out_close
         chunk, out = self.check(raw, now)
         self._learn(raw, chunk, out)
         return b"data: " + out + b"\n\n"
