@@ -246,7 +246,7 @@ async def test_the_disk_budget_keeps_the_hottest_and_is_never_passed(
     assert "lifecycle.warm_cache_disk" in row["last_save"]["failed"]
 
 
-async def test_a_deployment_gone_from_the_configuration_takes_its_files_with_it(
+async def test_a_deployment_gone_from_the_configuration_or_turned_off_loses_its_files(
     tmp_path: Path, model: Path
 ) -> None:
     state = tmp_path / "state"
@@ -258,6 +258,9 @@ async def test_a_deployment_gone_from_the_configuration_takes_its_files_with_it(
     assert sorted(p.name for p in (state / "warm").iterdir()) == ["a", "b"]
     async with serving({"deployments": [a]}, state) as (gw, c):
         assert [p.name for p in (state / "warm").iterdir()] == ["a"]
+    a["lifecycle"] = {"warm_cache": False}  # turned off: nothing kept
+    async with serving({"deployments": [a]}, state) as (gw, c):
+        assert list((state / "warm").iterdir()) == []
 
 
 async def test_an_engine_killed_in_a_save_leaves_no_half_file_that_is_restored(

@@ -1,6 +1,6 @@
 """This machine's runner kind, as the registry opens it (``_runners.py``): the local runners,
 and the records of a previous run's engines, outlasted before this run starts any; the warm
-caches of deployments no longer configured, removed when it opens."""
+caches of deployments no longer configured (or keeping none), removed when it opens."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ class LocalRoom:
 
     @classmethod
     async def open(cls, opened: Opened) -> LocalRoom:
-        if opened.warm_dir is not None:  # a deployment gone from the configuration: its files
-            names = [d.name for d in opened.config.deployments]
+        if opened.warm_dir is not None:  # a deployment gone (or its warm cache off): its files
+            names = [d.name for d in opened.config.deployments if d.warms]
             for gone in await asyncio.to_thread(prune, opened.warm_dir, names):
-                logger.info("warm cache of a deployment no longer configured removed: %s", gone)
+                logger.info("warm cache of a deployment no longer keeping one removed: %s", gone)
         return cls(opened)
 
     def runner(self, inst: EngineInstance, configured: Instance) -> LocalRunner:

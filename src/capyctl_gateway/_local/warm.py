@@ -66,6 +66,8 @@ class WarmCache:
         self._rounds: dict[str, Round] = {}
         self._counts: Counter[str] = Counter()
         self._failures: Counter[tuple[str, str]] = Counter()
+        self._held = self._dir.held() if self._dir is not None else 0
+        """What its saved slots hold on disk, as of its last round (``status`` reads it)."""
 
     def flags(self) -> list[str]:
         """What the engine's command line gets: where it saves its slots, made first (the
@@ -116,12 +118,11 @@ class WarmCache:
         counts = WarmCounts(
             c["saves"], c["restores"], c["saved_bytes"], c["restored_bytes"], dict(self._failures)
         )
-        held = self._dir.held() if self._dir is not None else 0
         return WarmShown(
             self._why_off is None,
             self._why_off,
             self._budget,
-            held,
+            self._held,
             self._rounds.get("save"),
             self._rounds.get("restore"),
             counts,
@@ -134,6 +135,7 @@ class WarmCache:
 
     def _ended(self, op: str, done: Round) -> Round:
         self._rounds[op] = done
+        self._held = self._dir.held() if self._dir is not None else 0
         self._counts[f"{op}s"] += done.prefixes
         self._counts[f"{op}d_bytes"] += done.bytes
         if done.prefixes or op == "save":
