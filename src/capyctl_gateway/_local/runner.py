@@ -46,10 +46,6 @@ __all__ = ["PORT_TRIES", "LocalRunner"]
 
 PORT_TRIES = 3
 """Starts a start makes when the port it chose is taken before the engine binds it."""
-SILENT_S = 5.0
-"""An engine that has answered none of its polls this long (or ``unresponsive_timeout``, if
-shorter) is stopped without being asked to save its cache: a frozen one would hold its stop
-for the warm cache's whole timeout."""
 
 logger = logging.getLogger("capyctl_gateway")
 
@@ -96,9 +92,11 @@ class LocalRunner(SeenBy):
         return ProcessView(proc.pid, proc.port, proc.argv, reaper_pid=proc.reaper_pid)
 
     def describe(self) -> Described:
-        warm = self._warm.shown()
-        lines = (Shown("warm_cache", warm.line()),) if warm.on or warm.why_off else ()
-        return replace(self.seen.described(lines, warm_cache=warm.row()), warm=warm)
+        warm = self._warm.shown()  # None where its engine's kind keeps none
+        if warm is None:
+            return self.seen.described()
+        seen = self.seen.described((Shown("warm_cache", warm.line()),), warm_cache=warm.row())
+        return replace(seen, warm=warm)
 
     def log(self) -> ShownLog | None:
         return self._log
@@ -110,8 +108,7 @@ class LocalRunner(SeenBy):
         return "dispatch_closed"  # never: this machine is always reached
 
     def begin(self, exchange: Tracked) -> None:
-        """Nothing ends an exchange on this machine from outside; its engine's cache may
-        hold something new (its warm cache saves it)."""
+        """Nothing ends one here from outside; the engine's cache may hold something new."""
         self._warm.began()
 
     def end(self, exchange: Tracked) -> None:
@@ -166,10 +163,9 @@ class LocalRunner(SeenBy):
             await check(self._session, inst, d, self._recorded)
 
     async def stop(self, reason: str) -> bool:
-        proc, silent = self._proc, self.seen.silent_s()  # what it cached, for its next start
-        quiet = min(SILENT_S, self._dep.lifecycle.unresponsive_timeout)
-        if proc is not None and not proc.exited() and (silent or 0.0) < quiet:
-            await self._warm.save(proc.url, auth_of(self._inst))
+        proc = self._proc  # what it cached, for its next start
+        if proc is not None and not proc.exited():
+            await self._warm.save(proc.url, auth_of(self._inst), self.seen.silent_s())
         self._warm.stopped()
         self.seen.unwatch()
         if self._proc is not None:

@@ -39,6 +39,12 @@ __all__ = ["WarmCache"]
 
 logger = logging.getLogger("capyctl_gateway")
 
+NOT_KEPT = "not kept for this engine"
+SILENT_S = 5.0
+"""An engine that has answered none of its polls this long (or ``unresponsive_timeout``, if
+shorter) is stopped without being asked to save its cache: a frozen one would hold its stop
+for the warm cache's whole timeout."""
+
 
 class WarmCache:
     """One instance's saved slots, and what it did with them (see the module's text)."""
@@ -55,6 +61,7 @@ class WarmCache:
         self._name, self._session, self._lock = deployment.name, session, lock
         lc = deployment.lifecycle
         self._budget, self._timeout = lc.warm_cache_disk, lc.warm_cache_timeout
+        self._quiet = min(SILENT_S, lc.unresponsive_timeout)
         self._why_off = _why_off(deployment, root)
         self._dir = InstanceDir(root, deployment.name, inst.index) if root is not None else None
         self._where, self._launch = inst.where, inst.launch
@@ -102,9 +109,12 @@ class WarmCache:
             f"{_prefixes(done.prefixes)} restored, {done.tokens} tokens" if done.prefixes else None
         )
 
-    async def save(self, url: str, headers: dict[str, str]) -> None:
-        """Save the slots of the engine at ``url``, about to be stopped (see the module)."""
+    async def save(self, url: str, headers: dict[str, str], silent_s: float | None) -> None:
+        """Save the slots of the engine at ``url``, about to be stopped (see the module), unless
+        it has answered none of its polls for ``silent_s`` (`SILENT_S`)."""
         if self._key is None or self._dir is None or not self._used:
+            return
+        if (silent_s or 0) > self._quiet:  # frozen: its stop would wait for the whole bound
             return
         async with self._lock:  # the deployment's instances share its budget
             s = Save(self._dir, self._session, url, headers, self._failed, self._timeout)
@@ -113,7 +123,10 @@ class WarmCache:
             self._used = 0
         self._ended("save", s.result())
 
-    def shown(self) -> WarmShown:
+    def shown(self) -> WarmShown | None:
+        """What ``status`` and the metrics show; None where the engine's kind keeps none."""
+        if self._why_off == NOT_KEPT:
+            return None
         c = self._counts
         counts = WarmCounts(
             c["saves"], c["restores"], c["saved_bytes"], c["restored_bytes"], dict(self._failures)
@@ -139,23 +152,28 @@ class WarmCache:
         self._counts[f"{op}s"] += done.prefixes
         self._counts[f"{op}d_bytes"] += done.bytes
         if done.prefixes or op == "save":
-            event(
-                "warm_cache",
-                "%s: %s %s (%d tokens, %d bytes) in %.3f s",
-                self._where,
-                f"{op}d",
-                _prefixes(done.prefixes),
-                done.tokens,
-                done.bytes,
-                done.duration_s,
-                deployment=self._name,
-                op=op,
-                prefixes=done.prefixes,
-                tokens=done.tokens,
-                bytes=done.bytes,
-                duration_s=round(done.duration_s, 3),
-            )
+            _said(self._where, self._name, op, done)
         return done
+
+
+def _said(where: str, deployment: str, op: str, done: Round) -> None:
+    """The ``warm_cache`` event of a round."""
+    event(
+        "warm_cache",
+        "%s: %s %s (%d tokens, %d bytes) in %.3f s",
+        where,
+        f"{op}d",
+        _prefixes(done.prefixes),
+        done.tokens,
+        done.bytes,
+        done.duration_s,
+        deployment=deployment,
+        op=op,
+        prefixes=done.prefixes,
+        tokens=done.tokens,
+        bytes=done.bytes,
+        duration_s=round(done.duration_s, 3),
+    )
 
 
 def _why_off(d: Deployment, root: Path | None) -> str | None:
@@ -163,7 +181,7 @@ def _why_off(d: Deployment, root: Path | None) -> str | None:
     if not d.lifecycle.warm_cache:
         return "lifecycle.warm_cache: off"
     if not d.warms:
-        return "not kept for this engine"
+        return NOT_KEPT
     return "no state directory" if root is None else None
 
 
