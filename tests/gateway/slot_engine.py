@@ -20,7 +20,7 @@ what the engine was asked.
 Faults, from the ``SLOT_ENGINE_FAULTS`` variable (not flags: the flags are in the warm cache's
 key), comma-separated: ``save-delay=S`` / ``restore-delay=S`` wait S seconds inside the action;
 ``save-dies`` writes half the file and exits with status 3 (a kill during a save);
-``refuse-restore`` answers every restore 400.
+``refuse-restore`` answers every restore 400; ``huge-slots`` answers ``/slots`` with 2 MiB.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
         return web.Response(text=text, content_type="text/plain")
 
     async def slots_doc(request: web.Request) -> web.Response:
+        if "huge-slots" in fault:  # past what the gateway reads of an answer
+            return web.Response(text="[" + " " * (2 << 20) + "]", content_type="application/json")
         out: list[dict[str, Any]] = []
         for s in slots:
             row: dict[str, Any] = {"id": s.id, "n_ctx": per_slot, "is_processing": s.busy}
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         sys.exit(1)
     sys.stdout.flush()
-    web.run_app(build_app(args), host=args.host, port=args.port, print=None)
+    # llama-server exits about 1.3 s after SIGTERM (captured), not after aiohttp's 60 s grace
+    web.run_app(build_app(args), host=args.host, port=args.port, print=None, shutdown_timeout=0.1)
 
 
 if __name__ == "__main__":

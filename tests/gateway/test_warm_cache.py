@@ -327,6 +327,28 @@ async def test_a_request_whose_deadline_passes_during_a_restore_is_answered_at_i
         assert gw.fleet.lifecycle.lives["my-model"].state == "starting"  # still restoring
 
 
+@pytest.mark.parametrize(
+    ("faults", "says"),
+    [("save-delay=30", "took more than"), ("huge-slots", "answered no JSON")],
+)
+async def test_a_save_past_its_bounds_is_given_up_and_the_stop_goes_on(
+    tmp_path: Path, model: Path, faults: str, says: str
+) -> None:
+    journal, state = tmp_path / "journal", tmp_path / "state"
+    async with serving({"deployments": [warm(model, journal)]}, state) as (gw, c):
+        await ask(c, "kept")
+    before = manifest(state)
+    slow = warm(model, journal, faults=faults, warm_cache_timeout="1s")
+    async with serving({"deployments": [slow]}, state) as (gw, c):
+        await ask(c, "kept, then more")
+        with anyio.fail_after(10):  # its second of saving, then the stop
+            await operator_park(gw.fleet.lifecycle, "my-model", known=True)
+        assert says in warm_row(gw)["last_save"]["failed"]
+        assert gw.fleet.lifecycle.lives["my-model"].state == "stopped"
+    assert manifest(state) == before  # what was saved before stays whole
+    assert [p.name for p in instance_dir(state).glob("tmp-*")] == []
+
+
 async def test_an_engine_that_refuses_its_files_serves_cold_and_drops_them(
     tmp_path: Path, model: Path
 ) -> None:

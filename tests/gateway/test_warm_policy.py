@@ -92,6 +92,17 @@ def test_a_slot_file_is_restored_only_while_it_is_the_file_recorded(tmp_path: Pa
         d.place("tmp2", "slot1-y.bin", 6)
 
 
+def test_a_manifest_past_what_is_read_of_one_is_not_a_manifest(tmp_path: Path) -> None:
+    d = InstanceDir(tmp_path, "m", 0)
+    d.open()
+    doc = json.loads(Saved(KEY, (slot(0, 0),)).encode())
+    doc["padding"] = " " * (1 << 20)  # a manifest is a few hundred bytes
+    (d.path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError):
+        d.load()
+    assert d.held() == 0
+
+
 def test_what_no_manifest_names_is_removed(tmp_path: Path) -> None:
     d = InstanceDir(tmp_path, "m", 0)
     d.open()
