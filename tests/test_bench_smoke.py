@@ -102,3 +102,45 @@ def test_another_api_beside_chat_measures_both_apis_and_stops_what_it_started(
     for pid in doc["meta"]["processes"].values():
         assert not running(pid)
         assert not [p for p in session_pids(pid) if running(p)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the harness reads /proc")
+@pytest.mark.timeout(150)
+def test_the_contention_benchmark_runs_each_policy_and_scenario_and_stops_its_engines(
+    tmp_path: Path,
+) -> None:
+    """``bench.contention --quick``: the three policies on (i), ``cost_aware`` on (ii) and
+    (iii), each through a gateway that launches the fake engines and switches them."""
+    out = tmp_path / "contention.json"
+    argv = [sys.executable, "-m", "bench.contention", "--quick", "--out", str(out)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=140, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+
+    doc = json.loads(out.read_bytes())
+    runs = {(r["scenario"], r["policy"]): r for r in doc["runs"]}
+    assert set(runs) == {
+        ("i", "on_arrival"),
+        ("i", "collate"),
+        ("i", "cost_aware"),
+        ("ii", "cost_aware"),
+        ("iii", "cost_aware"),
+    }
+    reasons = {"on_arrival": {"on_arrival"}, "collate": {"collate"}}
+    for (scenario, policy), r in runs.items():
+        assert r["answered"] > 0 and r["lost"] == 0, (scenario, policy, r["errors"])
+        assert r["per_minute"] > 0 and r["listed"]["reads"] > 0
+        assert set(r["switches"]) <= reasons.get(policy, {"idle", "waited", "fairness"}), r
+        waits = [d["wait_max_s"] for d in r["deployments"].values() if d["answered"]]
+        assert waits and all(w is not None for w in waits)
+        if scenario == "i":  # two agents, room for one: each policy switched and started
+            assert sum(r["switches"].values()) >= 1 and r["starts"] + r["wakes"] >= 1, r
+            assert r["transition_s"], r
+    goals = doc["goals"]["fake"]
+    assert goals["nothing_lost"] and "i_met" in goals and "iii_met" in goals
+    report = proc.stdout.decode()
+    assert "**fake, (i) two closed-loop agents on two models, a budget for one**" in report
+    assert report.count("| cost_aware |") == 3
+
+    assert doc["meta"]["leftovers"] == []
+    for r in doc["runs"]:
+        assert not running(r["gateway_pid"])
