@@ -83,8 +83,8 @@ class BlockReader:
         out: list[bytes] = []
         rest = self.decoder.whole_events(block)
         if rest is not None:
-            texts = 0  # template chunks not yet counted, and whether one carried text
-            seen_text = False
+            run: list[bytes] = []  # template chunks not yet counted (their texts, quoted)
+            seen_text = False  # whether one of them carried text
             head_len, data_head, tail, least, at, back, out_open, out_close = t.shape
             for i, part in enumerate(rest):
                 if (
@@ -100,13 +100,13 @@ class BlockReader:
                     except _JSONError:
                         pass  # the full check says what is wrong with it
                     else:
-                        texts += 1
+                        run.append(quoted)
                         seen_text = seen_text or bool(text)
-                        out += (out_open, quoted, out_close)
                         continue
-                if texts:
-                    v.text_chunks(texts, seen_text, now)
-                    texts, seen_text = 0, False
+                if run:  # the run's events, in one piece: a join, not a tuple a chunk
+                    v.text_chunks(len(run), seen_text, now)
+                    out.append(out_open + (out_close + out_open).join(run) + out_close)
+                    run, seen_text = [], False
                 if part.startswith(_DATA) and b"\n" not in part:
                     if part == _DONE_EVENT:
                         self.decoder.feed_events(rest[i + 1 :])  # read, not verified
@@ -117,8 +117,9 @@ class BlockReader:
                 block = b"\n\n".join(rest[i:]) + b"\n\n"  # the decoder takes the rest
                 break
             else:
-                if texts:
-                    v.text_chunks(texts, seen_text, now)
+                if run:
+                    v.text_chunks(len(run), seen_text, now)
+                    out.append(out_open + (out_close + out_open).join(run) + out_close)
                 return out, False
         for data in self.decoder.feed(block):
             if data == DONE:
