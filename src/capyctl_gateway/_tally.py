@@ -90,7 +90,7 @@ class Tally:
             (
                 self.deployment,
                 self.api,
-                str(self.ending),  # its value (a StrEnum's), without the enum's descriptor
+                _VALUES[self.ending],  # its value, without the enum's descriptor
                 self.code,
                 self.status,
                 self.instance,
@@ -207,3 +207,4 @@ _FINE = frozenset({Ending.COMPLETED, Ending.HANG_UP})
 
 _INDEX = {i: str(i) for i in range(64)}
 _ENDINGS = {e.value: e for e in Ending}
+_VALUES = {e: e.value for e in Ending}

@@ -103,9 +103,9 @@ class BlockReader:
                         run.append(quoted)
                         seen_text = seen_text or bool(text)
                         continue
-                if run:  # the run's events, in one piece: a join, not a tuple a chunk
+                if run:  # the run's events: one join, not a tuple a chunk
                     v.text_chunks(len(run), seen_text, now)
-                    out.append(out_open + (out_close + out_open).join(run) + out_close)
+                    out += (out_open, (out_close + out_open).join(run), out_close)
                     run, seen_text = [], False
                 if part.startswith(_DATA) and b"\n" not in part:
                     if part == _DONE_EVENT:
@@ -119,7 +119,7 @@ class BlockReader:
             else:
                 if run:
                     v.text_chunks(len(run), seen_text, now)
-                    out.append(out_open + (out_close + out_open).join(run) + out_close)
+                    out += (out_open, (out_close + out_open).join(run), out_close)
                 return out, False
         for data in self.decoder.feed(block):
             if data == DONE:
