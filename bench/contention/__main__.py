@@ -50,9 +50,12 @@ def _meta(args: argparse.Namespace, engines: list[Engine], tag: str) -> dict[str
         done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip()
 
+    import capyctl_gateway
+
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "commit": git("rev-parse", "--short", "HEAD"),
+        "gateway_source": str(Path(capyctl_gateway.__file__).resolve().parent),
         "tree_changed": bool(git("status", "--porcelain", "--untracked-files=no")),
         "machine": f"{os.cpu_count()} cores, {platform.platform()}",
         "load_avg_at_start": os.getloadavg(),

@@ -130,29 +130,31 @@ def goals(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def tables(runs: list[dict[str, Any]], titles: dict[str, str]) -> str:
-    """Markdown: a table per engine and scenario, a row per policy."""
+    """Markdown: a table per engine and scenario, a row per policy, the waits (p50 / p95 / max,
+    seconds) a column per deployment."""
     lines: list[str] = []
     for engine in dict.fromkeys(r["engine"] for r in runs):
         for scenario, title in titles.items():
             rows = [r for r in runs if r["engine"] == engine and r["scenario"] == scenario]
             if not rows:
                 continue
+            names = list(rows[0]["deployments"])
             lines += ["", f"**{engine}, ({scenario}) {title}**", ""]
             lines.append(
-                "| policy | answered/min | starts+wakes per request | switch time share "
-                "| lost | wait p50 / p95 / max (s), per deployment |"
+                "| policy | answered/min | starts+wakes per request | switch time share | lost | "
+                + " | ".join(f"wait {n} (s)" for n in names)
+                + " |"
             )
-            lines.append("|---|---|---|---|---|---|")
+            lines.append("|---" * (5 + len(names)) + "|")
             for r in sorted(rows, key=lambda r: POLICIES.index(r["policy"])):
-                waits = "; ".join(
-                    f"{name} {d['wait_p50_s']} / {d['wait_p95_s']} / {d['wait_max_s']}"
-                    f" ({d['answered']})"
-                    for name, d in r["deployments"].items()
-                )
+                waits = [r["deployments"][n] for n in names]
+                cells = [
+                    f"{d['wait_p50_s']} / {d['wait_p95_s']} / {d['wait_max_s']}" for d in waits
+                ]
                 lines.append(
                     f"| {r['policy']} | {r['per_minute']} | {r['activations_per_request']}"
                     f" ({r['starts'] + r['wakes']}/{r['answered']}) "
-                    f"| {_share(r['transition_share'])} | {r['lost']} | {waits} |"
+                    f"| {_share(r['transition_share'])} | {r['lost']} | " + " | ".join(cells) + " |"
                 )
     return "\n".join(lines) + "\n"
 
