@@ -115,7 +115,9 @@ def _measure(
         "--log-format",
         "json",
     ]
-    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+    # One hash seed for every tree: str hashes decide dicts' and sets' layouts, and so some
+    # of the instructions (about 1% between two runs of one tree otherwise).
+    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), PYTHONHASHSEED="0")
     gateway = procs.start(f"gateway-{work.name}", argv, env=env)
     creds = work / "state" / "identity" / "credentials"
     gateway.wait_file(creds, timeout_s=300)
