@@ -54,8 +54,17 @@ class Admit:
         s = self
         chain = pack(s.prefix)
         return [
-            s.TAG, s.gid, s.deployment, s.api, s.rid, s.caller, s.left, s.salt, chain, s.priority
-        ]  # fmt: skip
+            s.TAG,
+            s.gid,
+            s.deployment,
+            s.api,
+            s.rid,
+            s.caller,
+            s.left,
+            s.salt,
+            chain,
+            s.priority,
+        ]
 
     @classmethod
     def decode(cls, m: list[Any]) -> Admit:
