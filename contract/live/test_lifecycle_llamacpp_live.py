@@ -246,6 +246,67 @@ async def test_four_clients_alternating_between_two_llama_servers_under_a_budget
     assert switches  # it did switch, under load
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("switching", ["on_arrival", "cost_aware"])
+async def test_two_agents_taking_turns_on_two_llama_servers_switch_a_bounded_number_of_times(
+    make_live_gateway: Callable[..., Any],
+    llama_server_binary: Path,
+    llama_models: Path,
+    caplog: pytest.LogCaptureFixture,
+    switching: str,
+) -> None:
+    """Two closed-loop agents, one per model, twelve turns each, under a budget that holds one
+    llama-server: every request answered by its own model, never two llama-servers at once;
+    the scheduler switches a handful of times where switching on arrival switches on almost
+    every turn (the counts are printed)."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    memory = {"ready": "1GiB"}
+    tiny = llama_models / "tiny.gguf"
+    gw = await make_live_gateway(
+        {
+            "resources": {"memory_budget": "1GiB", "switching": switching},
+            "queue": {"request_deadline": "120s"},
+            "deployments": [
+                launched("a", llama_server_binary, tiny, "a", memory=memory),
+                launched("b", llama_server_binary, tiny, "b", memory=memory),
+            ],
+        }
+    )
+    lifecycle = gw.gateway.fleet.lifecycle
+    broken: list[str] = []
+
+    def check(lc: Any) -> None:
+        running = llama_servers(str(tiny))
+        if lifecycle.budget.held() > 2**30 or len(running) > 1:
+            broken.append(f"llama-servers {running} at {lc.inst.where}")
+
+    lifecycle.engines.observers.append(check)
+    turns = 12
+
+    async def agent(c: httpx.AsyncClient, name: str) -> None:
+        body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}
+        for _ in range(turns):
+            r = await c.post(
+                gw.url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {gw.key}"},
+                json=body,
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == name
+
+    began = time.monotonic()
+    async with httpx.AsyncClient(timeout=150) as c:
+        await asyncio.gather(agent(c, "a"), agent(c, "b"))
+    took = time.monotonic() - began
+    starts = len(transitions(caplog, "starting"))
+    print(f"{switching}: {2 * turns} requests in {took:.1f} s, {starts} starts")
+    assert broken == []
+    if switching == "cost_aware":
+        assert starts <= 2 * turns // 3  # at least 3 times fewer than a start a request
+    else:
+        assert starts >= turns  # the thrash it ends: most turns start an engine
+
+
 def llama_servers(model: str, aliases: tuple[str, ...] = ("a", "b")) -> list[int]:
     """The pids of llama-server processes serving ``model`` under one of ``aliases`` now (the
     session's own llama-server serves the same file under another name)."""

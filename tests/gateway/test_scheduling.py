@@ -2,6 +2,7 @@
 clock: two deployments under a budget for one, each start 2 s, each generation 1 s (``take:1``),
 as agents drive them.
 
+- Of two idle deployments, the one whose clients are likely to miss it least goes.
 - Two closed-loop agents taking turns: ``on_arrival`` (the gateway before it) starts an engine
   for every request, ``collate`` (llama-swap's collation) too, ``cost_aware`` twice in all.
 - A steady stream and a trickle: the trickle's request is switched in at the fairness bound
@@ -15,6 +16,7 @@ as agents drive them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,11 +26,12 @@ import pytest
 from rich.console import Console
 
 from capyctl_gateway._clock import stamp
-from capyctl_gateway._lifecycle.operator import deployments_list
+from capyctl_gateway._lifecycle.operator import deployments_list, operator_park
 from capyctl_gateway._management.metrics import exposition
 from capyctl_gateway._management.render import print_list
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
+from tests.gateway.fake_runner import Script
 from tests.gateway.test_lifecycle import launched
 from tests.gateway.test_lifecycle_races import said, served
 
@@ -150,6 +153,45 @@ async def test_an_idle_deployment_goes_once_it_is_quieter_than_its_clients_are(
     (w,) = waited
     assert 2.0 + 2.0 + 1.0 <= w <= 2.0 + 2.0 + 1.0 + 0.1, w
     assert gw.gateway.fleet.lifecycle.scheduler.switches["idle"] == 1
+
+
+async def test_of_two_idle_deployments_the_one_its_clients_miss_least_goes(
+    make_gateway: MakeGateway,
+) -> None:
+    """A budget for two: hot's agent pauses 0.1 s between its 1 s requests, warm answered one
+    request 10 s ago. c's request comes in a pause of hot's that lasts past hot's grace (0.5 s),
+    and hot's stop is the cheaper: yet warm goes (hot's clients are back within a second, warm's
+    have not been for 10 s), and hot is never started twice."""
+    cfg = config("hot", "warm", "c")
+    cfg["resources"]["memory_budget"] = "2GiB"
+    gw = await make_gateway(cfg)
+    assert gw.fakes is not None
+    gw.fakes.scripts.update(hot=Script(stop_s=0.5), warm=Script(stop_s=1.0))
+    stopped: list[str] = []
+    gw.gateway.fleet.lifecycle.engines.observers.append(
+        lambda lc: stopped.append(lc.inst.deployment) if lc.state.value == "stopped" else None
+    )
+    lifecycle = gw.gateway.fleet.lifecycle
+    async with gw.client(timeout=300) as c:
+        for name in ("hot", "warm"):  # each stop measured: hot's 0.5 s, warm's 1 s
+            await agent(c, name, 1, [])
+            await operator_park(lifecycle, name, known=True)
+        stopped.clear()
+        before = dict(gw.fakes.starts)
+        await agent(c, "warm", 1, [])
+        for _ in range(8):  # hot's clients: back within 0.1 s
+            await agent(c, "hot", 1, [])
+            await anyio.sleep(0.1)
+        await anyio.sleep(0.1)  # a longer pause than hot's usual, past its grace
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(agent, c, "c", 1, [])
+            await anyio.sleep(0.9)  # the schedule's own pace
+            tg.start_soon(agent, c, "hot", 1, [])
+    assert stopped == ["warm"], stopped
+    assert gw.fakes.starts - Counter(before) == Counter(
+        {"hot/0": 1, "warm/0": 1, "c/0": 1}
+    )  # hot once
+    assert lifecycle.scheduler.switches["idle"] == 1
 
 
 async def test_a_requests_priority_orders_its_deployments_queue(make_gateway: MakeGateway) -> None:

@@ -95,7 +95,7 @@ class DeploymentQueue:
         each quiet spell a request ended by being let in at once); None before the first."""
         self._waiters = Line()
         self._drained: asyncio.Event | None = None
-        self._quiet: asyncio.Event | None = None
+        self._turn: asyncio.Event | None = None
 
     @property
     def waiting(self) -> int:
@@ -111,12 +111,11 @@ class DeploymentQueue:
         """No request runs or waits."""
         return self.running == 0 and not self._waiters.entries
 
-    async def until_quiet(self) -> None:
-        """Return once no request runs or waits (at once if none does)."""
-        while not self.quiet:
-            if self._quiet is None:
-                self._quiet = asyncio.Event()
-            await self._quiet.wait()
+    async def turned(self) -> None:
+        """Return at its next turn from quiet to busy (a request comes) or back (none is left)."""
+        if self._turn is None:
+            self._turn = asyncio.Event()
+        await self._turn.wait()
 
     async def acquire(self, deadline: float, priority: int = 0) -> None:
         """Take a running slot, waiting until ``deadline`` (``loop.time()``) at the latest,
@@ -130,12 +129,14 @@ class DeploymentQueue:
             if self.running == 0:  # a quiet spell ends: how long its clients paused
                 gap = stamp() - self.idle_since
                 self.gap = gap if self.gap is None else self.gap + GAP_WEIGHT * (gap - self.gap)
+                self._turned()
             self.running += 1
             return
         if len(self._waiters) >= self.max_waiting:
             raise QueueFullError("this model's waiting queue is full; retry shortly")
         if self._admission.waiting >= self._admission.max_waiting_total:
             raise QueueFullError("the gateway's waiting queue is full; retry shortly")
+        self._turned(self.quiet)  # a request waits now for a deployment that had nothing to do
         entry = self._waiters.join(priority)
         waiter = entry[3]
         self._admission.waiting += 1
@@ -161,7 +162,7 @@ class DeploymentQueue:
             if not waiter.done():
                 waiter.cancel()
             self._waiters.leave(entry)
-            self._was_quiet()
+            self._turned(self.quiet)
 
     def release(self) -> None:
         """Give the slot back: to the longest waiter if there is one (and the gate is open)."""
@@ -172,12 +173,12 @@ class DeploymentQueue:
             self.idle_since = stamp()
             if self._drained is not None:
                 self._drained.set()
-            self._was_quiet()
+            self._turned(self.quiet)
 
-    def _was_quiet(self) -> None:
-        if self._quiet is not None and self.quiet:
-            self._quiet.set()
-            self._quiet = None
+    def _turned(self, now: bool = True) -> None:
+        if now and self._turn is not None:
+            self._turn.set()
+            self._turn = None
 
     def _hand_over(self) -> bool:
         """Give a slot to the longest waiter still waiting; whether there was one."""

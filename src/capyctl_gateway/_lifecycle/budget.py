@@ -50,9 +50,9 @@ class MemoryBudget:
         self._lingering: dict[Launched, int] = {}
         """What an instance's earlier engine, not provably gone, holds beside its own."""
         self._changed = asyncio.Event()
-        self._promised: dict[str, DeploymentLife] = {}
-        """pool -> the deployment a switch there is making room for: the room is its own
-        (another's activation that comes meanwhile does not take it)."""
+        self._promised: dict[str, dict[DeploymentLife, int]] = {}
+        """pool -> each deployment a switch there is making room for, and what it needs: that
+        room is its own (another's activation that comes meanwhile does not take it)."""
 
     def _of(self, lc: Launched) -> int:
         return self._holds.get(lc, 0) + self._lingering.get(lc, 0)
@@ -113,11 +113,11 @@ class MemoryBudget:
             if lc.unconfirmed and lc in self._holds:
                 self._lingering[lc] = self._lingering.get(lc, 0) + self._holds.pop(lc)
         todo = [*starting, *waking]
-        if any(self._promised.get(_pool(lc), life) is not life for lc in todo):
-            return False  # a switch makes this room for another
         for pool in {_pool(lc) for lc in todo}:
             need = sum(memory.ready - self._holds.get(lc, 0) for lc in todo if _pool(lc) == pool)
-            if self.held_in(pool) + need > budget:
+            others = self._promised.get(pool, {})  # room a switch makes for another
+            kept = sum(n for owner, n in others.items() if owner is not life)
+            if self.held_in(pool) + kept + need > budget:
                 return False
         for lc in todo:
             self._holds[lc] = memory.ready
@@ -134,16 +134,16 @@ class MemoryBudget:
         """
         await make_room(self, life, starting, waking)
 
-    def promise(self, pools: set[str], life: DeploymentLife | None) -> None:
-        """Keep the room that frees in ``pools`` for ``life`` (None: for whoever asks)."""
-        for pool in pools:
-            if life is not None:
-                self._promised[pool] = life
-            elif pool in self._promised:
-                del self._promised[pool]
+    def promise(self, life: DeploymentLife, needs: dict[str, int]) -> None:
+        """Keep the room a switch frees for ``life``: ``needs``, per pool ({}: no more)."""
+        for room in self._promised.values():
+            room.pop(life, None)
+        for pool, n in needs.items():
+            self._promised.setdefault(pool, {})[life] = n
 
-    def promised_to(self, pool: str) -> DeploymentLife | None:
-        return self._promised.get(pool)
+    def promised(self, pool: str) -> list[DeploymentLife]:
+        """The deployments a switch makes room for in ``pool`` now."""
+        return list(self._promised.get(pool, {}))
 
     def holds(self, lc: Launched) -> int:  # its earlier engine's lingering memory aside
         return self._holds.get(lc, 0)

@@ -33,7 +33,7 @@ async def make_room(
             candidates = _candidates(budget, life, pools)
             verdict = scheduler.decide(life, candidates, _waiting(budget, life, pools), pools)
             if isinstance(verdict, Switch):
-                budget.promise(pools, life)
+                budget.promise(life, _needs(life, [*starting, *waking]))
                 with _blocked(life):
                     came_to_rest = await asyncio.shield(budget.switch_out(verdict.out, life))
                 if not came_to_rest:
@@ -42,23 +42,21 @@ async def make_room(
             await _wait(budget, life, pools, verdict)
     finally:
         scheduler.settled(pools)
-        for pool in pools:
-            if budget.promised_to(pool) is life:
-                budget.promise({pool}, None)
+        budget.promise(life, {})
 
 
 async def _wait(
     budget: MemoryBudget, life: DeploymentLife, pools: set[str], verdict: Wait | None
 ) -> None:
     """Wait for what may make room: the time the scheduler named, a deployment it watches
-    going quiet, an activation or closing under way ending (the one a switch makes room for
-    first), a change of what is held (a stop proven). Raises UnavailableError when nothing
-    can."""
+    turning quiet or busy, an activation or closing under way ending (the one a switch makes
+    room for first), a change of what is held (a stop proven). Raises UnavailableError when
+    nothing can."""
     under_way: list[asyncio.Future[Any]] = list(_under_way(budget.lives, life))
-    for pool in pools:
-        owner = budget.promised_to(pool)
-        if owner is not None and owner is not life and owner.activation is not None:
-            under_way.append(owner.activation)
+    if verdict is not None and verdict.after is not None and verdict.after.activation is not None:
+        under_way.append(verdict.after.activation)  # the one that goes first: once it is in
+    owners = {o for pool in pools for o in budget.promised(pool)} - {life}
+    under_way += [o.activation for o in owners if o.activation is not None]  # they go first
     if verdict is None and not under_way and not budget.unproven(pools):
         raise UnavailableError(
             f"deployment {life.deployment.name} needs more of the memory budget "
@@ -67,9 +65,7 @@ async def _wait(
         )
     events: list[asyncio.Future[Any]] = [asyncio.ensure_future(budget.changed())]
     watch = verdict.watch if verdict is not None else ()
-    events += [  # once one is quiet, its idle time runs
-        asyncio.ensure_future(b.route.queue.until_quiet()) for b in watch if not b.route.queue.quiet
-    ]
+    events += [asyncio.ensure_future(b.route.queue.turned()) for b in watch]  # busy, or quiet
     left = None if verdict is None or verdict.until is None else verdict.until - stamp()
     with _blocked(life):
         try:
@@ -127,6 +123,15 @@ def _serves_on(life: DeploymentLife, victim: DeploymentLife) -> UnavailableError
         f"{victim.deployment.name} holds, and its running requests did not "
         "finish within its lifecycle.drain_timeout; it serves on",
     )
+
+
+def _needs(life: DeploymentLife, todo: list[Launched]) -> dict[str, int]:
+    """What ``life``'s instances ``todo`` need in each pool (their ready memory)."""
+    memory = life.deployment.memory
+    needs: dict[str, int] = {}
+    for lc in todo:
+        needs[_pool(lc)] = needs.get(_pool(lc), 0) + (memory.ready if memory else 0)
+    return needs
 
 
 def _pool(lc: Launched) -> str:

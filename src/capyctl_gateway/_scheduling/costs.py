@@ -59,6 +59,13 @@ class Costs:
             return self.last.get((name, "wake"), self.last.get((name, "start"), estimate))
         return self.last.get((name, "start"), estimate)
 
+    def back(self, life: DeploymentLife) -> float:
+        """What bringing ``life`` back costs once taken out: a wake where it parks, else a
+        start (the estimate until measured)."""
+        name = life.deployment.name
+        start = self.last.get((name, "start"), life.deployment.lifecycle.start_estimate)
+        return self.last.get((name, "wake"), start) if life.parks else start
+
     def down(self, life: DeploymentLife) -> float:
         """What taking ``life`` out costs: its drain (while a request runs), then its park or
         stop, as last measured."""

@@ -23,8 +23,11 @@ the policy may switch out; the lifecycle then waits for what is under way, or re
     (the fairness bound: no deployment starves, and requests waiting for the one switched out
     then wait under the same rule).
 
-  Of several that may go, the idle before the busy, then the one whose switch costs least,
-  then the lowest ``lifecycle.priority`` (the higher number), then the longest unused. Of
+  Of several that may go, the idle before the busy; of the idle, the one whose clients are
+  likely to miss it least (its way out and back in over how long they are likely to leave it
+  alone: `_regret`), of the busy the one whose switch costs least; then the lowest
+  ``lifecycle.priority`` (the higher number), then the longest unused. The one first in that
+  order is the one that goes (once idle past its grace, or at the patience or the bound). Of
   several deployments waiting for the same pool, the lower ``lifecycle.priority`` goes first,
   then the one waiting longest (the fairness bound aside, which each reaches alike).
   An activation with no request waiting (an operator's start, a deployment kept ready) is not
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 from .._lifecycle.states import DeploymentLife, InstanceState
 from .costs import Costs
 
-__all__ = ["REASONS", "Switch", "Wait", "decide"]
+__all__ = ["REASONS", "Switch", "Wait", "decide", "grace"]
 
 REASONS = ("idle", "waited", "fairness", "on_arrival", "collate", "asked")
 """Why a deployment was switched out (a fixed set: a metric's label)."""
@@ -73,7 +76,10 @@ class Wait:
     out: DeploymentLife | None = None
     """The deployment it means to switch out then."""
     watch: tuple[DeploymentLife, ...] = ()
-    """Deployments whose going quiet changes the answer: ask again when one does."""
+    """Deployments whose turning quiet or busy changes the answer: ask again when one does."""
+    after: DeploymentLife | None = None
+    """A deployment waiting for the same pool that goes first: ask again once its activation
+    ends (it came in, or stopped waiting)."""
 
 
 def _idle(life: DeploymentLife) -> bool:
@@ -81,15 +87,30 @@ def _idle(life: DeploymentLife) -> bool:
 
 
 def _rank(
-    life: DeploymentLife, into: DeploymentLife, costs: Costs
+    life: DeploymentLife, into: DeploymentLife, costs: Costs, now: float
 ) -> tuple[bool, float, int, float]:
+    """The order in which resident deployments go: the idle before the busy; of the idle, the
+    one whose leaving costs least over the time it is likely to be left alone (`_regret`); of
+    the busy, the cheapest switch; then the higher ``lifecycle.priority`` number, then the
+    longest unused."""
     queue = life.route.queue
+    idle = _idle(life)
     return (
-        not _idle(life),
-        costs.switch(life, into),
+        not idle,
+        _regret(life, costs, now) if idle else costs.switch(life, into),
         -life.deployment.lifecycle.priority,
-        queue.idle_since if _idle(life) else float("inf"),
+        queue.idle_since if idle else float("inf"),
     )
+
+
+def _regret(life: DeploymentLife, costs: Costs, now: float) -> float:
+    """What taking idle ``life`` out is likely to cost its own clients, per second: its way
+    out and back in (`Costs.down`, `Costs.back`) over how long its clients are likely to leave
+    it alone (their usual pause, or its idle spell so far if longer: the busiest deployment's
+    clients come back soonest, one unused for minutes least likely to be asked for)."""
+    queue = life.route.queue
+    alone = max(queue.gap or 0.0, now - queue.idle_since, MIN_IDLE_S)
+    return (costs.down(life) + costs.back(life)) / alone
 
 
 def decide(
@@ -124,24 +145,31 @@ def decide(
     waited = now - oldest
     ahead = _ahead(into, waiting)
     if ahead is not None and waited < max_wait:
-        return Wait(oldest + max_wait, f"deployment {ahead.deployment.name} goes first")
-    out = min(candidates, key=lambda c: _rank(c, into, costs))
+        return Wait(
+            oldest + max_wait, f"deployment {ahead.deployment.name} goes first", after=ahead
+        )
+    ranked = sorted(candidates, key=lambda c: _rank(c, into, costs, now))
+    out = ranked[0]
     cost = costs.switch(out, into)
-    grace = _grace(out, cost)
-    if _idle(out) and now - out.route.queue.idle_since >= grace:
+    quiet = _quiet_until(out, cost) if _idle(out) else float("inf")
+    if now >= quiet:
         return Switch(out, "idle", f"idle for {now - out.route.queue.idle_since:.1f} s")
     if waited >= max_wait:
         return Switch(out, "fairness", f"a request waited {waited:.1f} s")
     if waited >= patience * cost:
         return Switch(out, "waited", f"a request waited {waited:.1f} s, {patience:g}x the switch")
-    due = min(oldest + patience * cost, oldest + max_wait)
-    if _idle(out):
-        due = min(due, out.route.queue.idle_since + grace)
-    why = f"deployment {out.deployment.name} has work; the switch costs {cost:.1f} s"
-    return Wait(due, why, out, watch=(out,))
+    due = min(oldest + patience * cost, oldest + max_wait, quiet)
+    doing = "is idle" if _idle(out) else "has work"
+    why = f"deployment {out.deployment.name} {doing}; the switch costs {cost:.1f} s"
+    return Wait(due, why, out, watch=tuple(ranked))
 
 
-def _grace(life: DeploymentLife, cost: float) -> float:
+def _quiet_until(life: DeploymentLife, cost: float) -> float:
+    """When idle ``life`` has gone quiet (`grace` after its idle spell began)."""
+    return life.route.queue.idle_since + grace(life, cost)
+
+
+def grace(life: DeploymentLife, cost: float) -> float:
     """How long ``life`` may be idle before it has gone quiet (see the module's text)."""
     gap = life.route.queue.gap
     usual = UNMEASURED_IDLE_S if gap is None else max(MIN_IDLE_S, IDLE_GAPS * gap)
