@@ -1,5 +1,5 @@
-"""The CLI of several machines: the server's control listener, ``invite host``, ``revoke host``,
-``host join`` and ``host serve``."""
+"""The CLI of several machines: the server's control listener, ``host join`` and ``host serve``;
+``invite host`` and ``revoke host`` are added from `_cli_invite`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import ipaddress
 import signal
 import socket
-import sqlite3
 import ssl
 import sys
 from collections.abc import Callable, Mapping
@@ -17,7 +16,6 @@ from typing import Annotated
 import aiohttp
 import typer
 from aiohttp import web
-from pydantic import TypeAdapter, ValidationError
 
 from ._cli_common import (
     CONTROL_MAX_CONNECTIONS,
@@ -33,14 +31,15 @@ from ._cli_common import (
     settle_heap,
     use_uvloop,
 )
-from ._config import ConfigError, Seconds
+from ._cli_invite import MAX_INVITE_S, StateOpt, invite_app, revoke_app
+from ._config import ConfigError
 from ._errors import OperatorError
 from ._gateway import Gateway
 from ._host import Host, join
 from ._log import configure_logging
 from ._machines import pki
 from ._machines.control import control_app
-from ._machines.enroll import Invites, JoinError, JoinFile, ServerIdentity
+from ._machines.enroll import JoinError, ServerIdentity
 from ._machines.ingress import MAX_FORWARDS, Gate, create_ingress_app
 from ._machines.protocol import NOT_FORWARDED
 from ._machines.server import Machines
@@ -109,24 +108,6 @@ def ingress_runner(
     )
 
 
-MAX_INVITE_S = 30 * 86400.0
-"""The longest a join file may be valid (``--valid``): 30 days. A join file is a bearer secret
-that enrolls a machine; a month is enough to post one to a remote site and have it used, and a
-file forgotten in a mailbox or a backup stops working within that (11,400 years was accepted)."""
-
-
-def _duration(value: str) -> float:
-    try:
-        seconds = float(TypeAdapter(Seconds).validate_python(value))
-    except ValidationError:
-        raise ConfigError(f"--valid takes a duration such as 1h or 30m, got {value!r}") from None
-    if seconds > MAX_INVITE_S:
-        raise ConfigError(
-            f"--valid {value}: a join file is valid for at most 30 days ({MAX_INVITE_S / 3600:g}h)"
-        )
-    return seconds
-
-
 def _private(host: str) -> None:
     """Refuse an ingress address that is not private (RFC 1918, loopback, ULA, 100.64/10)."""
     try:
@@ -142,98 +123,22 @@ def _private(host: str) -> None:
 
 
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
-StateOpt = Annotated[
-    Path | None, typer.Option("--state-dir", help="State directory (env CAPYCTL_STATE_DIR).")
-]
 
 
 def register(
     app: typer.Typer, state_of: Callable[[Path | None], Path], fail: Callable[[str], typer.Exit]
 ) -> None:
-    invite_app = typer.Typer(help="Invite machines to this server.", no_args_is_help=True)
-    revoke_app = typer.Typer(help="Cut machines off this server.", no_args_is_help=True)
+    """Add ``invite host``, ``revoke host``, ``host join`` and ``host serve`` to ``app``."""
+    app.add_typer(invite_app(state_of, fail), name="invite")
+    app.add_typer(revoke_app(state_of, fail), name="revoke")
+    app.add_typer(_host_app(state_of, fail), name="host")
+
+
+def _host_app(
+    state_of: Callable[[Path | None], Path], fail: Callable[[str], typer.Exit]
+) -> typer.Typer:
+    """``host join`` and ``host serve``."""
     host_app = typer.Typer(help="Run this machine as a host of a server.", no_args_is_help=True)
-    app.add_typer(invite_app, name="invite")
-    app.add_typer(revoke_app, name="revoke")
-    app.add_typer(host_app, name="host")
-
-    @invite_app.command("host")
-    def invite_host(
-        name: Annotated[str, typer.Argument(help="The host's name, as deployments name it.")],
-        output: Annotated[Path, typer.Option("--output", help="The join file to write.")],
-        valid: Annotated[str, typer.Option("--valid", help="How long it may be used.")] = "1h",
-        server: Annotated[
-            str | None,
-            typer.Option("--server", help="The control address as the host reaches it."),
-        ] = None,
-        replace: Annotated[
-            bool,
-            typer.Option(
-                "--replace",
-                help="NAME is enrolled, or has a join file still usable: enroll a new machine "
-                "in its place, voiding that file.",
-            ),
-        ] = False,
-        state_dir: StateOpt = None,
-    ) -> None:
-        """Write a single-use join file (mode 0600) for host NAME."""
-        state = state_of(state_dir)
-        identity = ServerIdentity(state / "identity")
-        try:
-            if not pki.valid_host_name(name):
-                raise ConfigError(f"{name!r} cannot name a host: 1 to 63 of a-z, 0-9 and '-'")
-            if not identity.ca_cert.exists():
-                raise ConfigError(f"no server state in {state}: start `serve --role server` once")
-            control = server or identity.address_file.read_text(encoding="utf-8").strip()
-            chost, _ = address(control, "--server")
-            if chost in ("0.0.0.0", "::"):  # noqa: S104 - what hosts cannot be sent to
-                raise ConfigError(
-                    f"the server listens on {control}: say how the host reaches it with --server"
-                )
-            seconds = _duration(valid)
-            invites = Invites(state / "machines.sqlite3")
-            try:
-                if invites.roster.enrolled(name) and not replace:
-                    raise ConfigError(
-                        f"host {name} is enrolled already: a second machine of that name would "
-                        "take its place. To enroll a new machine in its place, add --replace "
-                        "(the old one is refused once the new one joins); to cut it off, "
-                        f"`capyctl-gateway revoke host {name}`"
-                    )
-                token, expires = invites.create(name, seconds, replace=replace)
-            finally:
-                invites.close()
-            ca = identity.ca_cert.read_bytes()
-            JoinFile(name, control, ca, pki.fingerprint(ca), token, expires).write(output)
-        except (ConfigError, JoinError, OSError) as exc:
-            raise fail(str(exc)) from None
-        typer.echo(f"join file for host {name} written to {output} (valid {valid}, used once)")
-
-    @revoke_app.command("host")
-    def revoke_host(
-        name: Annotated[str, typer.Argument(help="The host's name.")],
-        state_dir: StateOpt = None,
-    ) -> None:
-        """Refuse host NAME's certificate from now on; a running server closes its session
-        within a second (it reads the revocation from its state directory)."""
-        state = state_of(state_dir)
-        path = state / "machines.sqlite3"
-        try:
-            if not path.exists():
-                raise ConfigError(f"no server state in {state}: no host was enrolled there")
-            invites = Invites(path)
-            try:
-                done = invites.roster.revoke(name)
-            finally:
-                invites.close()
-        except (ConfigError, OSError, sqlite3.Error) as exc:
-            raise fail(str(exc)) from None
-        if not done:
-            raise fail(f"host {name} holds no certificate here (never enrolled, or revoked)")
-        typer.echo(
-            f"host {name} revoked: its certificate is refused from now on, and a running "
-            "server closes its session within a second; to enroll it again, invite it"
-        )
 
     @host_app.command("join")
     def host_join(
@@ -272,6 +177,8 @@ def register(
             raise fail(str(exc)) from None
         use_uvloop()
         asyncio.run(_serve_host(host, sock))
+
+    return host_app
 
 
 async def _serve_host(host: Host, sock: socket.socket) -> None:

@@ -18,7 +18,20 @@ def _cell(value: Any) -> str:
 
 
 def print_status(console: Console, doc: dict[str, Any]) -> None:
-    d = doc["deployment"]
+    """``status deployment``: the deployment's lines, a table of its instances, each instance's
+    address and state, then the cancelled requests each still counts."""
+    _print_deployment(console, doc["deployment"])
+    rows = doc["instances"]
+    console.print(_instance_table(rows))
+    # Addresses and reasons on lines of their own: a table column would cut them short.
+    for i in rows:
+        _print_instance(console, i)
+    for i in rows:
+        _print_cancelled(console, i)
+
+
+def _print_deployment(console: Console, d: dict[str, Any]) -> None:
+    """The deployment's line, then its lifecycle and park where the gateway launched it."""
     console.print(
         f"{d['name']} ({d['id']}): api {d['api']}, {d['engine']} {d['engine_version']} "
         f"({d['served_model']}), {d['state']}; "
@@ -33,7 +46,9 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
             + ("" if held is None else f"; memory held {size(held)}"),
             soft_wrap=True,
         )
-    rows = doc["instances"]
+
+
+def _instance_table(rows: list[dict[str, Any]]) -> Table:
     table = Table("instance", "state", "running", "waiting", "snapshot age")
     for i in rows:
         age = i["snapshot_age_s"]
@@ -44,48 +59,52 @@ def print_status(console: Console, doc: dict[str, Any]) -> None:
             _cell(i["waiting"]),
             "-" if age is None else f"{age:.1f} s",
         )
-    console.print(table)
-    # Addresses and reasons on lines of their own: a table column would cut them short.
-    for i in rows:
-        where = i["url"] if i["url"] is not None else "not running"
-        about = f"host {i['host']}" if "session" in i else f"machine {i['machine']}"
-        if "session" in i:
-            report = i.get("report_age_s")
-            about += f", session {i['session']}" + (
-                ""
-                if report is None
-                else f", reported {report:.1f} s ago, "
-                f"ingress in flight {i.get('ingress_in_flight')}"
-            )
-        console.print(f"instance {i['index']}: {where} ({about})", soft_wrap=True)
-        if i.get("error"):
-            console.print(f"  error: {i['error']}", soft_wrap=True)
-        if i.get("not_routed"):
-            console.print(f"  not routed: {i['not_routed']}", soft_wrap=True)
-        if "lifecycle" in i:
-            console.print(f"  {i['lifecycle']}", soft_wrap=True)
-        for line in i.get("shown", ()):
-            console.print(f"  {line['text']}", soft_wrap=True)
-        if "process" in i:
-            proc = i["process"]
-            keeper = f" (its reaper: {proc['reaper_pid']})" if proc.get("reaper_pid") else ""
-            console.print(
-                f"  pid {proc['pid']}{keeper}, port {proc['port']}: {' '.join(proc['command'])}",
-                soft_wrap=True,
-            )
-    for i in rows:
-        cut = i["cancelled"]
-        if not cut:
-            console.print(f"instance {i['index']}: no cancelled requests counted")
-            continue
-        console.print(
-            f"instance {i['index']}: {len(cut)} cancelled request(s) still counted", soft_wrap=True
+    return table
+
+
+def _print_instance(console: Console, i: dict[str, Any]) -> None:
+    """An instance's address and where it runs, then its error, lifecycle and process."""
+    where = i["url"] if i["url"] is not None else "not running"
+    about = f"host {i['host']}" if "session" in i else f"machine {i['machine']}"
+    if "session" in i:
+        report = i.get("report_age_s")
+        about += f", session {i['session']}" + (
+            ""
+            if report is None
+            else f", reported {report:.1f} s ago, ingress in flight {i.get('ingress_in_flight')}"
         )
-        for c in cut:
-            console.print(
-                f"  {c['capyctl_request_id']} ({c['reason']}): settles {c['settles']}",
-                soft_wrap=True,
-            )
+    console.print(f"instance {i['index']}: {where} ({about})", soft_wrap=True)
+    if i.get("error"):
+        console.print(f"  error: {i['error']}", soft_wrap=True)
+    if i.get("not_routed"):
+        console.print(f"  not routed: {i['not_routed']}", soft_wrap=True)
+    if "lifecycle" in i:
+        console.print(f"  {i['lifecycle']}", soft_wrap=True)
+    for line in i.get("shown", ()):
+        console.print(f"  {line['text']}", soft_wrap=True)
+    if "process" in i:
+        proc = i["process"]
+        keeper = f" (its reaper: {proc['reaper_pid']})" if proc.get("reaper_pid") else ""
+        console.print(
+            f"  pid {proc['pid']}{keeper}, port {proc['port']}: {' '.join(proc['command'])}",
+            soft_wrap=True,
+        )
+
+
+def _print_cancelled(console: Console, i: dict[str, Any]) -> None:
+    """The cancelled requests an instance still counts, one a line."""
+    cut = i["cancelled"]
+    if not cut:
+        console.print(f"instance {i['index']}: no cancelled requests counted")
+        return
+    console.print(
+        f"instance {i['index']}: {len(cut)} cancelled request(s) still counted", soft_wrap=True
+    )
+    for c in cut:
+        console.print(
+            f"  {c['capyctl_request_id']} ({c['reason']}): settles {c['settles']}",
+            soft_wrap=True,
+        )
 
 
 def print_list(console: Console, doc: dict[str, Any]) -> None:
