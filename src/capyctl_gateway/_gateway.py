@@ -1,5 +1,5 @@
 """The public surface's own state: the key, the request bodies held, the models documents and
-the gateway's telemetry, and the fleet it serves while it serves (``_fleet.py``).
+the gateway's telemetry, and the fleet it serves while it serves (``_fleet/``).
 
 No module globals; the HTTP surface and management read it, the rooms below never import it.
 """

@@ -14,24 +14,16 @@ import typer
 from rich.console import Console
 
 from ._cli_common import (
-    address,
-    bind,
-    enough_files,
     fail,
-    files_wanted,
     management_address,
     path_segment,
     state_path,
     use_uvloop,
 )
-from ._cli_serve import run
-from ._config import MAX_WORKERS, ConfigError, load_config
-from ._config.bounds import fit_workers
+from ._cli_serve import prepare, run
+from ._config import MAX_WORKERS
 from ._errors import OperatorError
-from ._http.app import GATEWAY_KEY, create_app
 from ._identity import (
-    credentials_path,
-    load_or_create_api_key,
     load_or_create_server_key,
     read_api_key,
     server_credentials_path,
@@ -131,49 +123,22 @@ def serve(
     if fmt not in ("text", "json"):
         raise fail("--log-format takes text or json")
     configure_logging(fmt)
-    state = state_path(state_dir)
     try:
-        host, port = address(
-            listen or os.environ.get("CAPYCTL_INFERENCE_ADDR") or DEFAULT_LISTEN, "--listen"
+        serving = prepare(
+            config,
+            listen=listen or os.environ.get("CAPYCTL_INFERENCE_ADDR") or DEFAULT_LISTEN,
+            state=state_path(state_dir),
+            management=management,
+            metrics=metrics or os.environ.get("CAPYCTL_METRICS_ADDR"),
+            role=role,
+            control=control,
+            workers=workers,
         )
-        mhost, mport = management_address(management)
-        cfg = load_config(config)
-        if role not in ("single", "server"):
-            raise ConfigError("--role takes single or server")
-        problem = cfg.role_problem(server=role == "server")
-        if problem is not None:
-            raise ConfigError(f"{config}: {problem}")
-        extra = []
-        if role == "server":
-            key = load_or_create_server_key(state)
-            identity, csock, context = server_control(state, *address(control, "--control"))
-            application = create_app(cfg, key, state_dir=state, server=identity)
-            extra.append((control_runner(application[GATEWAY_KEY]), csock, context))
-        else:
-            key = load_or_create_api_key(state)
-            application = create_app(cfg, key, state_dir=state)
-        enough_files(files_wanted(cfg.limits.max_connections))
-        count = workers or cfg.workers
-        fit_workers(cfg.limits, count)  # a body budget set too small to split: refused now
-        sock = bind(host, port, reuse_port=count > 1)
-        msock = bind(mhost, mport)
-        metrics = metrics or os.environ.get("CAPYCTL_METRICS_ADDR")
-        xsock = bind(*address(metrics, "--metrics")) if metrics else None
     except OperatorError as exc:
         raise fail(str(exc)) from None
     use_uvloop()
-    keyfile = credentials_path(state) if role == "single" else server_credentials_path(state)
-    listening = (
-        f"capyctl-gateway listening on http://{host}:{sock.getsockname()[1]}/v1 "
-        f"(key in {keyfile}; management on {mhost}:{msock.getsockname()[1]}"
-        + (f"; control on {control}" if role == "server" else "")
-        + (f"; metrics on {metrics}" if metrics else "")
-        + ")"
-    )
-    team = (count, fmt) if count > 1 else None
-    if team is not None:
-        listening += f" with {count} workers"
-    asyncio.run(run(application, sock, msock, listening, xsock, extra, team))
+    team = (serving.workers, fmt) if serving.workers > 1 else None
+    asyncio.run(run(*serving.listeners, team))
 
 
 def _where(state_dir: Path | None, management: str | None) -> tuple[str, int, str]:
@@ -287,7 +252,7 @@ def park(
     _act("park", name, state_dir, management)
 
 
-from ._cli_machines import control_runner, register, server_control  # noqa: E402
+from ._cli_machines import register  # noqa: E402
 
 register(app, state_path, fail)
 
