@@ -91,8 +91,7 @@ class DeploymentQueue:
         self.idle_since = stamp()
         """When the last running request ended (``_clock.stamp``): the idle clock."""
         self.gap: float | None = None
-        """How long it has typically been quiet before a request came (a moving average of
-        each quiet spell a request ended by being let in at once); None before the first."""
+        """Its clients' usual pause: a moving average of quiet spells a request ended at once."""
         self._waiters = Line()
         self._drained: asyncio.Event | None = None
         self._turn: asyncio.Event | None = None
@@ -129,7 +128,8 @@ class DeploymentQueue:
             if self.running == 0:  # a quiet spell ends: how long its clients paused
                 gap = stamp() - self.idle_since
                 self.gap = gap if self.gap is None else self.gap + GAP_WEIGHT * (gap - self.gap)
-                self._turned()
+                if self._turn is not None:
+                    self._turned()
             self.running += 1
             return
         if len(self._waiters) >= self.max_waiting:
@@ -173,7 +173,7 @@ class DeploymentQueue:
             self.idle_since = stamp()
             if self._drained is not None:
                 self._drained.set()
-            self._turned(self.quiet)
+            self._turned(not self._waiters.entries)
 
     def _turned(self, now: bool = True) -> None:
         if now and self._turn is not None:

@@ -236,7 +236,7 @@ class Inference:
             body, stream, notes = surface.check(body, dep)
             in_band = surface.in_band(dep, notes)
             check_salt(body, dep, in_band=stream)  # every API's, told in band on a stream
-            rank = take_priority(body, dep) if surface.api is Api.CHAT else 0
+            rank = take_priority(body, dep) if "priority" in body and surface.api is Api.CHAT else 0
             payload = engine_payload(body, dep, chat=surface.api is Api.CHAT, stream=stream)
             if dep.remote:
                 fits_a_host(name, len(raw), len(payload))

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Protocol
 from aiohttp import web
 
 from .._deployments.charge import Charge
-from .._deployments.routes import EngineInstance, Route
 from .._gateway import Gateway
 from .._relay.exchange import Exchange
 from .._routing.place import place
@@ -48,24 +47,25 @@ class LocalDesk:
 
     async def serve(self, call: Call, surface: Surface, deadline: float) -> web.StreamResponse:
         fleet = self._gw.fleet
-        queue = fleet.config.queue
-        cap = fleet.config.limits.max_answer_bytes
-
-        async def attempt(instance: EngineInstance, _: Route) -> web.StreamResponse:
-            ex = Exchange(
-                fleet.engines,
-                surface.url(instance),
-                instance.headers,
-                where=instance.where,
-                deadline=deadline,
-                idle_timeout=queue.stream_idle_timeout,
-                drains=fleet.drains,
-            )
-            call.tally.ex, call.tally.instance = ex, instance.index
-            async with Charge(instance, ex, call.rid, fleet.settlement):
-                return await surface.run(call, ex, cap)
-
-        return await place(fleet, call, call.tally, deadline, attempt)
+        config = fleet.config
+        async with place(fleet, call, call.tally, deadline) as offers:
+            async for offer in offers:
+                with offer:
+                    instance = offer.instance
+                    assert instance is not None
+                    ex = Exchange(
+                        fleet.engines,
+                        surface.url(instance),
+                        instance.headers,
+                        where=instance.where,
+                        deadline=deadline,
+                        idle_timeout=config.queue.stream_idle_timeout,
+                        drains=fleet.drains,
+                    )
+                    call.tally.ex, call.tally.instance = ex, instance.index
+                    async with Charge(instance, ex, call.rid, fleet.settlement):
+                        return await surface.run(call, ex, config.limits.max_answer_bytes)
+            raise offers.failure()
 
     def record(self, tally: Tally) -> None:
         record(self._gw.telemetry, tally)

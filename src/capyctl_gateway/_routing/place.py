@@ -6,18 +6,17 @@ requests wait for it), then offers the request to the deployment's instances, ch
 routing facts (`Facts`) and their load: an offer the engine provably never got
 (`NotAcceptedError`) goes to the next instance, up to `MAX_OFFERS`, or, where none is left and
 the engine that refused it is one the gateway runs (it exited, and is about to be started
-again), waits for an instance to open within the deadline; any other ending is the answer. What
-an offer does is the caller's ``attempt``: one process runs the exchange itself
+again), waits for an instance to open within the deadline; any other ending is the answer. The
+caller runs each offer inline (`place`'s own text): one process runs the exchange itself
 (``_http/offer.py``'s `LocalDesk`); with several workers the authority hands the offer to the
 worker that holds the client (``_workers/``). Either way each offer is charged to its instance
-(`Charge`) by the attempt while it runs.
+(`Charge`) while it runs.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from .._clock import stamp
 from .._deployments.routes import EngineInstance, Facts, Route
@@ -33,8 +32,6 @@ __all__ = ["EXIT_SEEN_S", "MAX_OFFERS", "Placing", "place"]
 MAX_OFFERS = 4
 """Instances a request is offered to, when the ones before provably never got it."""
 
-T = TypeVar("T")
-
 
 class Placing(Named, Protocol):
     """What placing a request knows of it: what its router lines name, and its routing facts
@@ -44,86 +41,118 @@ class Placing(Named, Protocol):
     def facts(self) -> Facts: ...
 
 
-async def place(
-    fleet: Fleet,
-    asked: Placing,
-    tally: Tally,
-    deadline: float,
-    attempt: Callable[[EngineInstance, Route], Awaitable[T]],
-) -> T:
-    """Take a running slot of ``asked``'s deployment by ``deadline`` and offer the request to
-    its instances with ``attempt`` (which raises `NotAcceptedError` for the next instance).
-    Sets ``tally``'s launched, gated and slot."""
-    name = asked.dep.name
-    route = fleet.routes[name]
-    if asked.dep.launched:
-        tally.launched, tally.gated = True, not route.queue.open
-        fleet.lifecycle.want(name)  # refused now, or waits in the queue for its start
-    async with route.queue.slot(deadline, asked.facts.priority):
+class place:  # noqa: N801 (used as a function: ``async with place(...) as offers``)
+    """A request's running slot and its offers to its deployment's instances, each run inline
+    by its caller, one way down and back (as stamina's ``retry_context``)::
+
+        async with place(fleet, asked, tally, deadline) as offers:
+            async for offer in offers:
+                with offer:  # a NotAcceptedError here: the next instance
+                    return await run(offer.instance, offer.route)
+            raise offers.failure()
+
+    Entering waits for the slot until ``deadline`` (a launched deployment that serves nothing
+    is asked to start first; sets ``tally``'s launched, gated and slot); leaving gives it back.
+    Each offer is this object, its instance chosen (`choose`) and logged; the offers end once
+    `MAX_OFFERS` instances refused, or every one refused and none is coming back."""
+
+    __slots__ = (
+        "_asked", "_deadline", "_details", "_fleet", "_offers", "_refused", "_refused_at", "_tally",
+        "instance", "route",
+    )  # fmt: skip
+
+    def __init__(self, fleet: Fleet, asked: Placing, tally: Tally, deadline: float) -> None:
+        self._fleet, self._asked, self._tally, self._deadline = fleet, asked, tally, deadline
+        self.route = fleet.routes[asked.dep.name]
+        self.instance: EngineInstance | None = None
+        """The instance of the offer under way."""
+        self._refused: dict[int, int] = {}
+        """Each instance whose engine provably never got the request, with its `opened` then."""
+        self._details: list[str] = []
+        self._refused_at = 0.0
+        self._offers = 0
+        """Offers made less those refused: 1 while one is under way or ended otherwise."""
+
+    async def __aenter__(self) -> place:
+        asked, tally = self._asked, self._tally
+        if asked.dep.launched:
+            tally.launched, tally.gated = True, not self.route.queue.open
+            self._fleet.lifecycle.want(asked.dep.name)  # refused now, or waits for its start
+        await self.route.queue.acquire(self._deadline, asked.facts.priority)
         tally.slot = stamp()
-        return await _offer(route, asked, deadline, attempt, lambda: fleet.lifecycle.want(name))
+        return self
 
+    async def __aexit__(self, *exc: object) -> None:
+        self.route.queue.release()
 
-async def _offer(
-    route: Route,
-    asked: Placing,
-    deadline: float,
-    attempt: Callable[[EngineInstance, Route], Awaitable[T]],
-    want: Callable[[], None],
-) -> T:
-    name = asked.dep.name
-    if all(i.unusable for i in route.instances):
-        raise UnavailableError(
-            f"deployment {name}: its instances failed their startup checks "
-            "(see the gateway's log or `capyctl-gateway status deployment`)",
-            detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
-        )
-    refused: dict[int, int] = {}
-    """Each instance whose engine provably never got the request, with its `opened` then."""
-    details: list[str] = []
-    loop = running_loop()
-    refused_at = 0.0
-    while len(refused) < MAX_OFFERS:
-        excluded = {i for i, opened in refused.items() if route.instances[i].opened == opened}
-        choice = choose(route, asked.facts, excluded)
-        if choice is None:
-            until = deadline
+    def __aiter__(self) -> place:
+        return self
+
+    async def __anext__(self) -> place:
+        route, asked, name = self.route, self._asked, self._asked.dep.name
+        if self._offers:  # the last offer ended otherwise than refused: it was the answer
+            raise StopAsyncIteration
+        if not self._refused and all(i.unusable for i in route.instances):
+            raise UnavailableError(
+                f"deployment {name}: its instances failed their startup checks "
+                "(see the gateway's log or `capyctl-gateway status deployment`)",
+                detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
+            )
+        refused, loop = self._refused, running_loop()
+        while len(refused) < MAX_OFFERS:
+            excluded = {i for i, opened in refused.items() if route.instances[i].opened == opened}
+            choice = choose(route, asked.facts, excluded)
+            if choice is not None:
+                _log_choice(asked, route, choice, excluded)
+                if route.prefixes is not None and asked.facts.prefix:
+                    route.prefixes.note(asked.facts.prefix, choice.instance.index)
+                self.instance = choice.instance
+                self._offers = 1
+                return self
+            until = self._deadline
             if excluded:
-                back = _coming_back(route, excluded, refused_at)
+                back = _coming_back(route, excluded, self._refused_at)
                 if back is None:
                     break
-                until = min(deadline, back)
+                until = min(until, back)
             # None may take it now (its host is gone, its engine is parking, or the engine
             # that refused it exited: it starts again): wait for one.
             if not await route.waiters.wait(until - loop.time()):
-                if until < deadline:
+                if until < self._deadline:
                     break  # its exit was not seen: a refusal like any other
                 raise UnavailableError(
                     f"deployment {name}: no instance could take the request within "
                     "queue.request_deadline",
-                    detail="; ".join([*details, *skipped(route)]),
+                    detail="; ".join([*self._details, *skipped(route)]),
                 )
             if excluded and asked.dep.launched:
-                want()  # an operator's stop meanwhile refuses it; a restart is under way
-            continue
-        instance = choice.instance
-        _log_choice(asked, route, choice, excluded)
-        if route.prefixes is not None and asked.facts.prefix:
-            route.prefixes.note(asked.facts.prefix, instance.index)
-        try:
-            return await attempt(instance, route)
-        except NotAcceptedError as exc:
-            # The engine never saw it: another instance may serve it, within the deadline, or
-            # this one once it has started again.
-            refused[instance.index] = instance.opened
-            refused_at = loop.time()
-            route.not_accepted(instance)
-            details.append(exc.detail or exc.message)
-            log_route("router_failover", asked, route, instance, exc.detail)
-    raise EngineError(
-        f"deployment {name}: its instances could not be reached",
-        detail="; ".join(details) or "no instance to send it to",
-    )
+                self._fleet.lifecycle.want(name)  # an operator's stop refuses it; or it restarts
+        raise StopAsyncIteration
+
+    def __enter__(self) -> place:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> bool:
+        """An offer the engine provably never got (`NotAcceptedError`): another instance may
+        serve it, within the deadline, or this one once it has started again."""
+        if not isinstance(exc, NotAcceptedError):
+            return False
+        instance = self.instance
+        assert instance is not None
+        self._refused[instance.index] = instance.opened
+        self._refused_at = running_loop().time()
+        self._offers = 0
+        self.route.not_accepted(instance)
+        self._details.append(exc.detail or exc.message)
+        log_route("router_failover", self._asked, self.route, instance, exc.detail)
+        return True
+
+    def failure(self) -> EngineError:
+        """What the request is answered once no offer is left."""
+        return EngineError(
+            f"deployment {self._asked.dep.name}: its instances could not be reached",
+            detail="; ".join(self._details) or "no instance to send it to",
+        )
 
 
 EXIT_SEEN_S = 1.0

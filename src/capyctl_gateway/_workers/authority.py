@@ -203,13 +203,12 @@ class Line:
         loop = running_loop()
         tally = grant.tally = Tally(api.value, loop.time())
         try:
-            await place(
-                self.fleet,
-                grant,
-                tally,
-                tally.arrival + left,
-                lambda instance, route: grant.attempt(instance, route, api),
-            )
+            async with place(self.fleet, grant, tally, tally.arrival + left) as offers:
+                async for offer in offers:
+                    with offer:
+                        assert offer.instance is not None
+                        return await grant.attempt(offer.instance, offer.route, api)
+                raise offers.failure()
         except GatewayError as err:
             self._refuse(grant, err)
         except Exception as exc:  # a fault here must not leave the worker's client waiting
