@@ -21,7 +21,7 @@ from capyctl_gateway._errors import InternalError, InvalidRequestError
 from capyctl_gateway._management.metrics import exposition
 from capyctl_gateway._tasks import KEEP_BACKOFF_FIRST_S, Supervisor
 from tests.gateway.conftest import Gw
-from tests.gateway.test_lifecycle import chat, launched, transitions
+from tests.gateway.lifecycle.test_lifecycle import chat, launched, transitions
 
 pytestmark = pytest.mark.anyio
 MakeGateway = Callable[..., Awaitable[Gw]]
