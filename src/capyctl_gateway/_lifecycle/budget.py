@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from .._config import GatewayConfig
 from .._scheduling.scheduler import Scheduler
+from .history import PoolHistory
 from .room import make_room
 from .states import HOLDING, DeploymentLife, InstanceState, Launched
 
@@ -50,6 +51,7 @@ class MemoryBudget:
         self._lingering: dict[Launched, int] = {}
         """What an instance's earlier engine, not provably gone, holds beside its own."""
         self._changed = asyncio.Event()
+        self.history = PoolHistory()  # what each pool held lately (the console's budget view)
         self._promised: dict[str, dict[DeploymentLife, int]] = {}
         """pool -> each deployment a switch there is making room for, and what it needs: that
         room is its own (another's activation that comes meanwhile does not take it)."""
@@ -69,8 +71,7 @@ class MemoryBudget:
         return sum(self._of(lc) for lc in life.launched)
 
     def shares(self) -> dict[str, dict[str, int]]:
-        """Per pool, what each deployment with a ``memory:`` holds or was promised there (0
-        where nothing), in the configuration's order."""
+        """Per pool, what each deployment with a ``memory:`` holds or was promised there."""
         out: dict[str, dict[str, int]] = {}
         for name, life in self.lives.items():
             for lc in life.launched if life.deployment.memory is not None else ():
@@ -80,16 +81,15 @@ class MemoryBudget:
 
     def note(self, lc: Launched) -> None:
         """Set what ``lc`` holds from the state it just entered."""
-        memory = self.lives[lc.inst.deployment].deployment.memory
-        if memory is None:
+        if (memory := self.lives[lc.inst.deployment].deployment.memory) is None:
             return
         self._changed.set()  # who waits for memory to be freed looks again
         self._changed = asyncio.Event()
         if not lc.unconfirmed:  # every engine it ran is provably gone
             self._lingering.pop(lc, None)
         if lc.state in (InstanceState.PARKING, InstanceState.STOPPING):
-            return  # on its way down: what it held until now, never more
-        if lc.state in HOLDING:  # starting, ready, waking: reserved before it began
+            pass  # on its way down: what it held until now, never more
+        elif lc.state in HOLDING:  # starting, ready, waking: reserved before it began
             self._holds[lc] = memory.ready
         elif lc.state is InstanceState.PARKED:
             self._holds[lc] = memory.parked
@@ -99,6 +99,7 @@ class MemoryBudget:
             held = max(self._holds.pop(lc, 0), self._lingering.pop(lc, 0))
             if held:
                 self._holds[lc] = held
+        self.history.record(self.shares())
 
     def reserve(
         self, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
@@ -121,6 +122,7 @@ class MemoryBudget:
                 return False
         for lc in todo:
             self._holds[lc] = memory.ready
+        self.history.record(self.shares())
         return True
 
     async def make_room(

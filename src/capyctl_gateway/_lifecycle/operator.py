@@ -150,6 +150,7 @@ def deployments_list(
         if budget is not None and row["held"] > budget:  # only an unconfirmed stop does this
             row["over_budget"] = True
         row.update(pool_schedule(lifecycle, pool))
+        row["history"] = lifecycle.budget.history.rows(pool)
         pools.append(row)
     doc: dict[str, Any] = {"deployments": rows, "memory_budget": budget, "memory_held": held}
     if any("over_budget" in p for p in pools):  # each pool has the whole budget

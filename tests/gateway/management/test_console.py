@@ -498,6 +498,8 @@ async def test_the_list_shows_each_pools_budget_and_each_deployments_share(
     con = await console_of(gw)
     async with con.client() as m:
         doc = (await m.get("/management/v1/deployments")).json()
+    histories = [pool.pop("history") for pool in doc["pools"]]
+    assert [h[-1]["held"] for h in histories] == [{"here": 2**30, "idle": 0}, {"pod": 2**30}]
     assert doc["pools"] == [
         {
             "pool": "this machine",

@@ -239,6 +239,36 @@ async def test_each_card_says_why_its_recent_switches_happened(
     assert shown[:2] == [f"parking → parked: {why}", f"ready → parking: {why}"]
 
 
+async def test_the_pool_over_time_shows_one_deployment_giving_way_to_another(
+    browser: Browser,
+    console_of: Callable[[Gw], Awaitable[Console]],  # noqa: F811
+    make_gateway: MakeGateway,
+) -> None:
+    """Room for one: a serves, then a request for b switches a out. The pool's strip shows a's
+    band first and b's last, up to now (the strip's right edge), each the budget's height."""
+    memory = {"ready": "1GiB", "parked": 0}
+    config = {
+        "resources": {"memory_budget": "1GiB"},
+        "deployments": [
+            launched(n, served=f"model-{n}", memory=memory, lifecycle={"park": "sleep"})
+            for n in ("a", "b")
+        ],
+    }
+    gw = await make_gateway(config)
+    async with gw.client() as c:
+        for name in ("a", "b"):
+            assert (await c.post("/v1/chat/completions", json=chat(name))).status_code == 200
+    con = await console_of(gw)
+    await browser.goto(f"{con.url}/#key={con.gw.key}")
+    rects = "[...document.querySelectorAll('[data-history=\"this machine\"] rect')]"
+    bands = f"{rects}.map((r) => ['x', 'width', 'height'].map((k) => +r.getAttribute(k)))"
+    names = f"{rects}.map((r) => r.getAttribute('data-deployment'))"
+    shown = await browser.until(f"{names}.length >= 2 && {names}")
+    assert shown[0] == "a" and shown[-1] == "b", shown
+    x, width, height = (await browser.js(bands))[-1]
+    assert x + width == pytest.approx(600) and height == pytest.approx(24)
+
+
 async def test_a_wrong_key_is_told_plainly_and_another_can_be_entered(
     browser: Browser,
     launched_console: Console,  # noqa: F811

@@ -388,6 +388,7 @@ function pool(p) {
     el("span", { class: p.over_budget ? "value bad" : "value", "data-held": p.pool },
       total ? `${size(p.held)} of ${size(total)}` : `${size(p.held)} (no budget)`),
     meter,
+    poolHistory(p),
     el("span", { class: "muted", "data-shares": p.pool },
       p.deployments.map((d) => `${d.name} ${size(d.held)}`).join(" · ")),
     p.over_budget ? el("span", { class: "bad" }, "over budget: a stop was not confirmed") : null,
@@ -397,6 +398,47 @@ function pool(p) {
       `next switch: ${p.next_switch.out} out, ${p.next_switch.in} in`
       + (p.next_switch.in_s === null ? " once it is idle" : ` within ${p.next_switch.in_s.toFixed(1)} s`)
       + ` (${p.next_switch.why})`) : null);
+}
+
+// The pool over the last ten minutes (`pools[].history`, a record at each change): time left to
+// right, now at the right edge; each deployment's share a band stacked from the bottom, scaled
+// to the budget (to the most held where there is none), its colour its name's.
+const HISTORY_S = 600;
+const SVG = "http://www.w3.org/2000/svg";
+function poolHistory(p) {
+  const rows = p.history || [];
+  if (!rows.length) return null;
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("class", "history");
+  svg.setAttribute("viewBox", `0 0 ${HISTORY_S} 24`);
+  svg.setAttribute("preserveAspectRatio", "none");
+  svg.setAttribute("data-history", p.pool);
+  const total = (r) => Object.values(r.held).reduce((a, b) => a + b, 0);
+  const top = p.budget || Math.max(1, ...rows.map(total));
+  rows.forEach((r, i) => {
+    const from = Math.max(0, HISTORY_S - r.ago_s);
+    const to = i + 1 < rows.length ? HISTORY_S - rows[i + 1].ago_s : HISTORY_S;
+    if (to <= from) return;
+    let y = 24;
+    for (const [name, held] of Object.entries(r.held)) {
+      if (!held) continue;
+      const h = (24 * Math.min(held, top)) / top;
+      y -= h;
+      const band = document.createElementNS(SVG, "rect");
+      for (const [k, v] of Object.entries({ x: from, width: to - from, y, height: h, fill: colour(name), "data-deployment": name })) band.setAttribute(k, v);
+      const title = document.createElementNS(SVG, "title");
+      title.textContent = `${name} ${size(held)}, from ${Math.round(r.ago_s)} s ago`;
+      band.append(title);
+      svg.append(band);
+    }
+  });
+  return svg;
+}
+
+function colour(name) {
+  let h = 0;
+  for (const c of name) h = (h * 31 + c.charCodeAt(0)) % 360;
+  return `hsl(${h} 55% 55%)`;
 }
 
 // -- the live stream -------------------------------------------------------------------------
