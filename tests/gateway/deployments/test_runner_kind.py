@@ -203,6 +203,9 @@ async def test_a_kind_written_in_its_own_module_serves_shows_and_stops(gw: Gw) -
     listing = deployments_list(fleet.lifecycle, fleet.routes, 2**30)
     (listed,) = listing["deployments"]
     assert listed["run_by"] == "the gateway (the test kind)"
+    (pool,) = listing["pools"]
+    # the pool's change log ends with what it holds now, whatever the clock says of when
+    assert pool.pop("history")[-1]["held"] == {"tested": 2**30}
     assert listing["pools"] == [
         {"pool": "the test kind", "held": 2**30, "budget": 2**30, "deployments": [
             {"name": "tested", "held": 2**30}], "resident": ["tested"], "waiting": []}
