@@ -1,4 +1,4 @@
-"""A request charged to the instance it was offered to (an async context manager).
+"""A request charged to the instance it was offered to (a context manager: nothing in it waits).
 
 While it runs there it counts in the instance's in-flight requests and its runner tracks its
 exchange (a host that goes away ends it). When it ends cut short (sent, and not ended on the
@@ -38,7 +38,7 @@ class _Exchange(Tracked, Protocol):
 
 
 class Charge:
-    """``async with Charge(...)``: request ``rid``'s exchange ``ex`` with ``inst``."""
+    """``with Charge(...)``: request ``rid``'s exchange ``ex`` with ``inst``."""
 
     __slots__ = ("_ex", "_inst", "_rid", "_settlement")
 
@@ -47,12 +47,12 @@ class Charge:
     ) -> None:
         self._inst, self._ex, self._rid, self._settlement = inst, ex, rid, settlement
 
-    async def __aenter__(self) -> None:
+    def __enter__(self) -> None:
         self._inst.ledger.running += 1
         self._inst.inflight.add(self._ex)
         self._inst.runner.begin(self._ex)
 
-    async def __aexit__(
+    def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,

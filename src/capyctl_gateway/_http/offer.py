@@ -63,7 +63,7 @@ class LocalDesk:
                         drains=fleet.drains,
                     )
                     call.tally.ex, call.tally.instance = ex, instance.index
-                    async with Charge(instance, ex, call.rid, fleet.settlement):
+                    with Charge(instance, ex, call.rid, fleet.settlement):
                         return await surface.run(call, ex, config.limits.max_answer_bytes)
             raise offers.failure()
 

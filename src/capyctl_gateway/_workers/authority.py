@@ -109,7 +109,7 @@ class Grant:
         line = self.line
         self.outcome, self._abortable = Ended(), False
         self.verdict = verdict = running_loop().create_future()
-        async with Charge(instance, self, self.rid, line.fleet.settlement):
+        with Charge(instance, self, self.rid, line.fleet.settlement):
             url = instance.chat_url if api is Api.CHAT else instance.decision_url
             waited, gated = self.waited()
             line.wire.send(
