@@ -143,9 +143,9 @@ class MemoryBudget:
         for pool, n in needs.items():
             self._promised.setdefault(pool, {})[life] = n
 
-    def promised(self, pool: str) -> list[DeploymentLife]:
-        """The deployments a switch makes room for in ``pool`` now."""
-        return list(self._promised.get(pool, {}))
+    def promised(self, pool: str) -> dict[DeploymentLife, int]:
+        """The deployments a switch makes room for in ``pool`` now, and the room each is kept."""
+        return dict(self._promised.get(pool, {}))
 
     def holds(self, lc: Launched) -> int:  # its earlier engine's lingering memory aside
         return self._holds.get(lc, 0)

@@ -66,9 +66,10 @@ async def closing(
     rested = False
     try:
         within = life.deployment.lifecycle.drain_timeout
-        began = stamp()
+        began, ran = stamp(), life.route.queue.running
         drained = await life.route.queue.drained(within)
-        lifecycle.scheduler.costs.drained(life, stamp() - began)
+        if ran:  # a closing with nothing to drain says nothing of what a drain costs
+            lifecycle.scheduler.costs.drained(life, stamp() - began)
         unwanted = unless() if unless is not None else None
         if unwanted is not None:
             logger.info(

@@ -1,9 +1,9 @@
 """What switching a deployment in or out costs, as the lifecycle measured it: each instance's
 last start (``starting`` to ``ready``), wake (``waking`` to ``ready``), park (``parking`` to
 ``parked``) and stop (``stopping`` to ``stopped``), and each deployment's last drain (a closing's
-wait for its running requests). Until a start or wake has been measured, the deployment's
-``lifecycle.start_estimate`` stands in for it; a park, a stop or a drain not measured yet costs
-nothing."""
+wait for its running requests; a closing with none running measures no drain). Until a start
+or wake has been measured, the deployment's ``lifecycle.start_estimate`` stands in for it; a
+park, a stop or a drain not measured yet costs nothing."""
 
 from __future__ import annotations
 

@@ -283,3 +283,43 @@ async def test_list_and_metrics_show_the_scheduler(make_gateway: MakeGateway) ->
     exposed = exposition(gw.gateway).decode()  # a went quiet once its 8 s generation ended
     assert 'capyctl_switches_total{reason="idle"} 1.0' in exposed
     assert 'capyctl_lifecycle_seconds_total{deployment="b",phase="starting"}' in exposed
+
+
+@pytest.mark.parametrize("switching", ["on_arrival", "cost_aware"])
+async def test_two_switches_whose_rooms_do_not_fit_together_both_go_through(
+    make_gateway: MakeGateway, switching: str
+) -> None:
+    """x and y (2 GiB each) fill a 4 GiB budget, idle; b and d (3 GiB each, d first by its
+    priority) ask 0.3 s apart while x and y each take 1 s to stop. Each switch's room is kept
+    for the deployment it was made for, and the room for both does not fit: the second waits
+    for the first's activation rather than being promised room that is not there (both then
+    waited for each other for good, every request for either 503 at its deadline until the
+    gateway restarted). Both are served, within the budget, and no room stays kept."""
+    deps = [
+        launched(n, served=served(n), memory={"ready": mem}, extra=["--slow-start", "2"])
+        for n, mem in (("x", "2GiB"), ("y", "2GiB"), ("b", "3GiB"), ("d", "3GiB"))
+    ]
+    deps[3]["lifecycle"] = {"priority": -1}
+    cfg = {
+        "resources": {"memory_budget": "4GiB", "switching": switching},
+        "queue": {"request_deadline": "60s"},
+        "deployments": deps,
+    }
+    gw = await make_gateway(cfg)
+    assert gw.fakes is not None
+    gw.fakes.scripts.update(x=Script(stop_s=1.0), y=Script(stop_s=1.0))
+    lifecycle = gw.gateway.fleet.lifecycle
+    held: list[int] = []
+    lifecycle.engines.observers.append(lambda lc: held.append(lifecycle.budget.held()))
+    async with gw.client(timeout=300) as c:
+        for n in ("x", "y"):
+            await send(c, n, 0.1)
+        await anyio.sleep(10)  # both quiet past any grace
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, c, "b", 0.1)
+            await anyio.sleep(0.3)
+            tg.start_soon(send, c, "d", 0.1)
+        await send(c, "b", 0.1)  # and the next one too
+    assert max(held) <= 4 * GiB, held
+    assert lifecycle.budget.promised("this machine") == {}
+    assert not any(life.activating for life in lifecycle.lives.values())
