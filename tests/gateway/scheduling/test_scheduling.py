@@ -323,3 +323,22 @@ async def test_two_switches_whose_rooms_do_not_fit_together_both_go_through(
     assert max(held) <= 4 * GiB, held
     assert lifecycle.budget.promised("this machine") == {}
     assert not any(life.activating for life in lifecycle.lives.values())
+
+
+async def test_a_drain_is_measured_only_where_requests_ran(make_gateway: MakeGateway) -> None:
+    """a is parked while a 2 s generation runs: its drain is measured (2 s). Parked again when
+    idle, nothing was drained: the 2 s stay what a's next switch out while busy is priced by
+    (an idle closing wrote 0 s over it)."""
+    gw = await make_gateway(config("a"))
+    lifecycle = gw.gateway.fleet.lifecycle
+    costs = lifecycle.scheduler.costs
+    async with gw.client(timeout=300) as c:
+        await send(c, "a", 0.1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, c, "a", 2)
+            await eventually(lambda: lifecycle.lives["a"].route.queue.running == 1)
+            await operator_park(lifecycle, "a", known=True)
+        assert 2.0 - 0.2 <= costs.last[("a", "drain")] <= 2.0 + 0.1, costs.last
+        await send(c, "a", 0.1)  # woken
+        await operator_park(lifecycle, "a", known=True)
+    assert 2.0 - 0.2 <= costs.last[("a", "drain")] <= 2.0 + 0.1, costs.last
