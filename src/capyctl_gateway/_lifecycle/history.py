@@ -40,13 +40,20 @@ class PoolHistory:
                 log = self._pools[pool] = deque(maxlen=MAX_RECORDS)
             if not log or log[-1][1] != held:
                 log.append((now, dict(held)))
-            while len(log) > 1 and log[1][0] < now - SPAN_S:
-                log.popleft()  # the one before the window stays: what it held as it began
+            _trim(log, now)
 
     def rows(self, pool: str) -> list[dict[str, Any]]:
         """The pool's records, oldest first: ``ago_s`` (seconds before now) and ``held``
-        (each deployment's bytes from then until the next record)."""
+        (each deployment's bytes from then until the next record). Trimmed to the span here
+        too: a pool that has not changed for longer keeps only its last record."""
         now = stamp()
-        return [
-            {"ago_s": round(now - at, 1), "held": held} for at, held in self._pools.get(pool, ())
-        ]
+        log = self._pools.get(pool)
+        if log is None:
+            return []
+        _trim(log, now)
+        return [{"ago_s": round(now - at, 1), "held": held} for at, held in log]
+
+
+def _trim(log: deque[tuple[float, dict[str, int]]], now: float) -> None:
+    while len(log) > 1 and log[1][0] < now - SPAN_S:
+        log.popleft()  # the one before the window stays: what it held as it began

@@ -42,6 +42,15 @@ async def test_records_older_than_the_span_go_but_what_held_as_it_began_stays() 
     assert rows[0]["ago_s"] == SPAN_S
 
 
+async def test_a_pool_unchanged_past_the_span_shows_only_what_it_holds() -> None:
+    history = PoolHistory()
+    for n in range(3):
+        history.record({POOL: {"a": n}})
+        await anyio.sleep(60)
+    await anyio.sleep(SPAN_S * 3)  # nothing changes for half an hour: nothing is recorded
+    assert history.rows(POOL) == [{"ago_s": SPAN_S * 3 + 60, "held": {"a": 2}}]
+
+
 async def test_a_pool_keeps_at_most_max_records_the_oldest_going_first() -> None:
     history = PoolHistory()
     for n in range(MAX_RECORDS + 100):
