@@ -56,6 +56,7 @@ async def serve_log(request: web.Request, pod: Obj, source: LogSource | None) ->
         )
     path = source.log_file(pod, container, flag(q.get("previous")))
     data = path.read_bytes()
+    offset = len(data)  # what follow reads on from: the file may grow while the head is sent
     lines, limit = _int(q, "tailLines"), _int(q, "limitBytes")
     if lines is not None:
         data = b"".join(data.splitlines(keepends=True)[-lines:]) if lines > 0 else b""
@@ -64,7 +65,7 @@ async def serve_log(request: web.Request, pod: Obj, source: LogSource | None) ->
     out = web.StreamResponse(headers={"Content-Type": "text/plain"})
     out.enable_chunked_encoding()
     await out.prepare(request)
-    sent, offset = 0, path.stat().st_size
+    sent = 0
     try:
         while True:  # until the container is done and all it wrote is sent
             if data and (limit is None or sent < limit):
