@@ -116,9 +116,7 @@ class MemoryBudget:
         todo = [*starting, *waking]
         for pool in {_pool(lc) for lc in todo}:
             need = sum(memory.ready - self._holds.get(lc, 0) for lc in todo if _pool(lc) == pool)
-            others = self._promised.get(pool, {})  # room a switch makes for another
-            kept = sum(n for owner, n in others.items() if owner is not life)
-            if self.held_in(pool) + kept + need > budget:
+            if self.held_in(pool) + _kept(self._promised, pool, life) + need > budget:
                 return False
         for lc in todo:
             self._holds[lc] = memory.ready
@@ -129,23 +127,24 @@ class MemoryBudget:
         self, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
     ) -> None:
         """Reserve what ``life``'s activation needs, switching others out as the scheduler
-        says (``room.py``).
-
-        Raises:
-            UnavailableError: no room can be made now (retryable).
-        """
+        says (``room.py``); UnavailableError (retryable) when no room can be made now."""
         await make_room(self, life, starting, waking)
 
-    def promise(self, life: DeploymentLife, needs: dict[str, int]) -> None:
-        """Keep the room a switch frees for ``life``: ``needs``, per pool ({}: no more)."""
+    def promise(self, life: DeploymentLife, needs: dict[str, int]) -> bool:
+        """Keep ``needs`` (per pool; {}: no more) of the room a switch frees for ``life``, if it
+        fits beside what others are kept (two that did not would wait for each other for good)."""
+        total = self.config.resources.memory_budget or 0
+        if any(_kept(self._promised, p, life) + n > total for p, n in needs.items()):
+            return False
         for room in self._promised.values():
             room.pop(life, None)
         for pool, n in needs.items():
             self._promised.setdefault(pool, {})[life] = n
+        return True
 
-    def promised(self, pool: str) -> dict[DeploymentLife, int]:
-        """The deployments a switch makes room for in ``pool`` now, and the room each is kept."""
-        return dict(self._promised.get(pool, {}))
+    def promised(self, pool: str) -> list[DeploymentLife]:
+        """The deployments a switch makes room for in ``pool`` now."""
+        return list(self._promised.get(pool, {}))
 
     def holds(self, lc: Launched) -> int:  # its earlier engine's lingering memory aside
         return self._holds.get(lc, 0)
@@ -161,3 +160,8 @@ class MemoryBudget:
 
 def _pool(lc: Launched) -> str:
     return lc.inst.runner.site.pool
+
+
+def _kept(promised: dict[str, dict[DeploymentLife, int]], pool: str, life: DeploymentLife) -> int:
+    """The room in ``pool`` switches make for deployments other than ``life``."""
+    return sum(n for owner, n in promised.get(pool, {}).items() if owner is not life)

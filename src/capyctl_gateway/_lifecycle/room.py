@@ -2,8 +2,7 @@
 says which deployment to switch out and when (``_scheduling/``); this waits meanwhile, and has
 the lifecycle switch out the one it names. The room a switch frees is promised to the
 activation it was made for: another that comes meanwhile waits for that activation first, and
-is itself promised room only where it fits beside what others are promised (two promises that
-did not fit together would each wait for the other's activation, for good)."""
+is itself promised room only where it fits beside what others are (`MemoryBudget.promise`)."""
 
 from __future__ import annotations
 
@@ -34,12 +33,10 @@ async def make_room(
         while not budget.reserve(life, starting, waking):
             candidates = _candidates(budget, life, pools)
             verdict = scheduler.decide(life, candidates, _waiting(budget, life, pools), pools)
-            needs = _needs(life, [*starting, *waking])
-            if isinstance(verdict, Switch) and not _fits(budget, life, needs):
-                await _wait(budget, life, pools, None)  # another's promised room goes first
-                continue
             if isinstance(verdict, Switch):
-                budget.promise(life, needs)
+                if not budget.promise(life, _needs(life, [*starting, *waking])):
+                    await _wait(budget, life, pools, None)  # another's promised room goes first
+                    continue
                 with _blocked(life):
                     came_to_rest = await asyncio.shield(budget.switch_out(verdict.out, life))
                 if not came_to_rest:
@@ -138,16 +135,6 @@ def _needs(life: DeploymentLife, todo: list[Launched]) -> dict[str, int]:
     for lc in todo:
         needs[_pool(lc)] = needs.get(_pool(lc), 0) + (memory.ready if memory else 0)
     return needs
-
-
-def _fits(budget: MemoryBudget, life: DeploymentLife, needs: dict[str, int]) -> bool:
-    """Whether ``needs`` fits the budget beside the room promised to other deployments."""
-    total = budget.config.resources.memory_budget or 0
-    for pool, n in needs.items():
-        kept = sum(v for owner, v in budget.promised(pool).items() if owner is not life)
-        if kept + n > total:
-            return False
-    return True
 
 
 def _pool(lc: Launched) -> str:
