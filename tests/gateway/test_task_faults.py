@@ -162,7 +162,7 @@ async def test_a_defect_in_making_room_is_answered_at_once(
 ) -> None:
     from capyctl_gateway._lifecycle.budget import MemoryBudget
 
-    async def make_room(self: MemoryBudget, *args: Any) -> None:
+    async def make_room(self: MemoryBudget, *args: Any) -> bool:
         raise ProbeError("in making room")
 
     monkeypatch.setattr(MemoryBudget, "make_room", make_room)

@@ -125,10 +125,10 @@ class MemoryBudget:
 
     async def make_room(
         self, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
-    ) -> None:
+    ) -> bool:
         """Reserve what ``life``'s activation needs, switching others out as the scheduler
-        says (``room.py``); UnavailableError (retryable) when no room can be made now."""
-        await make_room(self, life, starting, waking)
+        says; False when nobody waits for it any more (``room.py``)."""
+        return await make_room(self, life, starting, waking)
 
     def promise(self, life: DeploymentLife, needs: dict[str, int]) -> bool:
         """Keep ``needs`` (per pool; {}: no more) of the room a switch frees for ``life``, if it

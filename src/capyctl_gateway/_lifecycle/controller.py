@@ -41,7 +41,7 @@ from . import comeback
 from .budget import MemoryBudget
 from .crash import backoff_left, exit_watch
 from .rest import closing
-from .states import STARTABLE, AbandonedError, DeploymentLife, InstanceState, Launched
+from .states import REQUESTED, STARTABLE, AbandonedError, DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
 from .watch import look, reported
 
@@ -98,12 +98,12 @@ class Lifecycle:
         refused = life.refusal()
         if refused is not None:
             raise refused
-        self.activate(life, "a request is waiting")
+        self.activate(life, REQUESTED)
 
     def activate(self, life: DeploymentLife, why: str) -> asyncio.Task[None]:
         """The deployment's activation (the one running, or a new one started for ``why``:
-        who asked, as its transitions' reason)."""
-        if life.activation is None or life.activation.done():
+        who asked, as its transitions' reason; `REQUESTED` for requests)."""
+        if life.wanted(why) or life.activation is None:
             what = f"activating deployment {life.deployment.name}"
             life.activation = self.tasks.spawn(
                 self._activate(life, why), kind="activation", what=what
@@ -135,7 +135,8 @@ class Lifecycle:
         await asyncio.gather(*map(asyncio.shield, stops))  # a crash's stop: start it after
         todo = _startable(life)
         parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
-        await self.budget.make_room(life, todo, parked)
+        if not await self.budget.make_room(life, todo, parked):
+            return  # no request waits for it any more
         try:
             await _backoff(life, todo)
         except (GatewayError, AbandonedError) as exc:  # what was reserved is free again

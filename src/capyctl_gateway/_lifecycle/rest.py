@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .._clock import stamp
 from .._deployments.settle import SettleRule
-from .states import DeploymentLife, InstanceState, Launched
+from .states import REQUESTED, DeploymentLife, InstanceState, Launched
 from .transitions import Transitions
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ async def closing(
         life.closing = None
         life.regate(f"{reason}: done" if rested else "serves on")
         if life.route.queue.waiting and life.refusal() is None:
-            lifecycle.activate(life, "a request is waiting")  # it came while it closed
+            lifecycle.activate(life, REQUESTED)  # it came while it closed
 
 
 async def quiesce(life: DeploymentLife) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -21,16 +22,23 @@ if TYPE_CHECKING:
 
 __all__ = ["make_room"]
 
+logger = logging.getLogger("capyctl_gateway")
+
 
 async def make_room(
     budget: MemoryBudget, life: DeploymentLife, starting: list[Launched], waking: list[Launched]
-) -> None:
+) -> bool:
     """Reserve what ``life``'s activation needs in ``budget``, switching others out as the
-    scheduler says. Raises UnavailableError (retryable) when no room can be made now."""
+    scheduler says; False (nothing reserved) when only requests asked for it and none of them
+    waits any more: nothing is switched out for nobody. Raises UnavailableError (retryable)
+    when no room can be made now."""
     pools = {_pool(lc) for lc in [*starting, *waking]}
-    scheduler = budget.scheduler
+    scheduler, name = budget.scheduler, life.deployment.name
     try:
         while not budget.reserve(life, starting, waking):
+            if life.for_requests and not life.route.queue.waiting:  # hung up, or past deadline
+                logger.info("deployment %s: not started: no request waits for it any more", name)
+                return False
             candidates = _candidates(budget, life, pools)
             verdict = scheduler.decide(life, candidates, _waiting(budget, life, pools), pools)
             if isinstance(verdict, Switch):
@@ -43,6 +51,7 @@ async def make_room(
                     raise life.refusal() or _serves_on(life, verdict.out)
                 continue
             await _wait(budget, life, pools, verdict)
+        return True
     finally:
         scheduler.settled(pools)
         budget.promise(life, {})
@@ -67,7 +76,7 @@ async def _wait(
             "holding it has requests waiting or running that it must serve first"
         )
     events: list[asyncio.Future[Any]] = [asyncio.ensure_future(budget.changed())]
-    watch = verdict.watch if verdict is not None else ()
+    watch = (life, *verdict.watch) if verdict is not None else (life,)  # its own: none waits
     events += [asyncio.ensure_future(b.route.queue.turned()) for b in watch]  # busy, or quiet
     left = None if verdict is None or verdict.until is None else verdict.until - stamp()
     with _blocked(life):

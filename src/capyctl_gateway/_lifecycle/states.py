@@ -16,6 +16,7 @@ from .._log import event
 
 __all__ = [
     "HOLDING",
+    "REQUESTED",
     "STARTABLE",
     "AbandonedError",
     "DeploymentLife",
@@ -47,6 +48,8 @@ HOLDING = frozenset(
     }
 )
 """States in which an instance holds its ready memory."""
+REQUESTED = "a request is waiting"
+"""Why an activation that requests asked for begins (`DeploymentLife.for_requests`)."""
 
 
 @dataclass(eq=False)
@@ -130,6 +133,9 @@ class DeploymentLife:
     launched: list[Launched]
     activation: asyncio.Task[None] | None = None
     """The activation of the current wave of waiting requests, while it runs."""
+    for_requests: bool = False
+    """Only requests asked for the activation under way (no operator, no come back, no
+    restart): once none of them waits, it switches nothing out for them (``room.py``)."""
     blocked: bool = False
     """Its activation waits for memory that another deployment holds (see `MemoryBudget`)."""
     closing: asyncio.Task[bool] | None = None
@@ -184,6 +190,13 @@ class DeploymentLife:
     @property
     def activating(self) -> bool:
         return self.activation is not None and not self.activation.done()
+
+    def wanted(self, why: str) -> bool:
+        """``why`` (`REQUESTED`, or another reason) wants it active: noted in `for_requests`;
+        whether a new activation must begin (none is under way)."""
+        new = not self.activating
+        self.for_requests = why == REQUESTED and (new or self.for_requests)
+        return new
 
     @property
     def idle_since(self) -> float | None:

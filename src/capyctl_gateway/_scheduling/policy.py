@@ -31,7 +31,9 @@ the policy may switch out; the lifecycle then waits for what is under way, or re
   several deployments waiting for the same pool, the lower ``lifecycle.priority`` goes first,
   then the one waiting longest (the fairness bound aside, which each reaches alike).
   An activation with no request waiting (an operator's start, a deployment kept ready) is not
-  kept waiting: it switches as ``on_arrival`` does.
+  kept waiting: it switches as ``on_arrival`` does. One that only requests asked for, all of
+  which have left (hung up, or reached their deadline), is never asked: it ends without a
+  switch (``_lifecycle/room.py``).
 - ``on_arrival``: switch as soon as one may go (idle first, never one with requests waiting:
   the gateway before the scheduler). Two deployments taking turns switch on every turn.
 - ``collate``: switch as soon as the resident one has nothing running or waiting, never

@@ -342,3 +342,37 @@ async def test_a_drain_is_measured_only_where_requests_ran(make_gateway: MakeGat
         await send(c, "a", 0.1)  # woken
         await operator_park(lifecycle, "a", known=True)
     assert 2.0 - 0.2 <= costs.last[("a", "drain")] <= 2.0 + 0.1, costs.last
+
+
+async def test_a_start_whose_requests_all_left_switches_nothing_out(
+    make_gateway: MakeGateway,
+) -> None:
+    """a's stream keeps it busy; b's one request waits for room (the fairness bound, 5 s) and
+    hangs up after 1 s. With nobody left waiting for b, its start ends: a is not switched out
+    (before, at the bound the start went on as if an operator had asked, drained a and parked
+    it for nobody), and every one of a's requests is served without a start. b's next request
+    asks again, and is served."""
+    gw = await make_gateway(config("a", "b", max_switch_wait="5s", switch_patience=100))
+    assert gw.fakes is not None
+    lifecycle = gw.gateway.fleet.lifecycle
+    async with gw.client(timeout=300) as c:
+        await send(c, "a", 0.1)
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                for _ in range(24):
+                    tg.start_soon(send, c, "a", 1)
+                    await anyio.sleep(0.5)
+
+            tg.start_soon(stream)
+            await anyio.sleep(1)
+            with anyio.move_on_after(1) as hung:
+                await c.post("/v1/chat/completions", json=said("take:0.1", "b"))
+            assert hung.cancelled_caught
+            await eventually(lambda: not lifecycle.lives["b"].activating)
+            assert lifecycle.lives["b"].route.queue.waiting == 0
+        assert sum(lifecycle.scheduler.switches.values()) == 0
+        assert dict(gw.fakes.starts) == {"a/0": 1}
+        await send(c, "b", 0.1)  # asks again: a is idle now, and goes
+    assert dict(gw.fakes.starts) == {"a/0": 1, "b/0": 1}
+    assert not any(life.activating for life in lifecycle.lives.values())
