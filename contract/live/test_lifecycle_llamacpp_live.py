@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from tests.eventually import eventually
 
 from capyctl_gateway._management.status import deployment_status
 from contract.conftest import RunningGateway, serve_gateway
@@ -324,3 +325,62 @@ def llama_servers(model: str, aliases: tuple[str, ...] = ("a", "b")) -> list[int
         if alias in aliases:
             found.append(int(proc.name))
     return found
+
+
+async def test_a_spare_llama_server_rests_alone_and_a_full_engine_wakes_it(
+    make_live_gateway: Callable[..., Any],
+    llama_server_binary: Path,
+    llama_models: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two llama-servers of one slot each in one deployment: both serve a request, then one
+    idle for ``spare_idle_timeout`` is stopped alone (single-model llama.cpp parks by a stop;
+    its process gone) while the other serves on. With the ready engine's one slot full (a long
+    generation, as its samples show) a request wakes the spare and is answered by it. The
+    spare's start is priced as instant here: measured, it takes about a second, and a tiny
+    model's requests take milliseconds, so no wait behind one would outlast it."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    dep = launched(
+        "tiny", llama_server_binary, llama_models / "tiny.gguf", "tiny",
+        lifecycle={"spare_idle_timeout": "1s"},
+    )  # fmt: skip
+    launch = dep["instances"][0]["launch"]
+    launch["command"] = [*launch["command"], "-np", "1"]
+    dep["instances"] = [{"launch": dict(launch)}, {"launch": dict(launch)}]
+    gw = await make_live_gateway({"deployments": [dep]})
+    lifecycle = gw.gateway.fleet.lifecycle
+    life = lifecycle.lives["tiny"]
+    await asyncio.gather(ask(gw, "tiny"), ask(gw, "tiny"))
+    doc = deployment_status(gw.gateway.fleet, "tiny")
+    assert doc is not None
+    pids = [int(row["process"]["pid"]) for row in doc["instances"]]
+    await eventually(
+        lambda: any(lc.rested and lc.state.value == "stopped" for lc in life.launched), within=30
+    )
+    spare = next(lc for lc in life.launched if lc.rested)
+    ready = next(lc for lc in life.launched if not lc.rested)
+    assert ready.state.value == "ready" and life.serves_now
+    assert await anyio.to_thread.run_sync(gone, pids[spare.inst.index])
+    lifecycle.scheduler.costs.last[("tiny", "start")] = 0.0
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Count"}],
+            "max_tokens": 30000, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {gw.key}"}
+    url = gw.url + "/v1/chat/completions"
+    async with (
+        httpx.AsyncClient(timeout=120) as http,
+        http.stream("POST", url, json=body, headers=headers) as long,
+    ):
+        assert long.status_code == 200
+
+        def full() -> bool:  # a sample shows its one slot taken
+            s = ready.inst.runner.sample()
+            return s is not None and (s.usage or 0.0) >= 1.0
+
+        await eventually(full, within=30)
+        answer = await ask(gw, "tiny")
+    assert answer["choices"][0]["message"]["content"]
+    assert spare.state.value == "ready" and not spare.rested
+    lines = [getattr(r, "fields", {}) for r in caplog.records]
+    chosen = [f for f in lines if f.get("spare") is not None]
+    assert chosen[-1]["spare"]["chose"] == "wake", chosen[-1]
+    assert chosen[-1]["instance"] == spare.inst.index

@@ -189,6 +189,7 @@ class FakeRunner(SeenBy):
             args.served,
             crash=lambda: self.crash(3),
             garbled_after_wake=args.garbled_after_wake,
+            max_running=args.max_running,
         )
         server = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await server.setup()

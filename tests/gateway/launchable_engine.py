@@ -49,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--echo-env", default=None)
     p.add_argument("--chatty", type=int, default=0)
     p.add_argument("--metrics-down", action="store_true", help="/metrics answers 503")
+    p.add_argument("--max-running", type=int, default=None, help="run at most N at once")
     return p
 
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         sleep_routes=sleeps,
         memory_saver="--enable-memory-saver" in unknown,
         metrics_served=not args.metrics_down,
+        max_running=args.max_running,
     )
     sys.stdout.write(f"fake engine serving {args.served} on {args.host}:{args.port}\n")
     sys.stdout.flush()
@@ -134,10 +136,12 @@ def build_app(
     sleep_routes: bool = False,
     memory_saver: bool = False,
     metrics_served: bool = True,
+    max_running: int | None = None,
 ) -> tuple[web.Application, Sleep]:
     """The engine's application: what ``main`` serves in its own process, and what the fake
     runner (``fake_runner.py``) serves in the test's. ``crash()`` is called after the first
-    chunk of a request that says ``crash``."""
+    chunk of a request that says ``crash``. ``max_running``: requests beyond it wait (in
+    ``vllm:num_requests_waiting``) until one ends, as vLLM's ``--max-num-seqs``."""
     script = [
         event(chunk(delta={"role": "assistant", "content": ""}, model=served)),
         event(chunk(delta={"content": f"from {served}"}, model=served)),
@@ -148,6 +152,7 @@ def build_app(
     engine.metrics_served = metrics_served
     app = web.Application()
     state = Sleep()
+    seats = asyncio.Semaphore(max_running) if max_running is not None else None
 
     async def sleep(request: web.Request) -> web.Response:
         if request.query.get("level") != "1":
@@ -194,6 +199,21 @@ def build_app(
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         said = str(body["messages"][-1].get("content", ""))
+        if seats is not None and seats.locked():
+            engine.waiting += 1
+            try:
+                await seats.acquire()
+            finally:
+                engine.waiting -= 1
+        elif seats is not None:
+            await seats.acquire()
+        try:
+            return await run(request, body, said)
+        finally:
+            if seats is not None:
+                seats.release()
+
+    async def run(request: web.Request, body: Any, said: str) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         engine.running += 1

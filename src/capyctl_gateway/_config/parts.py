@@ -108,6 +108,10 @@ class Lifecycle(BaseModel):
     park: Literal["auto", "sleep", "stop"] = "auto"
     ready_idle_timeout: Seconds | None = None
     parked_idle_timeout: Seconds | None = None
+    spare_idle_timeout: Seconds | None = None
+    """Of a deployment of several launched instances, one that ran no request for this long
+    while another is ready is parked alone (stopped, where a park is a stop), and woken when
+    a request would wait longer behind the ready ones than its wake takes; absent: never."""
     drain_timeout: Seconds = 30.0
     unresponsive_timeout: Seconds = 30.0
     """A ready engine on this machine that answers none of the collector's polls for this long

@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Protocol
 
+from .. import _clock
 from .routes import EngineInstance
 from .runner import Tracked
 from .settle import Settlement
@@ -40,7 +41,7 @@ class _Exchange(Tracked, Protocol):
 class Charge:
     """``with Charge(...)``: request ``rid``'s exchange ``ex`` with ``inst``."""
 
-    __slots__ = ("_ex", "_inst", "_rid", "_settlement")
+    __slots__ = ("_began", "_ex", "_inst", "_rid", "_settlement")
 
     def __init__(
         self, inst: EngineInstance, ex: _Exchange, rid: str, settlement: Settlement
@@ -48,6 +49,7 @@ class Charge:
         self._inst, self._ex, self._rid, self._settlement = inst, ex, rid, settlement
 
     def __enter__(self) -> None:
+        self._began = _clock.now()
         self._inst.ledger.running += 1
         self._inst.inflight.add(self._ex)
         self._inst.runner.begin(self._ex)
@@ -62,6 +64,8 @@ class Charge:
         inst.runner.end(self._ex)
         inst.inflight.discard(self._ex)
         inst.ledger.running -= 1
+        ended = _clock.now()
+        inst.ledger.ended(ended - self._began if out.completed else None, ended)
         if out.sent and not out.completed:  # it may still run on the engine
             reason = out.cut or "engine stream broken"
             self._settlement.cut(inst.ledger, self._rid, answered=out.answered, reason=reason)

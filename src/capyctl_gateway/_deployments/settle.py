@@ -80,6 +80,10 @@ class Settled:
     """When the sample that settled it was requested (None for a restart)."""
 
 
+SERVED_WEIGHT = 0.2
+"""The weight of the latest request in `InstanceLedger.per_request_s`."""
+
+
 @dataclass(eq=False)
 class InstanceLedger:
     key: str
@@ -92,9 +96,24 @@ class InstanceLedger:
     gateway``), until its next start: a request whose end is heard only now (a worker's word
     that crossed the stop) was cut on an engine that runs nothing, and settles at once."""
 
+    per_request_s: float | None = None
+    """How long a request that completed here ran, as a moving average (None until one did):
+    what a request's expected wait behind the engine's queue is priced by (spares)."""
+    quiet_since: float = 0.0
+    """When its last running request ended (``_clock.stamp``)."""
+
     @property
     def charged(self) -> int:
         return self.running + len(self.cut)
+
+    def ended(self, took: float | None, now: float) -> None:
+        """A request charged here ended at ``now`` (``running`` already counts it out);
+        ``took``: how long it ran, where it completed."""
+        if took is not None:
+            mean = self.per_request_s
+            self.per_request_s = took if mean is None else mean + SERVED_WEIGHT * (took - mean)
+        if self.running == 0:
+            self.quiet_since = now
 
 
 class Settlement:

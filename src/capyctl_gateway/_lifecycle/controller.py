@@ -132,6 +132,7 @@ class Lifecycle:
     async def _bring_up(self, life: DeploymentLife, why: str) -> None:
         name = life.deployment.name
         stops = [lc.stopping for lc in life.launched if lc.stopping is not None]
+        stops += [life.spare] if life.spare is not None else []  # a spare's park or wake
         await asyncio.gather(*map(asyncio.shield, stops))  # a crash's stop: start it after
         todo = _startable(life)
         parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]

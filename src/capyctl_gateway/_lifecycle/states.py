@@ -69,6 +69,8 @@ class Launched:
     stopping: asyncio.Future[None] | None = None
     """Done when the stop under way ends (None while none is): an activation waits for it
     before it starts the instance again (a crash's stop, which no closing announces)."""
+    rested: bool = False
+    """Parked (or stopped) alone as a spare, while its deployment serves on (``spares.py``)."""
     unconfirmed: bool = False
     """Its last stop was not proven (a host that did not answer): the memory it held stays
     counted until a proven stop or its host's report that the engine is gone."""
@@ -148,6 +150,8 @@ class DeploymentLife:
     displaced: bool = False
     """A switch took it out for another deployment, and nothing has started it since: with
     ``lifecycle.come_back`` it starts again once the budget has room (``comeback.py``)."""
+    spare: asyncio.Task[None] | None = None
+    """A spare's park or wake under way (``spares.py``): a closing or activation waits for it."""
     starts: Starts = field(default_factory=Starts)
     """Its starts under way, which an operator's stop abandons."""
 

@@ -92,7 +92,7 @@ class Transitions:
         self._ready(lc, _on(lc, "woke"))
 
     def _ready(self, lc: Launched, reason: str) -> None:
-        lc.failure = None
+        lc.failure, lc.rested = None, False
         self.move(lc, InstanceState.READY, reason)
         lc.inst.set_open(admitting=True, why=reason)
 

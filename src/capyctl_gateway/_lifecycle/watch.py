@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .crash import lost
+from .spares import rest_idle
 from .states import STARTABLE, DeploymentLife, InstanceState, Launched
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def _idle_for(life: DeploymentLife, now: float) -> float | None:
     since = life.idle_since
     if since is None or life.closing is not None or life.activating:
         return None
-    return now - max([since, *(lc.since for lc in life.launched)])
+    return now - max([since, *(lc.since for lc in life.launched if not lc.rested)])
 
 
 async def look(lifecycle: Lifecycle, now: float) -> None:
@@ -51,6 +52,7 @@ async def look(lifecycle: Lifecycle, now: float) -> None:
             if silent is not None and silent >= limit:  # frozen, or lost in a loop
                 why = f"the engine answered nothing for {silent:.0f} s (unresponsive_timeout)"
                 await lost(lifecycle, life, lc, why)
+        rest_idle(lifecycle, life, now)  # a spare idle while another serves
         cycle = life.deployment.lifecycle
         if cycle.activation == "always":
             quiet = life.closing is None and not life.activating and not life.ready

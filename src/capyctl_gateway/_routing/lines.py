@@ -83,6 +83,7 @@ def _why(instance: EngineInstance, more: dict[str, Any]) -> str:
     load 1)``; nothing for a lone instance; and for the first request on an instance since its
     warm cache was restored, what was: ``(warm: 1 prefix restored, 9333 tokens)``."""
     warm = f" (warm: {more['warm_cache']})" if "warm_cache" in more else ""
+    warm += f" ({spare_text(more['spare'])})" if "spare" in more else ""
     why = more.get("why")
     if why is None:
         return warm
@@ -97,6 +98,13 @@ def _why(instance: EngineInstance, more: dict[str, Any]) -> str:
     if stale:
         parts.append(f"{stale} passed over for a stale sample")
     return f" ({', '.join(parts)}){warm}"
+
+
+def spare_text(row: dict[str, Any]) -> str:
+    """What a router line says of a rested spare (`Spare.row`): ``spare: wake, woke instance
+    1; a wait of 6.0 s, a wake of 2.0 s``."""
+    wait = "not measured" if row["wait_s"] is None else f"{row['wait_s']:.1f} s"
+    return f"spare: {row['chose']}, {row['why']}; a wait of {wait}, a wake of {row['wake_s']:.1f} s"
 
 
 def closed_reason(i: EngineInstance) -> str:

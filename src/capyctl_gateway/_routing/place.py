@@ -15,6 +15,7 @@ worker that holds the client (``_workers/``). Either way each offer is charged t
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ from .._clock import stamp
 from .._deployments.routes import EngineInstance, Facts, Route
 from .._errors import EngineError, NotAcceptedError, UnavailableError
 from .._fleet import Fleet
+from .._lifecycle.spares import Spare, wake_or_queue
 from .._loop import running_loop
 from .._tally import Tally
 from .choose import Choice, choose
@@ -57,8 +59,8 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
     `MAX_OFFERS` instances refused, or every one refused and none is coming back."""
 
     __slots__ = (
-        "_asked", "_deadline", "_details", "_fleet", "_offers", "_refused", "_refused_at", "_tally",
-        "instance", "route",
+        "_asked", "_deadline", "_details", "_fleet", "_offers", "_refused", "_refused_at", "_spare",
+        "_tally", "instance", "route",
     )  # fmt: skip
 
     def __init__(self, fleet: Fleet, asked: Placing, tally: Tally, deadline: float) -> None:
@@ -72,6 +74,8 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
         self._refused_at = 0.0
         self._offers = 0
         """Offers made less those refused: 1 while one is under way or ended otherwise."""
+        self._spare: Spare | None = None
+        """What it did about a rested spare of its deployment (``_lifecycle/spares.py``)."""
 
     async def __aenter__(self) -> place:
         asked, tally = self._asked, self._tally
@@ -99,11 +103,13 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
                 detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
             )
         refused, loop = self._refused, running_loop()
+        if not refused and asked.dep.lifecycle.spare_idle_timeout is not None:
+            self._spare = await _wake_or_queue(self._fleet, name, self._deadline - loop.time())
         while len(refused) < MAX_OFFERS:
             excluded = {i for i, opened in refused.items() if route.instances[i].opened == opened}
             choice = choose(route, asked.facts, excluded)
             if choice is not None:
-                _log_choice(asked, route, choice, excluded)
+                _log_choice(asked, route, choice, excluded, self._spare)
                 if route.prefixes is not None and asked.facts.prefix:
                     route.prefixes.note(asked.facts.prefix, choice.instance.index)
                 self.instance = choice.instance
@@ -175,13 +181,28 @@ def _coming_back(route: Route, excluded: set[int], refused_at: float) -> float |
     return refused_at + EXIT_SEEN_S
 
 
-def _log_choice(asked: Placing, route: Route, choice: Choice, refused: set[int]) -> None:
+async def _wake_or_queue(fleet: Fleet, name: str, left: float) -> Spare | None:
+    """Before a request's first offer: wake a rested spare of its deployment, and wait for the
+    wake (``left`` seconds at most), where that is quicker than the queue on the ready ones
+    (``_lifecycle/spares.py``); what it did."""
+    spare = wake_or_queue(fleet.lifecycle, name)
+    if spare is not None and spare.wake is not None:
+        await asyncio.wait([spare.wake], timeout=max(left, 0.0))
+    return spare
+
+
+def _log_choice(
+    asked: Placing, route: Route, choice: Choice, refused: set[int], spare: Spare | None
+) -> None:
     """The ``router_selection`` line: with why, the candidates weighed and the instances
-    skipped when there was a choice (or the instance is on a host)."""
+    skipped when there was a choice (or the instance is on a host), and what it did about a
+    rested spare."""
     instance = choice.instance
     warm: dict[str, Any] = {}
     if instance.restored is not None:  # the first request since its engine's warm restore
         warm["warm_cache"], instance.restored = instance.restored, None
+    if spare is not None:
+        warm["spare"] = spare.row()
     if len(route.instances) > 1 or asked.dep.remote:
         shown, skipped_ = candidates(route, refused, choice)
         prefix: dict[str, Any] = {}

@@ -97,6 +97,7 @@ schedules = st.fixed_dictionaries(
         "failing": st.sets(st.integers(0, 4), max_size=1),
         "seed": st.integers(0, 2**32 - 1),
         "steps": st.integers(60, 160),
+        "spares": st.booleans(),
     }
 )
 
@@ -153,6 +154,8 @@ async def test_the_scheduler_under_random_schedules_keeps_its_bounds(
         )
         for i, name in enumerate(names)
     ]
+    if schedule.get("spares"):  # a's two instances of 1 GiB, each running one request at once
+        spare_out(deps[0], schedule)
     config = {
         "resources": {
             "memory_budget": f"{schedule['slots']}GiB",
@@ -227,6 +230,17 @@ async def test_the_scheduler_under_random_schedules_keeps_its_bounds(
         print("SCHEDULE", json.dumps(schedule | {"failing": sorted(schedule["failing"])}))  # noqa: T201
     assert seen.broken == [], (schedule, seen.broken[:5])
     judge(seen, schedule, names)
+
+
+def spare_out(dep: dict[str, Any], schedule: dict[str, Any]) -> None:
+    """Make ``dep`` two instances that rest alone once idle for 1 s, whose engines run one
+    request at a time (the rest wait in the engine: what a spare's wake is weighed against)."""
+    launch = dep["instances"][0]["launch"]
+    launch["command"] = [*launch["command"], "--max-running", "1"]
+    dep["instances"] = [{"launch": dict(launch)}, {"launch": dict(launch)}]
+    dep["memory"] = {"ready": "1GiB"}
+    dep["lifecycle"] = dep["lifecycle"] | {"spare_idle_timeout": "1s"}
+    schedule["sizes"] = [1, *schedule["sizes"][1:]]
 
 
 def idle_wait(lifecycle: Any, seen: Seen) -> None:

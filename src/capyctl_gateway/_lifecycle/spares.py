@@ -1,0 +1,158 @@
+"""Spare instances of a deployment of several launched instances
+(``lifecycle.spare_idle_timeout``): parked alone while the others serve, and woken when a
+request would wait longer behind the ready ones than the wake takes.
+
+Resting. An instance that has run nothing for ``spare_idle_timeout`` (since its last request
+ended, or since it became ready if later), while another instance of its deployment is ready,
+is parked alone (stopped, where a park is a stop): the memory budget counts its parked memory
+from then, and the deployment serves on. One at a time per deployment, and one instance always
+stays ready. Its gate shuts in the same step that found it idle (no await between), so no
+request is charged to it after; one with cut requests still unsettled is left up.
+
+Waking or queueing. A request for a deployment with a rested spare decides before it is
+offered: it goes to the ready instances (waiting in an engine's queue, if it must), or it wakes
+the spare, waits for the wake to end, and then goes to the least loaded instance (the woken one,
+unless another freed up meanwhile). The expected wait on a ready instance is nothing while its
+engine has room (none waiting, slot or cache usage under 100 %); on a full engine, the requests
+ahead (its waiting ones, or the gateway's own in flight there beyond what it runs, if more) and
+this one, times the instance's measured time per request, over the requests it runs at once.
+The least of these is weighed against the spare's wake (or start), as last measured
+(`Costs.back`; ``lifecycle.start_estimate`` until then): a longer wait wakes it. A wait that
+cannot be priced (no fresh sample with both counts, no request completed there yet) queues: a
+number nobody measured wakes no engine. A wake reserves its memory in the budget first, and
+never switches another deployment out for it: without room, it queues. Requests that arrive
+while a wake runs and would wait longer than a wake join it. The router line says which it
+chose, the expected wait and the wake (`Spare`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .._deployments.routes import EngineInstance
+from .._errors import EngineControlError, GatewayError
+from .states import DeploymentLife, InstanceState, Launched
+
+if TYPE_CHECKING:
+    from .controller import Lifecycle
+
+__all__ = ["Spare", "expected_wait", "rest_idle", "wake_or_queue"]
+
+logger = logging.getLogger("capyctl_gateway")
+AT_REST = (InstanceState.PARKED, InstanceState.STOPPED)
+COMING_UP = (InstanceState.WAKING, InstanceState.STARTING)
+
+
+@dataclass(frozen=True, slots=True)
+class Spare:
+    """What a request did about its deployment's rested spare (what its router line says)."""
+
+    chose: str
+    """``wake`` (it woke the spare, or joined its wake) or ``queue`` (the ready ones)."""
+    wait_s: float | None
+    """The expected wait on the ready instances (None: not measured)."""
+    wake_s: float
+    """The spare's wake (or start), as last measured."""
+    why: str
+    wake: asyncio.Task[None] | None = None
+    """The wake it waits for."""
+
+    def row(self) -> dict[str, object]:
+        """The router line's ``spare`` field."""
+        wait = None if self.wait_s is None else round(self.wait_s, 3)
+        return {
+            "chose": self.chose,
+            "why": self.why,
+            "wait_s": wait,
+            "wake_s": round(self.wake_s, 3),
+        }
+
+
+def rest_idle(lifecycle: Lifecycle, life: DeploymentLife, now: float) -> None:
+    """Park the longest idle spare of ``life``, where one is due (see the module's text)."""
+    after = life.deployment.lifecycle.spare_idle_timeout
+    if after is None or life.spare is not None or not life.serves_now or life.activating:
+        return
+    ready = [lc for lc in life.launched if lc.state is InstanceState.READY]
+    idle = {lc: now - max(lc.inst.ledger.quiet_since, lc.since) for lc in ready}
+    due = [lc for lc in ready if lc.inst.ledger.charged == 0 and idle[lc] >= after]
+    if len(ready) < 2 or not due:
+        return
+    lc = max(due, key=lambda lc: idle[lc])
+    why = f"a spare: idle for lifecycle.spare_idle_timeout ({after:g} s) while another serves"
+    lc.inst.set_open(admitting=False, why=why)  # nothing is charged to it from now on
+    lc.rested = True
+    what = f"resting {lc.inst.where} (a spare)"
+    life.spare = lifecycle.tasks.spawn(_rest(lifecycle, life, lc, why), kind="spare", what=what)
+
+
+async def _rest(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, why: str) -> None:
+    try:
+        if life.parks:
+            await lifecycle.engines.park(lc, why)
+        else:
+            await lifecycle.engines.stop_one(lc, f"{why} (a stop here)")
+    finally:
+        life.spare = None
+
+
+def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
+    """What a request for deployment ``name`` does about a rested spare (see the module's
+    text); None where it has none, or serves nothing now (its activation is the lifecycle's)."""
+    life = lifecycle.lives.get(name)
+    if life is None or not life.serves_now:
+        return None
+    rested = [lc for lc in life.launched if lc.rested and lc.state in (*AT_REST, *COMING_UP)]
+    if not rested:
+        return None
+    wake_s = lifecycle.scheduler.costs.back(life)
+    ready = [lc.inst for lc in life.launched if lc.state is InstanceState.READY]
+    waits = [expected_wait(inst) for inst in ready if inst.available]
+    wait = None if not waits or None in waits else min(w for w in waits if w is not None)
+    if wait is None:
+        return Spare("queue", None, wake_s, "the ready instances' wait is not measured yet")
+    if wait <= wake_s:
+        return Spare("queue", wait, wake_s, "the wait is shorter than the wake")
+    if life.spare is not None:
+        if any(lc.state in COMING_UP for lc in rested):
+            return Spare("wake", wait, wake_s, "joined the spare's wake", life.spare)
+        return Spare("queue", wait, wake_s, "a spare is being parked")
+    up = [lc for lc in rested if lc.state in AT_REST and lc.inst.runner.cannot_start() is None]
+    if not up:
+        return Spare("queue", wait, wake_s, "no spare can be woken now")
+    lc = up[0]
+    parked = lc.state is InstanceState.PARKED
+    if not lifecycle.budget.reserve(life, [] if parked else [lc], [lc] if parked else []):
+        return Spare("queue", wait, wake_s, "the memory budget has no room for the spare")
+    what = f"waking {lc.inst.where} (a spare)"
+    life.spare = lifecycle.tasks.spawn(_wake(lifecycle, life, lc), kind="spare", what=what)
+    return Spare("wake", wait, wake_s, f"woke instance {lc.inst.index}", life.spare)
+
+
+async def _wake(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched) -> None:
+    why = "a spare woken: a request would wait longer behind the ready instances"
+    try:
+        if lc.state is InstanceState.PARKED:
+            await lifecycle.engines.wake(lc, why)
+        else:
+            await lifecycle.engines.start(lc, why)
+    except (EngineControlError, GatewayError) as exc:  # its memory is given back as it ends
+        logger.warning("%s: the spare did not come up (%s)", lc.inst.where, exc)
+    finally:
+        life.spare = None
+
+
+def expected_wait(inst: EngineInstance) -> float | None:
+    """How long a request sent to ``inst`` now is likely to wait for the engine to run it (see
+    the module's text); None where it cannot be priced."""
+    sample, per = inst.runner.sample(), inst.ledger.per_request_s
+    if sample is None or sample.running is None or sample.waiting is None or per is None:
+        return None
+    full = sample.waiting > 0 or (sample.usage is not None and sample.usage >= 1.0)
+    if not full:
+        return 0.0
+    ahead = max(sample.waiting, inst.ledger.running - sample.running)
+    return (ahead + 1) * per / max(sample.running, 1.0)
