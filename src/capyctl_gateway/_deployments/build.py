@@ -73,6 +73,7 @@ def build_routes(
                 ledger=ledger,
                 waiters=waiters,
                 launch=inst.launch,
+                timed=inst.launch is not None and d.lifecycle.spare_idle_timeout is not None,
             )
             built.attach(runner_for(built, inst))
             instances.append(built)

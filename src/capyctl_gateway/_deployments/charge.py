@@ -49,10 +49,12 @@ class Charge:
         self._inst, self._ex, self._rid, self._settlement = inst, ex, rid, settlement
 
     def __enter__(self) -> None:
-        self._began = _clock.now()
-        self._inst.ledger.running += 1
-        self._inst.inflight.add(self._ex)
-        self._inst.runner.begin(self._ex)
+        inst = self._inst
+        if inst.timed:
+            self._began = _clock.now()
+        inst.ledger.running += 1
+        inst.inflight.add(self._ex)
+        inst.runner.begin(self._ex)
 
     def __exit__(
         self,
@@ -64,8 +66,9 @@ class Charge:
         inst.runner.end(self._ex)
         inst.inflight.discard(self._ex)
         inst.ledger.running -= 1
-        ended = _clock.now()
-        inst.ledger.ended(ended - self._began if out.completed else None, ended)
+        if inst.timed:
+            ended = _clock.now()
+            inst.ledger.ended(ended - self._began if out.completed else None, ended)
         if out.sent and not out.completed:  # it may still run on the engine
             reason = out.cut or "engine stream broken"
             self._settlement.cut(inst.ledger, self._rid, answered=out.answered, reason=reason)

@@ -111,6 +111,9 @@ class EngineInstance:
     """The exchanges charged to it now (`Charge`): what a stopping gateway ends."""
     opened: int = field(init=False, default=0)
     """How often it began to take requests (a request refused is offered again once grown)."""
+    timed: bool = False
+    """Its requests are timed (`InstanceLedger.ended`): a launched deployment with spares
+    (``lifecycle.spare_idle_timeout``); others skip the clock reads."""
     restored: str | None = None
     """What its engine's warm cache restored when it last started (``1 prefix restored, 9333
     tokens``), until a request is placed on it: the router line of that request says so."""

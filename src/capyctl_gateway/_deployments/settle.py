@@ -98,7 +98,8 @@ class InstanceLedger:
 
     per_request_s: float | None = None
     """How long a request that completed here ran, as a moving average (None until one did):
-    what a request's expected wait behind the engine's queue is priced by (spares)."""
+    what a request's expected wait behind the engine's queue is priced by. Kept, with
+    `quiet_since`, for timed instances only (`EngineInstance.timed`: a deployment with spares)."""
     quiet_since: float = 0.0
     """When its last running request ended (``_clock.stamp``)."""
 
