@@ -17,6 +17,7 @@ import bisect
 import itertools
 from collections.abc import Callable
 
+from .. import _clock
 from .._clock import stamp
 from .._errors import GatewayError, QueueFullError, UnavailableError
 from .._loop import running_loop
@@ -126,7 +127,7 @@ class DeploymentQueue:
         """
         if self.open and self.running < self.max_running and not self._waiters.entries:
             if self.running == 0:  # a quiet spell ends: how long its clients paused
-                gap = stamp() - self.idle_since
+                gap = _clock.now() - self.idle_since
                 self.gap = gap if self.gap is None else self.gap + GAP_WEIGHT * (gap - self.gap)
                 if self._turn is not None:
                     self._turned()
@@ -166,11 +167,11 @@ class DeploymentQueue:
 
     def release(self) -> None:
         """Give the slot back: to the longest waiter if there is one (and the gate is open)."""
-        if self.open and self._hand_over():
+        if self.open and self._waiters.entries and self._hand_over():
             return  # the slot passes on: running stays the same
         self.running -= 1
         if self.running == 0:
-            self.idle_since = stamp()
+            self.idle_since = _clock.now()
             if self._drained is not None:
                 self._drained.set()
             self._turned(not self._waiters.entries)

@@ -126,7 +126,7 @@ def skipped(route: Route) -> list[str]:
 
 
 def candidates(
-    route: Route, exclude: set[int], choice: Choice
+    route: Route, exclude: set[int] | frozenset[int], choice: Choice
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """What a ``router_selection`` event shows: each instance that could take the request with
     its score, the sample it came from and the prefix blocks it holds (prefix routing), and

@@ -19,7 +19,7 @@ import asyncio
 import math
 from typing import Any, Protocol
 
-from .._clock import stamp
+from .. import _clock
 from .._deployments.routes import EngineInstance, Facts, Route
 from .._errors import EngineError, NotAcceptedError, UnavailableError
 from .._fleet import Fleet
@@ -83,7 +83,7 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
             tally.launched, tally.gated = True, not self.route.queue.open
             self._fleet.lifecycle.want(asked.dep.name)  # refused now, or waits for its start
         await self.route.queue.acquire(self._deadline, asked.facts.priority)
-        tally.slot = stamp()
+        tally.slot = _clock.now()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -96,7 +96,8 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
         route, asked, name = self.route, self._asked, self._asked.dep.name
         if self._offers:  # the last offer ended otherwise than refused: it was the answer
             raise StopAsyncIteration
-        if not self._refused and all(i.unusable for i in route.instances):
+        first = route.instances[0].unusable if route.instances else True  # none: no generator
+        if not self._refused and first and all(i.unusable for i in route.instances):
             raise UnavailableError(
                 f"deployment {name}: its instances failed their startup checks "
                 "(see the gateway's log or `capyctl-gateway status deployment`)",
@@ -106,7 +107,7 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
         if not refused and asked.dep.lifecycle.spare_idle_timeout is not None:
             self._spare = await _wake_or_queue(self._fleet, name, self._deadline - loop.time())
         while len(refused) < MAX_OFFERS:
-            excluded = {i for i, opened in refused.items() if route.instances[i].opened == opened}
+            excluded = _excluded(route, refused) if refused else NONE
             choice = choose(route, asked.facts, excluded)
             if choice is not None:
                 _log_choice(asked, route, choice, excluded, self._spare)
@@ -166,7 +167,19 @@ EXIT_SEEN_S = 1.0
 seen (measured: 30-38 ms from the exit) before it takes the refusal as any other."""
 
 
-def _coming_back(route: Route, excluded: set[int], refused_at: float) -> float | None:
+NONE: frozenset[int] = frozenset()
+"""No instance excluded (a request's first offer: no set made for it)."""
+
+
+def _excluded(route: Route, refused: dict[int, int]) -> set[int]:
+    """The instances that refused the request and have not begun to take requests again
+    since (each with the `EngineInstance.opened` it had when it refused)."""
+    return {i for i, opened in refused.items() if route.instances[i].opened == opened}
+
+
+def _coming_back(
+    route: Route, excluded: set[int] | frozenset[int], refused_at: float
+) -> float | None:
     """Until when a request that every instance refused may wait for one to open again: the
     deadline, where an engine the gateway runs refused it and is now seen gone (it exited,
     and the lifecycle starts it again for the requests that wait); `EXIT_SEEN_S` after the
@@ -192,7 +205,11 @@ async def _wake_or_queue(fleet: Fleet, name: str, left: float) -> Spare | None:
 
 
 def _log_choice(
-    asked: Placing, route: Route, choice: Choice, refused: set[int], spare: Spare | None
+    asked: Placing,
+    route: Route,
+    choice: Choice,
+    refused: set[int] | frozenset[int],
+    spare: Spare | None,
 ) -> None:
     """The ``router_selection`` line: with why, the candidates weighed and the instances
     skipped when there was a choice (or the instance is on a host), and what it did about a
