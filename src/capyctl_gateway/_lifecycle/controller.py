@@ -132,8 +132,8 @@ class Lifecycle:
     async def _bring_up(self, life: DeploymentLife, why: str) -> None:
         name = life.deployment.name
         stops = [lc.stopping for lc in life.launched if lc.stopping is not None]
-        stops += [life.spare] if life.spare is not None else []  # a spare's park or wake
-        await asyncio.gather(*map(asyncio.shield, stops))  # a crash's stop: start it after
+        stops += [life.spare] if life.spare is not None else []  # a spare's (its fault its own)
+        await asyncio.gather(*map(asyncio.shield, stops), return_exceptions=True)  # a crash's stop
         todo = _startable(life)
         parked = [lc for lc in life.launched if lc.state is InstanceState.PARKED]
         if not await self.budget.make_room(life, todo, parked):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .._clock import stamp
-from .states import DeploymentLife, InstanceState, Launched
+from .states import RESTARTED, DeploymentLife, InstanceState, Launched
 
 if TYPE_CHECKING:
     from .controller import Lifecycle
@@ -78,4 +78,4 @@ async def lost(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, why: st
     route = life.route
     waiting = route.queue.waiting or route.waiters.waiting  # in the queue, or for an instance
     if (waiting or kept) and not life.ready and life.refusal() is None:
-        lifecycle.activate(life, "started again after its engine exited")
+        lifecycle.activate(life, RESTARTED)

@@ -89,8 +89,8 @@ async def closing(
         if not drained:  # an operator's stop: what still runs ends now, and hears why
             why = f"deployment {life.deployment.name}: {reason} (past lifecycle.drain_timeout)"
             life.route.abort_running(why, "deployment_stopped")
-        if life.spare is not None:  # a spare's park or wake first
-            await asyncio.shield(life.spare)
+        if life.spare is not None:  # a spare's park or wake first (its fault is its own)
+            await asyncio.wait([life.spare])
         # A second turn for a deployment already parked: parking did not free enough.
         at_rest = all(lc.state is not InstanceState.READY for lc in life.launched)
         await put_to_rest(lifecycle.engines, life, reason, may_park=may_park and not at_rest)

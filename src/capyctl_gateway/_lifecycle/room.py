@@ -36,7 +36,8 @@ async def make_room(
     scheduler, name = budget.scheduler, life.deployment.name
     try:
         while not budget.reserve(life, starting, waking):
-            if life.for_requests and not life.route.queue.waiting:  # hung up, or past deadline
+            route = life.route  # its requests wait in the queue, or for an instance
+            if life.for_requests and not (route.queue.waiting or route.waiters.waiting):
                 logger.info("deployment %s: not started: no request waits for it any more", name)
                 return False
             candidates = _candidates(budget, life, pools)

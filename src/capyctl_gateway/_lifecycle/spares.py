@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from math import inf
 from typing import TYPE_CHECKING
 
 from .._deployments.routes import EngineInstance
@@ -76,7 +77,7 @@ def rest_idle(lifecycle: Lifecycle, life: DeploymentLife, now: float) -> None:
     after = life.deployment.lifecycle.spare_idle_timeout
     if after is None or life.spare is not None or not life.serves_now or life.activating:
         return
-    ready = [lc for lc in life.launched if lc.state is InstanceState.READY]
+    ready = [lc for lc in life.launched if _serves(lc)]  # another must serve on: it takes them
     idle = {lc: now - max(lc.inst.ledger.quiet_since, lc.since) for lc in ready}
     due = [lc for lc in ready if lc.inst.ledger.charged == 0 and idle[lc] >= after]
     if len(ready) < 2 or not due:
@@ -109,27 +110,37 @@ def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
     if not rested:
         return None
     wake_s = lifecycle.scheduler.costs.back(life)
-    ready = [lc.inst for lc in life.launched if lc.state is InstanceState.READY]
-    waits = [expected_wait(inst) for inst in ready if inst.available]
-    wait = None if not waits or None in waits else min(w for w in waits if w is not None)
+    waits = [expected_wait(lc.inst) for lc in life.launched if _serves(lc)]
+    wait = None if None in waits else min(w for w in waits if w is not None) if waits else inf
     if wait is None:
         return Spare("queue", None, wake_s, "the ready instances' wait is not measured yet")
     if wait <= wake_s:
         return Spare("queue", wait, wake_s, "the wait is shorter than the wake")
     if life.spare is not None:
-        if any(lc.state in COMING_UP for lc in rested):
-            return Spare("wake", wait, wake_s, "joined the spare's wake", life.spare)
-        return Spare("queue", wait, wake_s, "a spare is being parked")
+        if life.waking is not None:
+            return Spare("wake", _shown(wait), wake_s, "joined the spare's wake", life.spare)
+        return Spare("queue", _shown(wait), wake_s, "a spare is being parked")
     up = [lc for lc in rested if lc.state in AT_REST and lc.inst.runner.cannot_start() is None]
     if not up:
         return Spare("queue", wait, wake_s, "no spare can be woken now")
     lc = up[0]
     parked = lc.state is InstanceState.PARKED
     if not lifecycle.budget.reserve(life, [] if parked else [lc], [lc] if parked else []):
-        return Spare("queue", wait, wake_s, "the memory budget has no room for the spare")
-    what = f"waking {lc.inst.where} (a spare)"
+        return Spare("queue", _shown(wait), wake_s, "the memory budget has no room for the spare")
+    what, life.waking = f"waking {lc.inst.where} (a spare)", lc
     life.spare = lifecycle.tasks.spawn(_wake(lifecycle, life, lc), kind="spare", what=what)
-    return Spare("wake", wait, wake_s, f"woke instance {lc.inst.index}", life.spare)
+    why = f"woke instance {lc.inst.index}" + ("" if waits else ": no ready one takes requests")
+    return Spare("wake", _shown(wait), wake_s, why, life.spare)
+
+
+def _serves(lc: Launched) -> bool:
+    """Whether ``lc`` is ready and takes requests now (its host reachable, its checks passed)."""
+    return lc.state is InstanceState.READY and lc.inst.available and not lc.inst.unusable
+
+
+def _shown(wait: float) -> float | None:
+    """A wait as the router line shows it: none where no ready instance takes requests."""
+    return None if wait == inf else wait
 
 
 async def _wake(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched) -> None:
@@ -142,7 +153,7 @@ async def _wake(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched) -> Non
     except (EngineControlError, GatewayError) as exc:  # its memory is given back as it ends
         logger.warning("%s: the spare did not come up (%s)", lc.inst.where, exc)
     finally:
-        life.spare = None
+        life.spare = life.waking = None
 
 
 def expected_wait(inst: EngineInstance) -> float | None:

@@ -17,6 +17,7 @@ from .._log import event
 __all__ = [
     "HOLDING",
     "REQUESTED",
+    "RESTARTED",
     "STARTABLE",
     "AbandonedError",
     "DeploymentLife",
@@ -50,6 +51,9 @@ HOLDING = frozenset(
 """States in which an instance holds its ready memory."""
 REQUESTED = "a request is waiting"
 """Why an activation that requests asked for begins (`DeploymentLife.for_requests`)."""
+RESTARTED = "started again after its engine exited"
+"""Why an activation begins after a crash: for the requests that wait (unless it is kept
+ready, ``activation: always``)."""
 
 
 @dataclass(eq=False)
@@ -152,6 +156,9 @@ class DeploymentLife:
     ``lifecycle.come_back`` it starts again once the budget has room (``comeback.py``)."""
     spare: asyncio.Task[None] | None = None
     """A spare's park or wake under way (``spares.py``): a closing or activation waits for it."""
+    waking: Launched | None = None
+    """The spare that task wakes (set as it is spawned: requests that come before it begins
+    join it)."""
     starts: Starts = field(default_factory=Starts)
     """Its starts under way, which an operator's stop abandons."""
 
@@ -196,10 +203,11 @@ class DeploymentLife:
         return self.activation is not None and not self.activation.done()
 
     def wanted(self, why: str) -> bool:
-        """``why`` (`REQUESTED`, or another reason) wants it active: noted in `for_requests`;
-        whether a new activation must begin (none is under way)."""
+        """``why`` (`REQUESTED`, `RESTARTED` or another reason) wants it active: noted in
+        `for_requests`; whether a new activation must begin (none is under way)."""
         new = not self.activating
-        self.for_requests = why == REQUESTED and (new or self.for_requests)
+        restart = why == RESTARTED and self.deployment.lifecycle.activation != "always"
+        self.for_requests = (why == REQUESTED or restart) and (new or self.for_requests)
         return new
 
     @property

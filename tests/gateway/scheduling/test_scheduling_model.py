@@ -233,13 +233,13 @@ async def test_the_scheduler_under_random_schedules_keeps_its_bounds(
 
 
 def spare_out(dep: dict[str, Any], schedule: dict[str, Any]) -> None:
-    """Make ``dep`` two instances that rest alone once idle for 1 s, whose engines run one
+    """Make ``dep`` two instances that rest alone once idle for 0.5 s, whose engines run one
     request at a time (the rest wait in the engine: what a spare's wake is weighed against)."""
     launch = dep["instances"][0]["launch"]
     launch["command"] = [*launch["command"], "--max-running", "1"]
     dep["instances"] = [{"launch": dict(launch)}, {"launch": dict(launch)}]
     dep["memory"] = {"ready": "1GiB"}
-    dep["lifecycle"] = dep["lifecycle"] | {"spare_idle_timeout": "1s"}
+    dep["lifecycle"] = dep["lifecycle"] | {"spare_idle_timeout": "0.5s"}
     schedule["sizes"] = [1, *schedule["sizes"][1:]]
 
 

@@ -24,13 +24,14 @@ import httpx
 import pytest
 
 from capyctl_gateway._errors import GatewayError
-from capyctl_gateway._lifecycle.operator import operator_park, operator_start
+from capyctl_gateway._lifecycle.operator import operator_park, operator_start, operator_stop
 from capyctl_gateway._lifecycle.states import InstanceState, Launched
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
 from tests.gateway.fake_runner import Script
 from tests.gateway.lifecycle.test_lifecycle import ENGINE
 from tests.gateway.lifecycle.test_lifecycle_races import said, served
+from tests.gateway.scheduling.test_scheduling_model import ONCE
 
 pytestmark = pytest.mark.anyio
 workers = WORKERS
@@ -99,7 +100,7 @@ async def test_an_idle_instance_rests_alone_and_a_long_wait_wakes_it(
     gw.fakes.scripts["a"] = Script(wake_s=1.0)
     lifecycle = gw.gateway.fleet.lifecycle
     life = lifecycle.lives["a"]
-    async with gw.client(timeout=300) as c:
+    async with gw.client(timeout=300, limits=ONCE) as c:
         async with anyio.create_task_group() as tg:
             tg.start_soon(send, c, 2)
             tg.start_soon(send, c, 2)
@@ -139,7 +140,7 @@ async def test_without_a_measured_wait_a_request_queues(
     caplog.set_level(logging.INFO, logger="capyctl_gateway")
     gw = await make_gateway(config())
     lifecycle = gw.gateway.fleet.lifecycle
-    async with gw.client(timeout=300) as c:
+    async with gw.client(timeout=300, limits=ONCE) as c:
         await send(c, 0.1)
         spare = await rested(gw)
         for lc in lifecycle.lives["a"].launched:
@@ -152,27 +153,25 @@ async def test_without_a_measured_wait_a_request_queues(
 
 
 async def test_spares_under_many_clients_hang_ups_and_an_operator(
-    make_gateway: MakeGateway,
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Three instances, spares resting after 1 s idle, each wake 0.5 s: 30 clients in waves
-    (some hang up before their answer), an operator's park and start beside them. Every request
-    that stayed is answered 200; no instance began a park or stop with a request running on
-    it; the budget was never exceeded; at the end nothing is parking, waking or starting, and
-    no spare's task is left."""
+    (some hang up before their answer), an operator's park and start beside them. Spares rest
+    and requests wake them; every request that stayed is answered 200; no instance began a
+    park or stop with a request running on it; at the end nothing is parking, waking or
+    starting, and no spare's task is left."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
     gw = await make_gateway(config(3, spare_idle_timeout="1s"))
     assert gw.fakes is not None
     gw.fakes.scripts["a"] = Script(wake_s=0.5, park_s=0.2)
     lifecycle = gw.gateway.fleet.lifecycle
     life = lifecycle.lives["a"]
     broken: list[str] = []
-    held: list[int] = []
-
-    spared: list[InstanceState] = []
+    rests = 0
 
     def watch(lc: Launched) -> None:
-        held.append(lifecycle.budget.held())
-        if lc.rested and lc.state in (InstanceState.PARKING, InstanceState.WAKING):
-            spared.append(lc.state)  # a spare's own park or wake
+        nonlocal rests
+        rests += lc.rested and lc.state is InstanceState.PARKING  # a spare's own park
         down = (InstanceState.PARKING, InstanceState.STOPPING)
         if lc.state in down and lc.inst.ledger.running:
             broken.append(f"{lc.inst.where} went {lc.state} with {lc.inst.ledger.running} running")
@@ -188,20 +187,125 @@ async def test_spares_under_many_clients_hang_ups_and_an_operator(
         r = await c.post("/v1/chat/completions", json=said(f"take:{take}", "a"))
         statuses.append(r.status_code)
 
-    async with gw.client(timeout=300) as c:
+    async with gw.client(timeout=300, limits=ONCE) as c:
         for wave in range(5):
             async with anyio.create_task_group() as tg:
                 for i in range(6):
                     tg.start_soon(client, c, 0.5 + (i % 3), i % 4 == 3)
+                    await anyio.sleep(0.3)  # the wave's own pace: the engines' samples follow
                 if wave == 2:
                     with contextlib.suppress(GatewayError):
                         await operator_park(lifecycle, "a", known=True)
                     await operator_start(lifecycle, "a", known=True)
             await anyio.sleep(2.5)  # the spares' idle time passes (the virtual clock)
     assert statuses and set(statuses) == {200}, statuses
-    assert InstanceState.PARKING in spared and InstanceState.WAKING in spared, spared
+    woke = [s for s in spares(caplog) if s["why"].startswith("woke instance")]
+    assert rests and woke, (rests, spares(caplog))  # spares rested, and requests woke them
     assert broken == []
-    assert max(held) <= 6 * GiB
     coming = (InstanceState.PARKING, InstanceState.WAKING, InstanceState.STARTING)
     assert all(lc.state not in coming for lc in life.launched)
     assert life.spare is None and not life.activating
+
+
+async def test_an_operators_stop_during_a_spares_wake_stops_everything(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request wakes the spare (a wake of 5 s) and an operator stops the deployment meanwhile:
+    the stop's drain waits for the requests (the waking one holds its slot), the closing for the
+    wake, then every instance is stopped. Every request is answered (200, or 409
+    deployment_stopped), and nothing is left waking, reserved or owned by the spare."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    assert gw.fakes is not None
+    gw.fakes.scripts["a"] = Script(wake_s=5.0)
+    lifecycle = gw.gateway.fleet.lifecycle
+    life = lifecycle.lives["a"]
+    answers: list[int] = []
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        await _fill_one(c, gw)
+        ready = next(lc for lc in life.launched if not lc.rested)
+
+        async def ask(take: float) -> None:
+            r = await c.post("/v1/chat/completions", json=said(f"take:{take}", "a"))
+            answers.append(r.status_code)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, 2)
+            await eventually(lambda: _sampled(ready, running=1, waiting=0))
+            tg.start_soon(ask, 2)
+            await eventually(lambda: _sampled(ready, running=1, waiting=1))
+            tg.start_soon(ask, 0.1)
+            await eventually(lambda: life.waking is not None)
+            await operator_stop(lifecycle, "a", known=True)
+    assert spares(caplog)[-1]["chose"] == "wake"
+    assert len(answers) == 3 and set(answers) <= {200, 409}, answers
+    assert [lc.state for lc in life.launched] == [InstanceState.STOPPED] * 2
+    assert life.spare is None and life.waking is None and lifecycle.budget.held() == 0
+
+
+async def test_a_spare_that_fails_to_wake_leaves_its_request_to_the_ready_one(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The spare's wake fails: it is stopped (its memory given back), and the request that woke
+    it is served by the ready instance."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    assert gw.fakes is not None
+    lifecycle = gw.gateway.fleet.lifecycle
+    life = lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        spare = await _fill_one(c, gw)
+        gw.fakes.scripts["a"] = Script(wake_fails="out of memory")
+        ready = next(lc for lc in life.launched if not lc.rested)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, c, 2)
+            await eventually(lambda: _sampled(ready, running=1, waiting=0))
+            tg.start_soon(send, c, 2)
+            await eventually(lambda: _sampled(ready, running=1, waiting=1))
+            await send(c, 0.1)
+    assert spares(caplog)[-1]["chose"] == "wake"
+    assert spare.state is InstanceState.FAILED and ready.state is InstanceState.READY
+    assert life.spare is None and lifecycle.budget.held() == 2 * GiB
+
+
+async def test_a_spare_waits_where_the_budget_has_no_room_for_it(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once a's spare rested, deployment b took the memory it gave back: a request that would
+    wake the spare goes to the ready instance, and nothing is switched out for the spare."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    cfg = config()
+    b = dict(cfg["deployments"][0], name="b", served_model=served("b"))
+    b["instances"] = [{"launch": {"command": [*ENGINE, "--served", served("b")]}}]
+    b["lifecycle"] = {}
+    cfg["deployments"].append(b)
+    cfg["resources"]["memory_budget"] = "4608MiB"  # a's ready one and its parked spare, and b
+    gw = await make_gateway(cfg)
+    lifecycle = gw.gateway.fleet.lifecycle
+    life = lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        spare = await _fill_one(c, gw)
+        r = await c.post("/v1/chat/completions", json=said("take:0.1", "b"))
+        assert r.status_code == 200, r.text
+        ready = next(lc for lc in life.launched if not lc.rested)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, c, 2)
+            await eventually(lambda: _sampled(ready, running=1, waiting=0))
+            tg.start_soon(send, c, 2)
+            await eventually(lambda: _sampled(ready, running=1, waiting=1))
+            await send(c, 0.1)
+    assert spares(caplog)[-1]["why"] == "the memory budget has no room for the spare"
+    assert spare.state is InstanceState.PARKED
+    assert sum(lifecycle.scheduler.switches.values()) == 0
+
+
+async def _fill_one(c: httpx.AsyncClient, gw: Gw) -> Launched:
+    """Both instances serve a request of 2 s, then one rests; the start and a wake are priced
+    at 1 s (as if measured), so that a wait of 4 s behind the ready one wakes the spare."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send, c, 2)
+        tg.start_soon(send, c, 2)
+    spare = await rested(gw)
+    costs = gw.gateway.fleet.lifecycle.scheduler.costs
+    costs.last[("a", "wake")] = costs.last[("a", "start")] = 1.0
+    return spare
