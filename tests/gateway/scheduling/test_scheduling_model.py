@@ -37,6 +37,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -44,6 +45,7 @@ from capyctl_gateway._clock import stamp
 from capyctl_gateway._config import GatewayConfig
 from capyctl_gateway._errors import GatewayError
 from capyctl_gateway._http.app import GATEWAY_KEY, create_app
+from capyctl_gateway._lifecycle.controller import Lifecycle
 from capyctl_gateway._lifecycle.operator import operator_park, operator_start, operator_stop
 from capyctl_gateway._lifecycle.rest import quiesce
 from capyctl_gateway._scheduling.policy import grace
@@ -164,16 +166,7 @@ async def test_the_scheduler_under_random_schedules_keeps_its_bounds(
         "queue": {"request_deadline": f"{DEADLINE}s"},
         "deployments": deps,
     }
-    app = create_app(
-        GatewayConfig.model_validate(config),
-        KEY,
-        env={},
-        collector_options=COLLECTOR,
-        runners=fake_kinds(engines),
-    )
-    runner, url = await _serve(app, gateway=True)
-    gateway = app[GATEWAY_KEY]
-    lifecycle = gateway.fleet.lifecycle
+    runner, url, lifecycle = await open_gateway(config, engines)
     seen = Seen(failed_starts=set(schedule["failing"]))
     schedule = schedule | {"failing": set(schedule["failing"])}
     budget = schedule["slots"] * 2**30
@@ -230,6 +223,22 @@ async def test_the_scheduler_under_random_schedules_keeps_its_bounds(
         print("SCHEDULE", json.dumps(schedule | {"failing": sorted(schedule["failing"])}))  # noqa: T201
     assert seen.broken == [], (schedule, seen.broken[:5])
     judge(seen, schedule, names)
+
+
+async def open_gateway(
+    config: dict[str, Any], engines: FakeEngines
+) -> tuple[web.AppRunner, str, Lifecycle]:
+    """A gateway of ``config`` whose engines are ``engines`` (the fake runner's), on a loopback
+    port: its runner (the caller cleans it up), its URL and its lifecycle."""
+    app = create_app(
+        GatewayConfig.model_validate(config),
+        KEY,
+        env={},
+        collector_options=COLLECTOR,
+        runners=fake_kinds(engines),
+    )
+    runner, url = await _serve(app, gateway=True)
+    return runner, url, app[GATEWAY_KEY].fleet.lifecycle
 
 
 def spare_out(dep: dict[str, Any], schedule: dict[str, Any]) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import pytest
 
@@ -109,10 +111,7 @@ async def test_an_idle_instance_rests_alone_and_a_long_wait_wakes_it(
         lifecycle.scheduler.costs.last[("a", "wake")] = 1.0  # as if a wake had been measured
         ready = next(lc for lc in life.launched if not lc.rested)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send, c, 2)
-            await eventually(lambda: _sampled(ready, running=1, waiting=0))
-            tg.start_soon(send, c, 2)
-            await eventually(lambda: _sampled(ready, running=1, waiting=1))
+            await fill(tg, ready, partial(send, c))
             began = anyio.current_time()
             await send(c, 2)
             took = anyio.current_time() - began
@@ -125,6 +124,17 @@ async def test_an_idle_instance_rests_alone_and_a_long_wait_wakes_it(
     ], chose
     assert spares(caplog)[-1]["wait_s"] == pytest.approx(4.0, rel=0.2)
     assert 1.0 + 2.0 <= took <= 1.0 + 2.0 + 0.5, took  # not 4 s behind the others first
+
+
+async def fill(
+    tg: anyio.abc.TaskGroup, ready: Launched, sender: Callable[[float], Coroutine[Any, Any, None]]
+) -> None:
+    """Two requests of 2 s for the ready instance, ``sender(2)`` each: one runs, one waits in
+    its engine, as its samples show before this returns."""
+    tg.start_soon(sender, 2)
+    await eventually(lambda: _sampled(ready, running=1, waiting=0))
+    tg.start_soon(sender, 2)
+    await eventually(lambda: _sampled(ready, running=1, waiting=1))
 
 
 def _sampled(lc: Launched, *, running: int, waiting: int) -> bool:
@@ -230,10 +240,7 @@ async def test_an_operators_stop_during_a_spares_wake_stops_everything(
             answers.append(r.status_code)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(ask, 2)
-            await eventually(lambda: _sampled(ready, running=1, waiting=0))
-            tg.start_soon(ask, 2)
-            await eventually(lambda: _sampled(ready, running=1, waiting=1))
+            await fill(tg, ready, ask)
             tg.start_soon(ask, 0.1)
             await eventually(lambda: life.waking is not None)
             await operator_stop(lifecycle, "a", known=True)
@@ -258,10 +265,7 @@ async def test_a_spare_that_fails_to_wake_leaves_its_request_to_the_ready_one(
         gw.fakes.scripts["a"] = Script(wake_fails="out of memory")
         ready = next(lc for lc in life.launched if not lc.rested)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send, c, 2)
-            await eventually(lambda: _sampled(ready, running=1, waiting=0))
-            tg.start_soon(send, c, 2)
-            await eventually(lambda: _sampled(ready, running=1, waiting=1))
+            await fill(tg, ready, partial(send, c))
             await send(c, 0.1)
     assert spares(caplog)[-1]["chose"] == "wake"
     assert spare.state is InstanceState.FAILED and ready.state is InstanceState.READY
@@ -289,10 +293,7 @@ async def test_a_spare_waits_where_the_budget_has_no_room_for_it(
         assert r.status_code == 200, r.text
         ready = next(lc for lc in life.launched if not lc.rested)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send, c, 2)
-            await eventually(lambda: _sampled(ready, running=1, waiting=0))
-            tg.start_soon(send, c, 2)
-            await eventually(lambda: _sampled(ready, running=1, waiting=1))
+            await fill(tg, ready, partial(send, c))
             await send(c, 0.1)
     assert spares(caplog)[-1]["why"] == "the memory budget has no room for the spare"
     assert spare.state is InstanceState.PARKED

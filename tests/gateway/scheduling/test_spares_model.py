@@ -29,15 +29,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capyctl_gateway._config import GatewayConfig
-from capyctl_gateway._http.app import GATEWAY_KEY, create_app
 from capyctl_gateway._lifecycle.rest import quiesce
 from capyctl_gateway._lifecycle.states import InstanceState, Launched
-from tests.gateway.conftest import COLLECTOR, KEY, VIRTUAL_CLOCK, _serve
-from tests.gateway.fake_runner import FakeEngines, Script, fake_kinds
-from tests.gateway.lifecycle.test_lifecycle import ENGINE
-from tests.gateway.lifecycle.test_lifecycle_races import served
-from tests.gateway.scheduling.test_scheduling_model import DEADLINE, ONCE, Seen, client, command
+from tests.gateway.conftest import KEY, VIRTUAL_CLOCK
+from tests.gateway.fake_runner import FakeEngines, Script
+from tests.gateway.scheduling.test_scheduling_model import (
+    DEADLINE,
+    ONCE,
+    Seen,
+    client,
+    command,
+    open_gateway,
+)
+from tests.gateway.scheduling.test_spares import config as spares_config
 
 pytestmark = pytest.mark.anyio
 anyio_backend = VIRTUAL_CLOCK
@@ -86,37 +90,16 @@ async def test_spares_under_random_schedules_keep_their_bounds(schedule: dict[st
     engines = FakeEngines(
         {name: Script(start_s=schedule["start"], wake_s=schedule["wake"], park_s=schedule["park"])}
     )
-    launch = {
-        "command": [*ENGINE, "--served", served(name), "--max-running", "1"],
-        "startup_timeout": "60s",
-    }
-    dep = {
-        "name": name,
-        "engine": "vllm",
-        "engine_version": "0.31.0",
-        "served_model": served(name),
-        "instances": [{"launch": dict(launch)} for _ in range(n)],
-        "memory": {"ready": "1GiB"},
-        "lifecycle": {
-            "park": "sleep" if schedule["sleeps"] else "stop",
-            "spare_idle_timeout": schedule["idle"],
-            "drain_timeout": "3s",
-        },
-    }
-    config = {
-        "resources": {"memory_budget": f"{n}GiB"},
-        "queue": {"request_deadline": f"{DEADLINE}s"},
-        "deployments": [dep],
-    }
-    app = create_app(
-        GatewayConfig.model_validate(config),
-        KEY,
-        env={},
-        collector_options=COLLECTOR,
-        runners=fake_kinds(engines),
+    config = spares_config(
+        n,
+        park="sleep" if schedule["sleeps"] else "stop",
+        spare_idle_timeout=schedule["idle"],
+        drain_timeout="3s",
     )
-    runner, url = await _serve(app, gateway=True)
-    lifecycle = app[GATEWAY_KEY].fleet.lifecycle
+    config["deployments"][0]["memory"] = {"ready": "1GiB"}
+    config["resources"]["memory_budget"] = f"{n}GiB"
+    config["queue"]["request_deadline"] = f"{DEADLINE}s"
+    runner, url, lifecycle = await open_gateway(config, engines)
     life = lifecycle.lives[name]
     seen = Seen()
 
