@@ -122,7 +122,7 @@ def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
         return Spare("queue", _shown(wait), wake_s, "a spare is being parked")
     up = [lc for lc in rested if lc.state in AT_REST and lc.inst.runner.cannot_start() is None]
     if not up:
-        return Spare("queue", wait, wake_s, "no spare can be woken now")
+        return Spare("queue", _shown(wait), wake_s, "no spare can be woken now")
     lc = up[0]
     parked = lc.state is InstanceState.PARKED
     if not lifecycle.budget.reserve(life, [] if parked else [lc], [lc] if parked else []):
