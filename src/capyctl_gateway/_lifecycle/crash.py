@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .._clock import stamp
-from .states import RESTARTED, DeploymentLife, InstanceState, Launched
+from .states import RESTARTED, DeploymentLife, InstanceState, Launched, waited_for
 
 if TYPE_CHECKING:
     from .controller import Lifecycle
@@ -75,7 +75,5 @@ async def lost(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, why: st
     await engines.stop_one(lc, why)  # its group killed; nothing it counted still runs
     engines.move(lc, InstanceState.FAILED, why)
     kept = life.deployment.lifecycle.activation == "always"
-    route = life.route
-    waiting = route.queue.waiting or route.waiters.waiting  # in the queue, or for an instance
-    if (waiting or kept) and not life.ready and life.refusal() is None:
+    if (waited_for(life) or kept) and not life.ready and life.refusal() is None:
         lifecycle.activate(life, RESTARTED)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .._clock import stamp
 from .._errors import UnavailableError
 from .._scheduling.scheduler import Switch, Wait
-from .states import DeploymentLife, InstanceState, Launched
+from .states import DeploymentLife, InstanceState, Launched, waited_for
 
 if TYPE_CHECKING:
     from .budget import MemoryBudget
@@ -36,8 +36,7 @@ async def make_room(
     scheduler, name = budget.scheduler, life.deployment.name
     try:
         while not budget.reserve(life, starting, waking):
-            route = life.route  # its requests wait in the queue, or for an instance
-            if life.for_requests and not (route.queue.waiting or route.waiters.waiting):
+            if life.for_requests and not waited_for(life):  # they hung up, or timed out
                 logger.info("deployment %s: not started: no request waits for it any more", name)
                 return False
             candidates = _candidates(budget, life, pools)

@@ -44,7 +44,6 @@ __all__ = ["Spare", "expected_wait", "rest_idle", "wake_or_queue"]
 
 logger = logging.getLogger("capyctl_gateway")
 AT_REST = (InstanceState.PARKED, InstanceState.STOPPED)
-COMING_UP = (InstanceState.WAKING, InstanceState.STARTING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +53,8 @@ class Spare:
     chose: str
     """``wake`` (it woke the spare, or joined its wake) or ``queue`` (the ready ones)."""
     wait_s: float | None
-    """The expected wait on the ready instances (None: not measured)."""
+    """The expected wait on the ready instances (None: not measured; ``inf``: none of them
+    takes requests)."""
     wake_s: float
     """The spare's wake (or start), as last measured."""
     why: str
@@ -63,7 +63,7 @@ class Spare:
 
     def row(self) -> dict[str, object]:
         """The router line's ``spare`` field."""
-        wait = None if self.wait_s is None else round(self.wait_s, 3)
+        wait = None if self.wait_s is None or self.wait_s == inf else round(self.wait_s, 3)
         return {
             "chose": self.chose,
             "why": self.why,
@@ -106,31 +106,31 @@ def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
     life = lifecycle.lives.get(name)
     if life is None or not life.serves_now:
         return None
-    rested = [lc for lc in life.launched if lc.rested and lc.state in (*AT_REST, *COMING_UP)]
-    if not rested:
+    rested = [lc for lc in life.launched if lc.rested and lc.state in AT_REST]
+    if not rested and life.waking is None:
         return None
-    wake_s = lifecycle.scheduler.costs.back(life)
-    waits = [expected_wait(lc.inst) for lc in life.launched if _serves(lc)]
-    wait = None if None in waits else min(w for w in waits if w is not None) if waits else inf
+    wake_s, wait = lifecycle.scheduler.costs.back(life), _least_wait(life)
     if wait is None:
         return Spare("queue", None, wake_s, "the ready instances' wait is not measured yet")
     if wait <= wake_s:
         return Spare("queue", wait, wake_s, "the wait is shorter than the wake")
     if life.spare is not None:
         if life.waking is not None:
-            return Spare("wake", _shown(wait), wake_s, "joined the spare's wake", life.spare)
-        return Spare("queue", _shown(wait), wake_s, "a spare is being parked")
-    up = [lc for lc in rested if lc.state in AT_REST and lc.inst.runner.cannot_start() is None]
+            return Spare("wake", wait, wake_s, "joined the spare's wake", life.spare)
+        return Spare("queue", wait, wake_s, "a spare is being parked")
+    up = [lc for lc in rested if lc.inst.runner.cannot_start() is None]
     if not up:
-        return Spare("queue", _shown(wait), wake_s, "no spare can be woken now")
+        return Spare("queue", wait, wake_s, "no spare can be woken now")
     lc = up[0]
     parked = lc.state is InstanceState.PARKED
     if not lifecycle.budget.reserve(life, [] if parked else [lc], [lc] if parked else []):
-        return Spare("queue", _shown(wait), wake_s, "the memory budget has no room for the spare")
+        return Spare("queue", wait, wake_s, "the memory budget has no room for the spare")
     what, life.waking = f"waking {lc.inst.where} (a spare)", lc
     life.spare = lifecycle.tasks.spawn(_wake(lifecycle, life, lc), kind="spare", what=what)
-    why = f"woke instance {lc.inst.index}" + ("" if waits else ": no ready one takes requests")
-    return Spare("wake", _shown(wait), wake_s, why, life.spare)
+    why = f"woke instance {lc.inst.index}" + (
+        ": no ready one takes requests" if wait == inf else ""
+    )
+    return Spare("wake", wait, wake_s, why, life.spare)
 
 
 def _serves(lc: Launched) -> bool:
@@ -138,9 +138,13 @@ def _serves(lc: Launched) -> bool:
     return lc.state is InstanceState.READY and lc.inst.available and not lc.inst.unusable
 
 
-def _shown(wait: float) -> float | None:
-    """A wait as the router line shows it: none where no ready instance takes requests."""
-    return None if wait == inf else wait
+def _least_wait(life: DeploymentLife) -> float | None:
+    """The least expected wait over ``life``'s instances that take requests now: None where
+    one of them cannot be priced, ``inf`` where none takes requests."""
+    waits = [expected_wait(lc.inst) for lc in life.launched if _serves(lc)]
+    if None in waits:
+        return None
+    return min((w for w in waits if w is not None), default=inf)
 
 
 async def _wake(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "InstanceState",
     "Launched",
     "Starts",
+    "waited_for",
 ]
 
 
@@ -253,3 +254,8 @@ class DeploymentLife:
             if s in states:
                 return s.value
         return "failed" if states == {InstanceState.FAILED} else "stopped"
+
+
+def waited_for(life: DeploymentLife) -> bool:
+    """Requests wait for ``life``: in its queue, or (holding a slot) for an instance."""
+    return bool(life.route.queue.waiting or life.route.waiters.waiting)

@@ -310,3 +310,23 @@ async def _fill_one(c: httpx.AsyncClient, gw: Gw) -> Launched:
     costs = gw.gateway.fleet.lifecycle.scheduler.costs
     costs.last[("a", "wake")] = costs.last[("a", "start")] = 1.0
     return spare
+
+
+async def test_a_spare_wakes_where_no_ready_instance_takes_requests(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ready instance stops taking requests (as when its host's session is lost): a request
+    wakes the spare rather than wait for its deadline, and is served by it. Its router line
+    says why, with no wait to show."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    life = gw.gateway.fleet.lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        spare = await _fill_one(c, gw)
+        ready = next(lc for lc in life.launched if not lc.rested)
+        ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
+        await send(c, 0.1)
+    last = spares(caplog)[-1]
+    assert last["chose"] == "wake" and last["wait_s"] is None
+    assert last["why"] == f"woke instance {spare.inst.index}: no ready one takes requests"
+    assert spare.state is InstanceState.READY
