@@ -69,13 +69,15 @@ def vllm_server() -> Iterator[VllmServer]:
     python = ensure_vllm()
     model_dir = engine_dir() / "tiny-llama"
     write_tiny_llama(model_dir, python=python)
-    # A long context so that a generation lasts seconds: vLLM's API server on 2 cores lags its
-    # engine, and a short one would finish before a hang-up could stop it.
+    # A long context so that a generation lasts minutes: on 2 cores vLLM's three busy processes
+    # left a test process unscheduled for 5 to 10 s at a time (measured beside two streams at
+    # about 300 tokens/s each), and a CI run once let a 16,000-token stream finish before its
+    # hang-up reached the engine. 64,000 tokens leave minutes of margin.
     # A tool-call parser, which vLLM asks for before it takes a named tool_choice (the call
     # itself is then constrained to the tool's schema): pythonic needs no special tokens of
     # the tokenizer (llama3_json and hermes refuse every request of the tiny model without).
     tools = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
-    with VllmServer(python, model_dir, max_model_len=16384, extra_args=tools) as server:
+    with VllmServer(python, model_dir, max_model_len=65536, extra_args=tools) as server:
         yield server
 
 

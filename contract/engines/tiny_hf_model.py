@@ -6,7 +6,7 @@ torch, transformers and tokenizers; the dev venv does not) as
 
 The model: ``LlamaForCausalLM``, hidden 128, 2 layers, 4 heads of dim 32 (the CPU
 attention backend has no head size below 32), 2 KV heads, intermediate 256,
-max_position_embeddings 16384, float32, fixed seed. The tokenizer: a byte-level BPE
+max_position_embeddings 65536, float32, fixed seed. The tokenizer: a byte-level BPE
 trained on the spot whose vocabulary holds only printable ASCII, tab and newline (so every
 token decodes on its own; other input bytes become ``<unk>``), special tokens ``<unk> <s>
 </s> <pad> <|im_start|> <|im_end|>`` (ids 0-5) and a ChatML chat template.
@@ -56,7 +56,7 @@ _HEADS = 4
 _HEAD_DIM = 32
 _KV_HEADS = 2
 _INTERMEDIATE = 256
-_MAX_POSITIONS = 16384
+_MAX_POSITIONS = 65536
 _VOCAB_TARGET = 320
 _BIAS_VALUE = 1.0
 _BANNED_LOGIT_WEIGHT = -1000.0

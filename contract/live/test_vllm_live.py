@@ -96,13 +96,14 @@ async def test_running_rises_under_load_and_returns_to_zero_after_hang_up(
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 16000,
+        "max_tokens": 64000,
         "ignore_eos": True,
         "stream": True,
     }
     async with Collector(options=OPTIONS) as c:
         c.add("e", vllm(vllm_server.base_url), model_id="tiny", poll=False)
         assert (await c.check("e")).ok
+        await _wait(c, lambda s: s.metrics.idle, within=60)  # nothing of earlier tests left
         finished_before = await _finished_by_length(vllm_server.base_url)
 
         async def one(http: httpx.AsyncClient) -> None:
