@@ -23,6 +23,11 @@ number nobody measured wakes no engine. A wake reserves its memory in the budget
 never switches another deployment out for it: without room, it queues. Requests that arrive
 while a wake runs and would wait longer than a wake join it. The router line says which it
 chose, the expected wait and the wake (`Spare`).
+
+A spare that failed to wake (or start) stays a spare: a later request that would wait longer
+than its start starts it afresh, once the crash backoff since its failure is over (a failed
+wake counts as a failed start: the first is tried again at once, then 1 s, 2 s, ... up to
+60 s); a spare at rest is woken before a failed one.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from dataclasses import dataclass
 from math import inf
 from typing import TYPE_CHECKING
 
+from .._clock import stamp
 from .._deployments.routes import EngineInstance
 from .._errors import EngineControlError, GatewayError
+from .crash import backoff_left
 from .states import DeploymentLife, InstanceState, Launched
 
 if TYPE_CHECKING:
@@ -44,6 +51,8 @@ __all__ = ["Spare", "expected_wait", "rest_idle", "wake_or_queue"]
 
 logger = logging.getLogger("capyctl_gateway")
 AT_REST = (InstanceState.PARKED, InstanceState.STOPPED)
+DOWN = (*AT_REST, InstanceState.FAILED)
+"""A spare that failed to wake (or start) is tried again, after the crash backoff."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +115,12 @@ def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
     life = lifecycle.lives.get(name)
     if life is None or not life.serves_now:
         return None
-    rested = [lc for lc in life.launched if lc.rested and lc.state in AT_REST]
+    rested = [lc for lc in life.launched if lc.rested and lc.state in DOWN]
     if not rested and life.waking is None:
         return None
-    wake_s, wait = lifecycle.scheduler.costs.back(life), _least_wait(life)
+    at_rest = life.waking is not None or any(lc.state in AT_REST for lc in rested)
+    costs, wait = lifecycle.scheduler.costs, _least_wait(life)
+    wake_s = costs.back(life) if at_rest else costs.start(life)  # a failed one starts afresh
     if wait is None:
         return Spare("queue", None, wake_s, "the ready instances' wait is not measured yet")
     if wait <= wake_s:
@@ -121,7 +132,14 @@ def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
     up = [lc for lc in rested if lc.inst.runner.cannot_start() is None]
     if not up:
         return Spare("queue", wait, wake_s, "no spare can be woken now")
-    lc = up[0]
+    now = stamp()
+    due = sorted((lc for lc in up if backoff_left(lc, now) == 0), key=_failed)
+    if not due:  # each failed to come up lately: the crash backoff before the next try
+        left = min(backoff_left(lc, now) for lc in up)
+        return Spare(
+            "queue", wait, wake_s, f"the spare failed to come up; next try in {left:.1f} s"
+        )
+    lc = due[0]  # one at rest before one that failed
     parked = lc.state is InstanceState.PARKED
     if not lifecycle.budget.reserve(life, [] if parked else [lc], [lc] if parked else []):
         return Spare("queue", wait, wake_s, "the memory budget has no room for the spare")
@@ -131,6 +149,10 @@ def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
         ": no ready one takes requests" if wait == inf else ""
     )
     return Spare("wake", wait, wake_s, why, life.spare)
+
+
+def _failed(lc: Launched) -> bool:
+    return lc.state is InstanceState.FAILED
 
 
 def _serves(lc: Launched) -> bool:

@@ -66,8 +66,8 @@ class Launched:
     since: float = field(default_factory=stamp)
     failure: str | None = None
     crashes: int = 0
-    """Failed starts and exits nobody asked for, in a row (reset once it has served
-    ``crash.STEADY_S`` before one)."""
+    """Failed starts and wakes and exits nobody asked for, in a row (reset once it has
+    served ``crash.STEADY_S`` before one)."""
     crashed_at: float = 0.0
     watch: asyncio.Task[None] | None = None
     """Waits for the engine to exit unasked while it runs (`Runner.gone`)."""
@@ -75,7 +75,8 @@ class Launched:
     """Done when the stop under way ends (None while none is): an activation waits for it
     before it starts the instance again (a crash's stop, which no closing announces)."""
     rested: bool = False
-    """Parked (or stopped) alone as a spare, while its deployment serves on (``spares.py``)."""
+    """Parked (or stopped) alone as a spare, while its deployment serves on, until it is ready
+    again (one whose wake failed stays a spare: ``spares.py``)."""
     unconfirmed: bool = False
     """Its last stop was not proven (a host that did not answer): the memory it held stays
     counted until a proven stop or its host's report that the engine is gone."""

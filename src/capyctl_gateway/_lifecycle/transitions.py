@@ -87,6 +87,7 @@ class Transitions:
         except EngineControlError as exc:
             await self.stop_one(lc, f"could not wake: {exc}")
             lc.failure = f"could not wake: {exc}"
+            lc.crashes, lc.crashed_at = lc.crashes + 1, stamp()  # as a failed start: a backoff
             self.move(lc, InstanceState.FAILED, lc.failure)
             raise StartFailedError(f"the engine did not wake: {exc}") from None
         self._ready(lc, _on(lc, "woke"))

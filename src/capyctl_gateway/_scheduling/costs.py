@@ -49,22 +49,24 @@ class Costs:
         self.last[(name, "drain")] = took
         self.spent[(name, "draining")] = self.spent.get((name, "draining"), 0.0) + took
 
+    def start(self, life: DeploymentLife) -> float:
+        """What starting an instance of ``life`` costs (the estimate until measured)."""
+        name = life.deployment.name
+        return self.last.get((name, "start"), life.deployment.lifecycle.start_estimate)
+
     def up(self, life: DeploymentLife) -> float:
         """What bringing ``life`` in costs now: a wake where an instance is parked, else a
         start (the estimate until measured)."""
-        name = life.deployment.name
-        parked = any(lc.state is InstanceState.PARKED for lc in life.launched)
-        estimate = life.deployment.lifecycle.start_estimate
-        if parked:
-            return self.last.get((name, "wake"), self.last.get((name, "start"), estimate))
-        return self.last.get((name, "start"), estimate)
+        start = self.start(life)
+        if any(lc.state is InstanceState.PARKED for lc in life.launched):
+            return self.last.get((life.deployment.name, "wake"), start)
+        return start
 
     def back(self, life: DeploymentLife) -> float:
         """What bringing ``life`` back costs once taken out: a wake where it parks, else a
         start (the estimate until measured)."""
-        name = life.deployment.name
-        start = self.last.get((name, "start"), life.deployment.lifecycle.start_estimate)
-        return self.last.get((name, "wake"), start) if life.parks else start
+        start = self.start(life)
+        return self.last.get((life.deployment.name, "wake"), start) if life.parks else start
 
     def down(self, life: DeploymentLife) -> float:
         """What taking ``life`` out costs: its drain (while a request runs), then its park or

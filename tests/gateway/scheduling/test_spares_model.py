@@ -3,7 +3,9 @@ launched instances (engines of the fake runner that run one request at a time), 
 wake and park costs, whether a park keeps the process (``park: sleep``) or is a stop, the
 spares' idle timeout, and a schedule of bursts and lulls (waves of one to six clients, some
 hanging up, generations of 0.2 to 3 s, lulls long enough for spares to rest) with an
-operator's park, stop and start among them; each runs on the virtual clock.
+operator's park, stop and start among them, and in half the schedules half the spares' wakes
+failing (a spare that failed is tried again after the crash backoff); each runs on the
+virtual clock.
 
 Checked at every transition: no spare begins its park or stop with a request running on it;
 the budget (every instance's ready memory) is never exceeded. At the end: every request got
@@ -21,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -45,7 +48,7 @@ from tests.gateway.scheduling.test_spares import config as spares_config
 
 pytestmark = pytest.mark.anyio
 anyio_backend = VIRTUAL_CLOCK
-EXAMPLES = int(os.environ.get("CAPYCTL_SPARES_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("CAPYCTL_SPARES_EXAMPLES", "24"))
 DOCUMENTED = {409: {"deployment_stopped"}, 500: {"activation_failed"}, 503: {"unavailable"}}
 UNDER_WAY = (InstanceState.STARTING, InstanceState.WAKING, InstanceState.PARKING)
 
@@ -59,6 +62,7 @@ schedules = st.fixed_dictionaries(
         "idle": st.sampled_from(["0.5s", "1s", "2s"]),
         "seed": st.integers(0, 2**32 - 1),
         "waves": st.integers(6, 16),
+        "spare_fails": st.sampled_from([0.0, 0.5]),
     }
 )
 
@@ -87,9 +91,9 @@ def waves(rng: random.Random, n: int) -> list[tuple[float, list[tuple[float, boo
 @given(schedule=schedules)
 async def test_spares_under_random_schedules_keep_their_bounds(schedule: dict[str, Any]) -> None:
     name, n = "a", schedule["instances"]
-    engines = FakeEngines(
-        {name: Script(start_s=schedule["start"], wake_s=schedule["wake"], park_s=schedule["park"])}
-    )
+    script = Script(start_s=schedule["start"], wake_s=schedule["wake"], park_s=schedule["park"])
+    failing = replace(script, start_fails="out of memory", wake_fails="out of memory")
+    engines, faults = FakeEngines({name: script}), random.Random(schedule["seed"] + 1)
     config = spares_config(
         n,
         park="sleep" if schedule["sleeps"] else "stop",
@@ -109,6 +113,11 @@ async def test_spares_under_random_schedules_keep_their_bounds(schedule: dict[st
         down = (InstanceState.PARKING, InstanceState.STOPPING)
         if lc.rested and lc.state in down and lc.inst.ledger.running:
             seen.broken.append(f"{lc.inst.where}: a spare went {lc.state} with a request")
+        if lc.state in (InstanceState.FAILED, InstanceState.READY):
+            engines.scripts[name] = script
+        elif lc.rested and lc.state in (InstanceState.STARTING, InstanceState.WAKING):
+            fails = faults.random() < schedule["spare_fails"]  # this spare's wake fails
+            engines.scripts[name] = failing if fails else script
 
     lifecycle.engines.observers.append(check)
     auth = {"Authorization": f"Bearer {KEY}"}

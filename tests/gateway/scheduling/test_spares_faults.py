@@ -1,0 +1,196 @@
+"""Spare instances when something goes wrong (``_lifecycle/spares.py``), on the fake runner
+and the virtual clock, with `test_spares`'s deployment of two launched instances:
+
+- an operator's stop during a spare's wake stops everything, the wake's request answered;
+- a wake that fails leaves its request to the ready instance, and the spare is tried again
+  after the crash backoff;
+- a budget with no room for the spare, and no ready instance that takes requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import anyio
+import httpx
+import pytest
+
+from capyctl_gateway._lifecycle.operator import operator_stop
+from capyctl_gateway._lifecycle.states import InstanceState, Launched
+from tests.eventually import eventually
+from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
+from tests.gateway.fake_runner import Script
+from tests.gateway.lifecycle.test_lifecycle import ENGINE
+from tests.gateway.lifecycle.test_lifecycle_races import said, served
+from tests.gateway.scheduling.test_scheduling_model import ONCE
+from tests.gateway.scheduling.test_spares import (
+    GiB,
+    MakeGateway,
+    config,
+    fill,
+    rested,
+    send,
+    spares,
+)
+
+pytestmark = pytest.mark.anyio
+workers = WORKERS
+fakes = FAKES
+anyio_backend = VIRTUAL_CLOCK
+
+
+async def test_an_operators_stop_during_a_spares_wake_stops_everything(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request wakes the spare (a wake of 5 s) and an operator stops the deployment meanwhile:
+    the stop's drain waits for the requests (the waking one holds its slot), the closing for the
+    wake, then every instance is stopped. Every request is answered (200, or 409
+    deployment_stopped), and nothing is left waking, reserved or owned by the spare."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    assert gw.fakes is not None
+    gw.fakes.scripts["a"] = Script(wake_s=5.0)
+    lifecycle = gw.gateway.fleet.lifecycle
+    life = lifecycle.lives["a"]
+    answers: list[int] = []
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        await _fill_one(c, gw)
+        ready = next(lc for lc in life.launched if not lc.rested)
+
+        async def ask(take: float) -> None:
+            r = await c.post("/v1/chat/completions", json=said(f"take:{take}", "a"))
+            answers.append(r.status_code)
+
+        async with anyio.create_task_group() as tg:
+            await fill(tg, ready, ask)
+            tg.start_soon(ask, 0.1)
+            await eventually(lambda: life.waking is not None)
+            await operator_stop(lifecycle, "a", known=True)
+    assert spares(caplog)[-1]["chose"] == "wake"
+    assert len(answers) == 3 and set(answers) <= {200, 409}, answers
+    assert [lc.state for lc in life.launched] == [InstanceState.STOPPED] * 2
+    assert life.spare is None and life.waking is None and lifecycle.budget.held() == 0
+
+
+async def test_a_spare_that_fails_to_wake_leaves_its_request_to_the_ready_one(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The spare's wake fails: it is stopped (its memory given back), and the request that woke
+    it is served by the ready instance."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    assert gw.fakes is not None
+    lifecycle = gw.gateway.fleet.lifecycle
+    life = lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        spare = await _fill_one(c, gw)
+        gw.fakes.scripts["a"] = Script(wake_fails="out of memory")
+        ready = next(lc for lc in life.launched if not lc.rested)
+        async with anyio.create_task_group() as tg:
+            await fill(tg, ready, partial(send, c))
+            await send(c, 0.1)
+    assert spares(caplog)[-1]["chose"] == "wake"
+    assert spare.state is InstanceState.FAILED and ready.state is InstanceState.READY
+    assert life.spare is None and lifecycle.budget.held() == 2 * GiB
+
+
+async def test_a_spare_that_failed_is_started_again_after_the_crash_backoff(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A spare whose wake failed stays a spare. With the ready engine full each time: the next
+    request starts it again at once (a first failure); that start fails too, so the request
+    after it queues within the 1 s backoff and is told so. Once the backoff is over and the
+    engine starts, a request starts the spare and runs there (2 s, not 4 s behind the others)."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    assert gw.fakes is not None
+    life = gw.gateway.fleet.lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        spare = await _fill_one(c, gw)
+        ready = next(lc for lc in life.launched if not lc.rested)
+        gw.fakes.scripts["a"] = Script(wake_fails="out of memory", start_fails="out of memory")
+        async with anyio.create_task_group() as tg:
+            await fill(tg, ready, partial(send, c))
+            at = len(spares(caplog))
+            for n, failures in enumerate((1, 2, 2), start=at + 1):
+                tg.start_soon(send, c, 0.1)
+                await eventually(partial(_lines, caplog, n))
+                assert spare.crashes == failures and spare.state is InstanceState.FAILED
+        gw.fakes.scripts["a"] = Script()
+        assert anyio.current_time() - spare.crashed_at > 1.0  # the fill ran 4 s since
+        async with anyio.create_task_group() as tg:
+            await fill(tg, ready, partial(send, c))
+            began = anyio.current_time()
+            await send(c, 2)
+            took = anyio.current_time() - began
+    chose = [(s["chose"], s["why"]) for s in [*spares(caplog)[at : at + 3], spares(caplog)[-1]]]
+    woke = ("wake", f"woke instance {spare.inst.index}")
+    backoff = ("queue", "the spare failed to come up; next try in 1.0 s")
+    assert chose == [woke, woke, backoff, woke], chose
+    assert spare.state is InstanceState.READY and not spare.rested
+    assert 2.0 <= took <= 2.5, took
+
+
+def _lines(caplog: pytest.LogCaptureFixture, n: int) -> bool:
+    return len(spares(caplog)) == n
+
+
+async def test_a_spare_waits_where_the_budget_has_no_room_for_it(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once a's spare rested, deployment b took the memory it gave back: a request that would
+    wake the spare goes to the ready instance, and nothing is switched out for the spare."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    cfg = config()
+    b = dict(cfg["deployments"][0], name="b", served_model=served("b"))
+    b["instances"] = [{"launch": {"command": [*ENGINE, "--served", served("b")]}}]
+    b["lifecycle"] = {}
+    cfg["deployments"].append(b)
+    cfg["resources"]["memory_budget"] = "4608MiB"  # a's ready one and its parked spare, and b
+    gw = await make_gateway(cfg)
+    lifecycle = gw.gateway.fleet.lifecycle
+    life = lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        spare = await _fill_one(c, gw)
+        r = await c.post("/v1/chat/completions", json=said("take:0.1", "b"))
+        assert r.status_code == 200, r.text
+        ready = next(lc for lc in life.launched if not lc.rested)
+        async with anyio.create_task_group() as tg:
+            await fill(tg, ready, partial(send, c))
+            await send(c, 0.1)
+    assert spares(caplog)[-1]["why"] == "the memory budget has no room for the spare"
+    assert spare.state is InstanceState.PARKED
+    assert sum(lifecycle.scheduler.switches.values()) == 0
+
+
+async def _fill_one(c: httpx.AsyncClient, gw: Gw) -> Launched:
+    """Both instances serve a request of 2 s, then one rests; the start and a wake are priced
+    at 1 s (as if measured), so that a wait of 4 s behind the ready one wakes the spare."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send, c, 2)
+        tg.start_soon(send, c, 2)
+    spare = await rested(gw)
+    costs = gw.gateway.fleet.lifecycle.scheduler.costs
+    costs.last[("a", "wake")] = costs.last[("a", "start")] = 1.0
+    return spare
+
+
+async def test_a_spare_wakes_where_no_ready_instance_takes_requests(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ready instance stops taking requests (as when its host's session is lost): a request
+    wakes the spare rather than wait for its deadline, and is served by it. Its router line
+    says why, with no wait to show."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    life = gw.gateway.fleet.lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        spare = await _fill_one(c, gw)
+        ready = next(lc for lc in life.launched if not lc.rested)
+        ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
+        await send(c, 0.1)
+    last = spares(caplog)[-1]
+    assert last["chose"] == "wake" and last["wait_s"] is None
+    assert last["why"] == f"woke instance {spare.inst.index}: no ready one takes requests"
+    assert spare.state is InstanceState.READY
