@@ -27,7 +27,8 @@ chose, the expected wait and the wake (`Spare`).
 A spare that failed to wake (or start) stays a spare: a later request that would wait longer
 than its start starts it afresh, once the crash backoff since its failure is over (a failed
 wake counts as a failed start: the first is tried again at once, then 1 s, 2 s, ... up to
-60 s); a spare at rest is woken before a failed one.
+60 s); a spare at rest is woken before a failed one. A request that no instance takes decides
+again (`place`): it waits for an instance only until the backoff is over (`Spare.again_s`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Spare:
     why: str
     wake: asyncio.Task[None] | None = None
     """The wake it waits for."""
+    again_s: float | None = None
+    """How long until the failed spare may be tried again (its crash backoff)."""
 
     def row(self) -> dict[str, object]:
         """The router line's ``spare`` field."""
@@ -136,9 +139,8 @@ def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
     due = sorted((lc for lc in up if backoff_left(lc, now) == 0), key=_failed)
     if not due:  # each failed to come up lately: the crash backoff before the next try
         left = min(backoff_left(lc, now) for lc in up)
-        return Spare(
-            "queue", wait, wake_s, f"the spare failed to come up; next try in {left:.1f} s"
-        )
+        why = f"the spare failed to come up; next try in {left:.1f} s"
+        return Spare("queue", wait, wake_s, why, again_s=left)
     lc = due[0]  # one at rest before one that failed
     parked = lc.state is InstanceState.PARKED
     if not lifecycle.budget.reserve(life, [] if parked else [lc], [lc] if parked else []):

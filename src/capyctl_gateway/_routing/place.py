@@ -6,11 +6,12 @@ requests wait for it), then offers the request to the deployment's instances, ch
 routing facts (`Facts`) and their load: an offer the engine provably never got
 (`NotAcceptedError`) goes to the next instance, up to `MAX_OFFERS`, or, where none is left and
 the engine that refused it is one the gateway runs (it exited, and is about to be started
-again), waits for an instance to open within the deadline; any other ending is the answer. The
-caller runs each offer inline (`place`'s own text): one process runs the exchange itself
-(``_http/offer.py``'s `LocalDesk`); with several workers the authority hands the offer to the
-worker that holds the client (``_workers/``). Either way each offer is charged to its instance
-(`Charge`) while it runs.
+again), waits for an instance to open within the deadline; any other ending is the answer. A
+request of a deployment with spares that no instance takes decides about its spare again
+before it waits (`_spare_again`). The caller runs each offer inline (`place`'s own text): one
+process runs the exchange itself (``_http/offer.py``'s `LocalDesk`); with several workers the
+authority hands the offer to the worker that holds the client (``_workers/``). Either way each
+offer is charged to its instance (`Charge`) while it runs.
 """
 
 from __future__ import annotations
@@ -97,14 +98,11 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
         if self._offers:  # the last offer ended otherwise than refused: it was the answer
             raise StopAsyncIteration
         first = route.instances[0].unusable if route.instances else True  # none: no generator
-        if not self._refused and first and all(i.unusable for i in route.instances):
-            raise UnavailableError(
-                f"deployment {name}: its instances failed their startup checks "
-                "(see the gateway's log or `capyctl-gateway status deployment`)",
-                detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
-            )
+        if first and not self._refused:
+            _usable(route, name)
         refused, loop = self._refused, running_loop()
-        if not refused and asked.dep.lifecycle.spare_idle_timeout is not None:
+        spares = not refused and asked.dep.lifecycle.spare_idle_timeout is not None
+        if spares:
             self._spare = await _wake_or_queue(self._fleet, name, self._deadline - loop.time())
         while len(refused) < MAX_OFFERS:
             excluded = _excluded(route, refused) if refused else NONE
@@ -122,10 +120,16 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
                 if back is None:
                     break
                 until = min(until, back)
+            elif spares:
+                if (again := await _spare_again(self, name)) is None:
+                    continue  # a spare's wake ended: choose again
+                until = again
             # None may take it now (its host is gone, its engine is parking, or the engine
             # that refused it exited: it starts again): wait for one.
             if not await route.waiters.wait(until - loop.time()):
                 if until < self._deadline:
+                    if not excluded:
+                        continue  # the spare's backoff is over: decide again
                     break  # its exit was not seen: a refusal like any other
                 raise UnavailableError(
                     f"deployment {name}: no instance could take the request within "
@@ -192,6 +196,30 @@ def _coming_back(
     if any(not i.available for i in launched):
         return math.inf
     return refused_at + EXIT_SEEN_S
+
+
+def _usable(route: Route, name: str) -> None:
+    """Refuse a request where every instance of deployment ``name`` failed its startup
+    checks."""
+    if all(i.unusable for i in route.instances):
+        raise UnavailableError(
+            f"deployment {name}: its instances failed their startup checks "
+            "(see the gateway's log or `capyctl-gateway status deployment`)",
+            detail="; ".join(f"{i.where}: {i.unusable}" for i in route.instances),
+        )
+
+
+async def _spare_again(placing: place, name: str) -> float | None:
+    """None of deployment ``name``'s instances takes ``placing``'s request now: a rested spare
+    may, woken now, or once its crash backoff is over. None where a wake ended (choose again);
+    else until when to wait for an instance (the deadline, or the backoff's end if sooner)."""
+    loop, deadline = running_loop(), placing._deadline
+    placing._spare = spare = await _wake_or_queue(placing._fleet, name, deadline - loop.time())
+    if spare is not None and spare.wake is not None and spare.wake.done():
+        return None
+    if spare is None or spare.again_s is None:
+        return deadline
+    return min(deadline, loop.time() + spare.again_s)
 
 
 async def _wake_or_queue(fleet: Fleet, name: str, left: float) -> Spare | None:

@@ -194,3 +194,31 @@ async def test_a_spare_wakes_where_no_ready_instance_takes_requests(
     assert last["chose"] == "wake" and last["wait_s"] is None
     assert last["why"] == f"woke instance {spare.inst.index}: no ready one takes requests"
     assert spare.state is InstanceState.READY
+
+
+async def test_a_request_that_no_instance_takes_waits_for_the_spares_backoff_not_its_deadline(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No ready instance takes requests, and the spare's wake fails, then its start at once: the
+    request waits for an instance, but only until the spare's 1 s backoff is over; then it
+    decides again, starts the spare (the engine starts now) and is served there, long before
+    its 120 s deadline."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    assert gw.fakes is not None
+    life = gw.gateway.fleet.lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        spare = await _fill_one(c, gw)
+        ready = next(lc for lc in life.launched if not lc.rested)
+        ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
+        gw.fakes.scripts["a"] = Script(wake_fails="out of memory", start_fails="out of memory")
+        async with anyio.create_task_group() as tg:
+            began = anyio.current_time()
+            tg.start_soon(send, c, 0.1)
+            await eventually(lambda: spare.crashes == 2 and life.spare is None)
+            gw.fakes.scripts["a"] = Script()
+        took = anyio.current_time() - began
+    assert spare.state is InstanceState.READY and spare.crashes == 2
+    last = spares(caplog)[-1]
+    assert last["chose"] == "wake" and last["why"].startswith(f"woke instance {spare.inst.index}")
+    assert 1.0 <= took <= 1.5, took
