@@ -54,12 +54,20 @@ def _instance_table(rows: list[dict[str, Any]]) -> Table:
         age = i["snapshot_age_s"]
         table.add_row(
             str(i["index"]),
-            i["state"],
+            _state(i),
             _cell(i["running"]),
             _cell(i["waiting"]),
             "-" if age is None else f"{age:.1f} s",
         )
     return table
+
+
+def _state(i: dict[str, Any]) -> str:
+    """An instance's state as watched, its lifecycle's where that differs (a parked engine
+    still answers), and whether it is a spare."""
+    lifecycle = i.get("lifecycle", i["state"])
+    state = i["state"] if lifecycle == i["state"] else f"{i['state']} ({lifecycle})"
+    return state + (", a spare" if i.get("spare") else "")
 
 
 def _print_instance(console: Console, i: dict[str, Any]) -> None:
@@ -79,7 +87,9 @@ def _print_instance(console: Console, i: dict[str, Any]) -> None:
     if i.get("not_routed"):
         console.print(f"  not routed: {i['not_routed']}", soft_wrap=True)
     if "lifecycle" in i:
-        console.print(f"  {i['lifecycle']}", soft_wrap=True)
+        console.print(
+            f"  {i['lifecycle']}" + (", a spare" if i.get("spare") else ""), soft_wrap=True
+        )
     for line in i.get("shown", ()):
         console.print(f"  {line['text']}", soft_wrap=True)
     if "process" in i:

@@ -74,6 +74,8 @@ def _launched(row: dict[str, Any], inst: EngineInstance, lc: Launched, *, watche
         row["url"] = None  # its engine is gone: the address it had is no one's now
     if not watched:  # nothing watches it: the lifecycle's word
         row["state"] = lc.state.value
+    if lc.rested:  # parked (or stopped, or failed to wake) alone while the others serve
+        row["spare"] = True
     if lc.failure is not None:
         row["failure"] = lc.failure
     if lc.crashes:

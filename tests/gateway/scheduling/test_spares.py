@@ -24,10 +24,13 @@ import anyio
 import anyio.abc
 import httpx
 import pytest
+from rich.console import Console
 
 from capyctl_gateway._errors import GatewayError
 from capyctl_gateway._lifecycle.operator import operator_park, operator_start
 from capyctl_gateway._lifecycle.states import InstanceState, Launched
+from capyctl_gateway._management.render import print_status
+from capyctl_gateway._management.status import deployment_status
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
 from tests.gateway.fake_runner import Script
@@ -108,6 +111,7 @@ async def test_an_idle_instance_rests_alone_and_a_long_wait_wakes_it(
             tg.start_soon(send, c, 2)
         spare = await rested(gw)
         assert lifecycle.budget.held() == 2 * GiB + 512 * 2**20
+        assert _marked(gw) == [spare.inst.index]
         lifecycle.scheduler.costs.last[("a", "wake")] = 1.0  # as if a wake had been measured
         ready = next(lc for lc in life.launched if not lc.rested)
         async with anyio.create_task_group() as tg:
@@ -116,6 +120,7 @@ async def test_an_idle_instance_rests_alone_and_a_long_wait_wakes_it(
             await send(c, 2)
             took = anyio.current_time() - began
         assert spare.state is InstanceState.READY and not spare.rested
+        assert _marked(gw) == []
     chose = [(s["chose"], s["why"]) for s in spares(caplog)]
     assert chose[-3:] == [
         ("queue", "the wait is shorter than the wake"),
@@ -124,6 +129,18 @@ async def test_an_idle_instance_rests_alone_and_a_long_wait_wakes_it(
     ], chose
     assert spares(caplog)[-1]["wait_s"] == pytest.approx(4.0, rel=0.2)
     assert 1.0 + 2.0 <= took <= 1.0 + 2.0 + 0.5, took  # not 4 s behind the others first
+
+
+def _marked(gw: Gw) -> list[int]:
+    """The instances of ``a`` that `status` marks as spares, in its document and its text."""
+    doc = deployment_status(gw.gateway.fleet, "a")
+    assert doc is not None
+    console = Console(width=100, record=True, force_terminal=False)
+    print_status(console, doc)
+    text = console.export_text()
+    marked = [i["index"] for i in doc["instances"] if i.get("spare")]
+    assert text.count("ready (parked), a spare") == text.count("  parked, a spare") == len(marked)
+    return marked
 
 
 async def fill(

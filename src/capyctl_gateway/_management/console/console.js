@@ -267,8 +267,8 @@ function instanceRows(name, doc, launched) {
       "cache/slots", "prefix hits", "sample age", "in flight", ""].map((h) => el("th", {}, h)))));
   const body = el("tbody");
   for (const inst of doc.instances) {
-    const state = inst.lifecycle && inst.lifecycle !== inst.state
-      ? `${inst.state} (${inst.lifecycle})` : inst.state;
+    const state = (inst.lifecycle && inst.lifecycle !== inst.state
+      ? `${inst.state} (${inst.lifecycle})` : inst.state) + (inst.spare ? ", a spare" : "");
     const usage = inst.usage === undefined ? "—" : `${(inst.usage * 100).toFixed(1)}%`;
     const age = inst.sample_age_s === undefined ? inst.snapshot_age_s : inst.sample_age_s;
     const pc = inst.prefix_cache;
