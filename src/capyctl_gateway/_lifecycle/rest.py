@@ -62,7 +62,8 @@ async def closing(
     ``drain_timeout``, then ``life`` is put to rest; whether it was. Without ``must``, a drain
     that fails ends the closing: it serves on; so does one that ``unless`` says is no longer
     wanted once the drain is over (a switch for a deployment an operator stopped meanwhile).
-    Requests that came meanwhile get an activation."""
+    Past the drain none of its instances takes a request (`DeploymentLife.resting`): a spare
+    woken meanwhile neither. Requests that came meanwhile get an activation."""
     rested = False
     try:
         within = life.deployment.lifecycle.drain_timeout
@@ -86,6 +87,9 @@ async def closing(
                 reason,
             )
             return False
+        life.resting = True  # nothing is placed on it from now (a spare that wakes neither)
+        for lc in life.launched:
+            lc.inst.set_open(admitting=False, why=reason)
         if not drained:  # an operator's stop: what still runs ends now, and hears why
             why = f"deployment {life.deployment.name}: {reason} (past lifecycle.drain_timeout)"
             life.route.abort_running(why, "deployment_stopped")
@@ -100,7 +104,11 @@ async def closing(
         what = f"closing deployment {life.deployment.name} ({reason})"
         raise lifecycle.tasks.fault("closing", what, exc) from exc
     finally:
-        life.closing = None
+        if life.resting and not rested:  # a fault past the drain: what is up serves on
+            for lc in life.launched:
+                if lc.state is InstanceState.READY and not lc.rested:
+                    lc.inst.set_open(admitting=True, why="serves on")
+        life.closing, life.resting = None, False
         life.regate(f"{reason}: done" if rested else "serves on")
         if life.route.queue.waiting and life.refusal() is None:
             lifecycle.activate(life, REQUESTED)  # it came while it closed

@@ -159,8 +159,9 @@ class DeploymentLife:
     spare: asyncio.Task[None] | None = None
     """A spare's park or wake under way (``spares.py``): a closing or activation waits for it."""
     waking: Launched | None = None
-    """The spare that task wakes (set as it is spawned: requests that come before it begins
-    join it)."""
+    """The spare that task wakes (set as it is spawned: requests that come before it join it)."""
+    resting: bool = False
+    """Its closing is past its drain and puts it to rest: an instance that comes up stays shut."""
     starts: Starts = field(default_factory=Starts)
     """Its starts under way, which an operator's stop abandons."""
 

@@ -95,7 +95,8 @@ class Transitions:
     def _ready(self, lc: Launched, reason: str) -> None:
         lc.failure, lc.rested = None, False
         self.move(lc, InstanceState.READY, reason)
-        lc.inst.set_open(admitting=True, why=reason)
+        if not self.lives[lc.inst.deployment].resting:  # else a closing puts it to rest next
+            lc.inst.set_open(admitting=True, why=reason)
 
     async def stop(self, life: DeploymentLife, reason: str) -> None:
         await asyncio.gather(*(self.stop_one(lc, reason) for lc in life.launched))

@@ -124,6 +124,8 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
                 if (again := await _spare_again(self, name)) is None:
                     continue  # a spare's wake ended: choose again
                 until = again
+            if asked.dep.launched:  # an operator's stop refuses it; or it starts again
+                self._fleet.lifecycle.want(name)
             # None may take it now (its host is gone, its engine is parking, or the engine
             # that refused it exited: it starts again): wait for one.
             if not await route.waiters.wait(until - loop.time()):
@@ -136,8 +138,6 @@ class place:  # noqa: N801 (used as a function: ``async with place(...) as offer
                     "queue.request_deadline",
                     detail="; ".join([*self._details, *skipped(route)]),
                 )
-            if excluded and asked.dep.launched:
-                self._fleet.lifecycle.want(name)  # an operator's stop refuses it; or it restarts
         raise StopAsyncIteration
 
     def __enter__(self) -> place:

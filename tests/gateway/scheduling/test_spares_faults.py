@@ -40,35 +40,42 @@ fakes = FAKES
 anyio_backend = VIRTUAL_CLOCK
 
 
+@pytest.mark.parametrize("drain", ["30s", "1s"])
 async def test_an_operators_stop_during_a_spares_wake_stops_everything(
-    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture, drain: str
 ) -> None:
-    """A request wakes the spare (a wake of 5 s) and an operator stops the deployment meanwhile:
-    the stop's drain waits for the requests (the waking one holds its slot), the closing for the
-    wake, then every instance is stopped. Every request is answered (200, or 409
-    deployment_stopped), and nothing is left waking, reserved or owned by the spare."""
+    """A request wakes the spare (a wake of 5 s) and an operator stops the deployment meanwhile.
+    With a drain of 30 s, the drain waits for the requests (the waking one holds its slot) and
+    the waking one runs on the spare once woken. With a drain of 1 s, the drain ends first: what
+    runs is ended (409 deployment_stopped), the closing waits for the wake, and the woken spare
+    takes nothing (the closing puts it to rest next): the waking request gets 409 too, not an
+    engine stopped under it. Either way every request is answered 200 or 409, and nothing is
+    left waking, reserved or owned by the spare."""
     caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    gw = await make_gateway(config())
+    gw = await make_gateway(config(drain_timeout=drain))
     assert gw.fakes is not None
     gw.fakes.scripts["a"] = Script(wake_s=5.0)
     lifecycle = gw.gateway.fleet.lifecycle
     life = lifecycle.lives["a"]
-    answers: list[int] = []
+    answers: list[tuple[float, int]] = []
     async with gw.client(timeout=300, limits=ONCE) as c:
-        await _fill_one(c, gw)
+        spare = await _fill_one(c, gw)
         ready = next(lc for lc in life.launched if not lc.rested)
 
         async def ask(take: float) -> None:
             r = await c.post("/v1/chat/completions", json=said(f"take:{take}", "a"))
-            answers.append(r.status_code)
+            answers.append((take, r.status_code))
 
         async with anyio.create_task_group() as tg:
             await fill(tg, ready, ask)
             tg.start_soon(ask, 0.1)
             await eventually(lambda: life.waking is not None)
             await operator_stop(lifecycle, "a", known=True)
-    assert spares(caplog)[-1]["chose"] == "wake"
-    assert len(answers) == 3 and set(answers) <= {200, 409}, answers
+    assert len(answers) == 3 and {status for _, status in answers} <= {200, 409}, answers
+    if drain == "30s":
+        assert (0.1, 200) in answers and spares(caplog)[-1]["chose"] == "wake"
+    else:
+        assert (0.1, 409) in answers and spare.inst.ledger.charged == 0
     assert [lc.state for lc in life.launched] == [InstanceState.STOPPED] * 2
     assert life.spare is None and life.waking is None and lifecycle.budget.held() == 0
 
