@@ -9,15 +9,19 @@ and the virtual clock, with `test_spares`'s deployment of two launched instances
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import anyio
 import httpx
 import pytest
 
 from capyctl_gateway._lifecycle.operator import operator_stop
-from capyctl_gateway._lifecycle.states import InstanceState, Launched
+from capyctl_gateway._lifecycle.states import DeploymentLife, InstanceState, Launched
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
 from tests.gateway.fake_runner import Script
@@ -40,6 +44,43 @@ fakes = FAKES
 anyio_backend = VIRTUAL_CLOCK
 
 
+@dataclass
+class OneRests:
+    """A gateway on two instances of ``a``, one rested as a spare, the other ready."""
+
+    gw: Gw
+    c: httpx.AsyncClient
+    life: DeploymentLife
+    spare: Launched
+    ready: Launched
+
+    def script(self, **how: Any) -> None:
+        """How ``a``'s fake engines behave from now (`Script`)."""
+        assert self.gw.fakes is not None
+        self.gw.fakes.scripts["a"] = Script(**how)
+
+
+@contextlib.asynccontextmanager
+async def one_rests(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture, cfg: dict[str, Any] | None = None
+) -> AsyncIterator[OneRests]:
+    """A gateway on ``cfg`` (`config()`), router lines logged: both instances serve a request
+    of 2 s, then one rests; the start and a wake are priced at 1 s (as if measured), so that a
+    wait of 4 s behind the ready one wakes the spare."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config() if cfg is None else cfg)
+    life = gw.gateway.fleet.lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, c, 2)
+            tg.start_soon(send, c, 2)
+        spare = await rested(gw)
+        costs = gw.gateway.fleet.lifecycle.scheduler.costs
+        costs.last[("a", "wake")] = costs.last[("a", "start")] = 1.0
+        ready = next(lc for lc in life.launched if not lc.rested)
+        yield OneRests(gw, c, life, spare, ready)
+
+
 @pytest.mark.parametrize("drain", ["30s", "1s"])
 async def test_an_operators_stop_during_a_spares_wake_stops_everything(
     make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture, drain: str
@@ -51,23 +92,17 @@ async def test_an_operators_stop_during_a_spares_wake_stops_everything(
     takes nothing (the closing puts it to rest next): the waking request gets 409 too, not an
     engine stopped under it. Either way every request is answered 200 or 409, and nothing is
     left waking, reserved or owned by the spare."""
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    gw = await make_gateway(config(drain_timeout=drain))
-    assert gw.fakes is not None
-    gw.fakes.scripts["a"] = Script(wake_s=5.0)
-    lifecycle = gw.gateway.fleet.lifecycle
-    life = lifecycle.lives["a"]
     answers: list[tuple[float, int]] = []
-    async with gw.client(timeout=300, limits=ONCE) as c:
-        spare = await _fill_one(c, gw)
-        ready = next(lc for lc in life.launched if not lc.rested)
+    async with one_rests(make_gateway, caplog, config(drain_timeout=drain)) as one:
+        one.script(wake_s=5.0)
+        lifecycle, life = one.gw.gateway.fleet.lifecycle, one.life
 
         async def ask(take: float) -> None:
-            r = await c.post("/v1/chat/completions", json=said(f"take:{take}", "a"))
+            r = await one.c.post("/v1/chat/completions", json=said(f"take:{take}", "a"))
             answers.append((take, r.status_code))
 
         async with anyio.create_task_group() as tg:
-            await fill(tg, ready, ask)
+            await fill(tg, one.ready, ask)
             tg.start_soon(ask, 0.1)
             await eventually(lambda: life.waking is not None)
             await operator_stop(lifecycle, "a", known=True)
@@ -75,7 +110,7 @@ async def test_an_operators_stop_during_a_spares_wake_stops_everything(
     if drain == "30s":
         assert (0.1, 200) in answers and spares(caplog)[-1]["chose"] == "wake"
     else:
-        assert (0.1, 409) in answers and spare.inst.ledger.charged == 0
+        assert (0.1, 409) in answers and one.spare.inst.ledger.charged == 0
     assert [lc.state for lc in life.launched] == [InstanceState.STOPPED] * 2
     assert life.spare is None and life.waking is None and lifecycle.budget.held() == 0
 
@@ -85,21 +120,14 @@ async def test_a_spare_that_fails_to_wake_leaves_its_request_to_the_ready_one(
 ) -> None:
     """The spare's wake fails: it is stopped (its memory given back), and the request that woke
     it is served by the ready instance."""
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    gw = await make_gateway(config())
-    assert gw.fakes is not None
-    lifecycle = gw.gateway.fleet.lifecycle
-    life = lifecycle.lives["a"]
-    async with gw.client(timeout=300, limits=ONCE) as c:
-        spare = await _fill_one(c, gw)
-        gw.fakes.scripts["a"] = Script(wake_fails="out of memory")
-        ready = next(lc for lc in life.launched if not lc.rested)
+    async with one_rests(make_gateway, caplog) as one:
+        one.script(wake_fails="out of memory")
         async with anyio.create_task_group() as tg:
-            await fill(tg, ready, partial(send, c))
-            await send(c, 0.1)
+            await fill(tg, one.ready, partial(send, one.c))
+            await send(one.c, 0.1)
     assert spares(caplog)[-1]["chose"] == "wake"
-    assert spare.state is InstanceState.FAILED and ready.state is InstanceState.READY
-    assert life.spare is None and lifecycle.budget.held() == 2 * GiB
+    assert one.spare.state is InstanceState.FAILED and one.ready.state is InstanceState.READY
+    assert one.life.spare is None and one.gw.gateway.fleet.lifecycle.budget.held() == 2 * GiB
 
 
 async def test_a_spare_that_failed_is_started_again_after_the_crash_backoff(
@@ -109,25 +137,20 @@ async def test_a_spare_that_failed_is_started_again_after_the_crash_backoff(
     request starts it again at once (a first failure); that start fails too, so the request
     after it queues within the 1 s backoff and is told so. Once the backoff is over and the
     engine starts, a request starts the spare and runs there (2 s, not 4 s behind the others)."""
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    gw = await make_gateway(config())
-    assert gw.fakes is not None
-    life = gw.gateway.fleet.lifecycle.lives["a"]
-    async with gw.client(timeout=300, limits=ONCE) as c:
-        spare = await _fill_one(c, gw)
-        ready = next(lc for lc in life.launched if not lc.rested)
-        gw.fakes.scripts["a"] = Script(wake_fails="out of memory", start_fails="out of memory")
+    async with one_rests(make_gateway, caplog) as one:
+        spare, c = one.spare, one.c
+        one.script(wake_fails="out of memory", start_fails="out of memory")
         async with anyio.create_task_group() as tg:
-            await fill(tg, ready, partial(send, c))
+            await fill(tg, one.ready, partial(send, c))
             at = len(spares(caplog))
             for n, failures in enumerate((1, 2, 2), start=at + 1):
                 tg.start_soon(send, c, 0.1)
                 await eventually(partial(_lines, caplog, n))
                 assert spare.crashes == failures and spare.state is InstanceState.FAILED
-        gw.fakes.scripts["a"] = Script()
+        one.script()
         assert anyio.current_time() - spare.crashed_at > 1.0  # the fill ran 4 s since
         async with anyio.create_task_group() as tg:
-            await fill(tg, ready, partial(send, c))
+            await fill(tg, one.ready, partial(send, c))
             began = anyio.current_time()
             await send(c, 2)
             took = anyio.current_time() - began
@@ -148,39 +171,21 @@ async def test_a_spare_waits_where_the_budget_has_no_room_for_it(
 ) -> None:
     """Once a's spare rested, deployment b took the memory it gave back: a request that would
     wake the spare goes to the ready instance, and nothing is switched out for the spare."""
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
     cfg = config()
     b = dict(cfg["deployments"][0], name="b", served_model=served("b"))
     b["instances"] = [{"launch": {"command": [*ENGINE, "--served", served("b")]}}]
     b["lifecycle"] = {}
     cfg["deployments"].append(b)
     cfg["resources"]["memory_budget"] = "4608MiB"  # a's ready one and its parked spare, and b
-    gw = await make_gateway(cfg)
-    lifecycle = gw.gateway.fleet.lifecycle
-    life = lifecycle.lives["a"]
-    async with gw.client(timeout=300, limits=ONCE) as c:
-        spare = await _fill_one(c, gw)
-        r = await c.post("/v1/chat/completions", json=said("take:0.1", "b"))
+    async with one_rests(make_gateway, caplog, cfg) as one:
+        r = await one.c.post("/v1/chat/completions", json=said("take:0.1", "b"))
         assert r.status_code == 200, r.text
-        ready = next(lc for lc in life.launched if not lc.rested)
         async with anyio.create_task_group() as tg:
-            await fill(tg, ready, partial(send, c))
-            await send(c, 0.1)
+            await fill(tg, one.ready, partial(send, one.c))
+            await send(one.c, 0.1)
     assert spares(caplog)[-1]["why"] == "the memory budget has no room for the spare"
-    assert spare.state is InstanceState.PARKED
-    assert sum(lifecycle.scheduler.switches.values()) == 0
-
-
-async def _fill_one(c: httpx.AsyncClient, gw: Gw) -> Launched:
-    """Both instances serve a request of 2 s, then one rests; the start and a wake are priced
-    at 1 s (as if measured), so that a wait of 4 s behind the ready one wakes the spare."""
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(send, c, 2)
-        tg.start_soon(send, c, 2)
-    spare = await rested(gw)
-    costs = gw.gateway.fleet.lifecycle.scheduler.costs
-    costs.last[("a", "wake")] = costs.last[("a", "start")] = 1.0
-    return spare
+    assert one.spare.state is InstanceState.PARKED
+    assert sum(one.gw.gateway.fleet.lifecycle.scheduler.switches.values()) == 0
 
 
 async def test_a_spare_wakes_where_no_ready_instance_takes_requests(
@@ -189,18 +194,13 @@ async def test_a_spare_wakes_where_no_ready_instance_takes_requests(
     """The ready instance stops taking requests (as when its host's session is lost): a request
     wakes the spare rather than wait for its deadline, and is served by it. Its router line
     says why, with no wait to show."""
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    gw = await make_gateway(config())
-    life = gw.gateway.fleet.lifecycle.lives["a"]
-    async with gw.client(timeout=300, limits=ONCE) as c:
-        spare = await _fill_one(c, gw)
-        ready = next(lc for lc in life.launched if not lc.rested)
-        ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
-        await send(c, 0.1)
+    async with one_rests(make_gateway, caplog) as one:
+        one.ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
+        await send(one.c, 0.1)
     last = spares(caplog)[-1]
     assert last["chose"] == "wake" and last["wait_s"] is None
-    assert last["why"] == f"woke instance {spare.inst.index}: no ready one takes requests"
-    assert spare.state is InstanceState.READY
+    assert last["why"] == f"woke instance {one.spare.inst.index}: no ready one takes requests"
+    assert one.spare.state is InstanceState.READY
 
 
 async def test_a_request_that_no_instance_takes_waits_for_the_spares_backoff_not_its_deadline(
@@ -210,20 +210,15 @@ async def test_a_request_that_no_instance_takes_waits_for_the_spares_backoff_not
     request waits for an instance, but only until the spare's 1 s backoff is over; then it
     decides again, starts the spare (the engine starts now) and is served there, long before
     its 120 s deadline."""
-    caplog.set_level(logging.INFO, logger="capyctl_gateway")
-    gw = await make_gateway(config())
-    assert gw.fakes is not None
-    life = gw.gateway.fleet.lifecycle.lives["a"]
-    async with gw.client(timeout=300, limits=ONCE) as c:
-        spare = await _fill_one(c, gw)
-        ready = next(lc for lc in life.launched if not lc.rested)
-        ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
-        gw.fakes.scripts["a"] = Script(wake_fails="out of memory", start_fails="out of memory")
+    async with one_rests(make_gateway, caplog) as one:
+        spare = one.spare
+        one.ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
+        one.script(wake_fails="out of memory", start_fails="out of memory")
         async with anyio.create_task_group() as tg:
             began = anyio.current_time()
-            tg.start_soon(send, c, 0.1)
-            await eventually(lambda: spare.crashes == 2 and life.spare is None)
-            gw.fakes.scripts["a"] = Script()
+            tg.start_soon(send, one.c, 0.1)
+            await eventually(lambda: spare.crashes == 2 and one.life.spare is None)
+            one.script()
         took = anyio.current_time() - began
     assert spare.state is InstanceState.READY and spare.crashes == 2
     last = spares(caplog)[-1]
