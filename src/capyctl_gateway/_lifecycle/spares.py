@@ -28,7 +28,8 @@ A spare that failed to wake (or start) stays a spare: a later request that would
 than its start starts it afresh, once the crash backoff since its failure is over (a failed
 wake counts as a failed start: the first is tried again at once, then 1 s, 2 s, ... up to
 60 s); a spare at rest is woken before a failed one. A request that no instance takes decides
-again (`place`): it waits for an instance only until the backoff is over (`Spare.again_s`).
+again (`place`): it waits for an instance only until the backoff is over (`Spare.again_s`),
+or until a spare's park under way ends.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ async def _rest(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, why: s
             await lifecycle.engines.stop_one(lc, f"{why} (a stop here)")
     finally:
         life.spare = None
+        life.route.waiters.notify()  # one that waited while it parked may wake it now
 
 
 def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:

@@ -224,3 +224,31 @@ async def test_a_request_that_no_instance_takes_waits_for_the_spares_backoff_not
     last = spares(caplog)[-1]
     assert last["chose"] == "wake" and last["why"].startswith(f"woke instance {spare.inst.index}")
     assert 1.0 <= took <= 1.5, took
+
+
+async def test_a_request_that_waited_while_the_spare_parked_wakes_it_once_parked(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The spare's park takes 2 s, and the ready instance stops taking requests meanwhile: a
+    request that finds the spare still parking waits for an instance, and once the park ends
+    it decides again and wakes the spare, which serves it (about 2 s, not its 120 s
+    deadline)."""
+    caplog.set_level(logging.INFO, logger="capyctl_gateway")
+    gw = await make_gateway(config())
+    assert gw.fakes is not None
+    gw.fakes.scripts["a"] = Script(park_s=2.0)
+    life = gw.gateway.fleet.lifecycle.lives["a"]
+    async with gw.client(timeout=300, limits=ONCE) as c:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, c, 2)
+            tg.start_soon(send, c, 2)
+        await eventually(lambda: any(lc.state is InstanceState.PARKING for lc in life.launched))
+        spare = next(lc for lc in life.launched if lc.rested)
+        ready = next(lc for lc in life.launched if not lc.rested)
+        ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
+        began = anyio.current_time()
+        await send(c, 0.1)
+        took = anyio.current_time() - began
+    whys = [s["why"] for s in spares(caplog)]
+    assert whys[-1] == f"woke instance {spare.inst.index}: no ready one takes requests", whys
+    assert spare.state is InstanceState.READY and 1.5 <= took <= 2.5, took
