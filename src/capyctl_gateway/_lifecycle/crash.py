@@ -7,8 +7,9 @@ lost engine's instance is stopped (its group killed, its cut requests settled: a
 runs nothing) and turns ``failed``; the deployment's gate shuts, so requests that arrive wait,
 and if any wait (in the queue, or with a slot for an instance: one its dead engine's port
 refused before its exit was seen), its activation starts it again. Each crash in a row doubles
-the delay before the next start (`BACKOFF_FIRST_S` up to `BACKOFF_MAX_S`); an engine that served
-`STEADY_S` before it crashed starts the count afresh. ``status`` shows the delay while it runs.
+the delay before the next start (`BACKOFF_FIRST_S` up to `BACKOFF_MAX_S`); an instance ready
+`STEADY_S` in all since its last failure starts the count afresh (`count_failure`; a failed
+start or wake counts too). ``status`` shows the delay while it runs.
 """
 
 from __future__ import annotations
@@ -23,12 +24,30 @@ from .states import RESTARTED, DeploymentLife, InstanceState, Launched, waited_f
 if TYPE_CHECKING:
     from .controller import Lifecycle
 
-__all__ = ["BACKOFF_FIRST_S", "BACKOFF_MAX_S", "STEADY_S", "backoff_left", "exit_watch", "lost"]
+__all__ = [
+    "BACKOFF_FIRST_S",
+    "BACKOFF_MAX_S",
+    "STEADY_S",
+    "backoff_left",
+    "count_failure",
+    "exit_watch",
+    "lost",
+]
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 STEADY_S = 60.0
-"""Ready this long before a crash, an engine's crash count starts afresh."""
+"""Ready this long since its last failure, an instance's next failure starts its count afresh."""
+
+
+def count_failure(lc: Launched, now: float) -> None:
+    """Count a failed start or wake, or an exit nobody asked for: one more in a row, or the
+    first of a new row where ``lc`` has been ready `STEADY_S` in all since its last failure (a
+    spare serves in short stretches; an engine that crashes as soon as it starts never adds
+    up to it)."""
+    ready = now - lc.since if lc.state is InstanceState.READY else 0.0  # a stretch under way
+    lc.crashes = 1 if lc.served_s + ready >= STEADY_S else lc.crashes + 1
+    lc.crashed_at, lc.served_s = now, -ready  # from now on, from nothing (`Launched.enter`)
 
 
 def backoff_left(lc: Launched, now: float) -> float:
@@ -65,11 +84,7 @@ async def _watch(lifecycle: Lifecycle, lc: Launched) -> None:
 async def lost(lifecycle: Lifecycle, life: DeploymentLife, lc: Launched, why: str) -> None:
     """``lc``'s engine exited unasked (``why``): fail it, and start it again for the requests
     that wait for it."""
-    now = stamp()
-    if now - lc.since >= STEADY_S:
-        lc.crashes = 0
-    lc.crashes += 1
-    lc.crashed_at = now
+    count_failure(lc, stamp())
     lc.failure = why
     engines = lifecycle.engines
     await engines.stop_one(lc, why)  # its group killed; nothing it counted still runs

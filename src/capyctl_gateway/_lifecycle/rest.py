@@ -37,6 +37,7 @@ async def put_to_rest(
     ``may_park``, parked ones too)."""
     jobs = []
     for lc in life.launched:
+        lc.rested = False  # the whole deployment rests: no spare apart (`status` says so)
         if lc.state is InstanceState.PARKED and may_park:
             continue  # at rest already
         if lc.state is InstanceState.READY and life.parks and may_park:
@@ -65,6 +66,7 @@ async def closing(
     Past the drain none of its instances takes a request (`DeploymentLife.resting`): a spare
     woken meanwhile neither. Requests that came meanwhile get an activation."""
     rested = False
+    life.route.waiters.notify()  # those waiting for an instance look again (a stop: 409)
     try:
         within = life.deployment.lifecycle.drain_timeout
         began, ran = stamp(), life.route.queue.running

@@ -123,9 +123,10 @@ def wake_or_queue(lifecycle: Lifecycle, name: str) -> Spare | None:
     rested = [lc for lc in life.launched if lc.rested and lc.state in DOWN]
     if not rested and life.waking is None:
         return None
-    at_rest = life.waking is not None or any(lc.state in AT_REST for lc in rested)
-    costs, wait = lifecycle.scheduler.costs, _least_wait(life)
-    wake_s = costs.back(life) if at_rest else costs.start(life)  # a failed one starts afresh
+    waking, costs, wait = life.waking, lifecycle.scheduler.costs, _least_wait(life)
+    first = [waking] if waking is not None else rested  # the one it wakes, or would
+    asleep = any(lc.state in (InstanceState.PARKED, InstanceState.WAKING) for lc in first)
+    wake_s = costs.back(life) if asleep else costs.start(life)  # stopped or failed: a start
     if wait is None:
         return Spare("queue", None, wake_s, "the ready instances' wait is not measured yet")
     if wait <= wake_s:

@@ -66,9 +66,11 @@ class Launched:
     since: float = field(default_factory=stamp)
     failure: str | None = None
     crashes: int = 0
-    """Failed starts and wakes and exits nobody asked for, in a row (reset once it has
-    served ``crash.STEADY_S`` before one)."""
+    """Failed starts and wakes and exits nobody asked for, in a row (a row ends once it has
+    served ``crash.STEADY_S`` since the last: `crash.count_failure`)."""
     crashed_at: float = 0.0
+    served_s: float = 0.0
+    """How long it has been ready since its last failure, in all (`crash.count_failure`)."""
     watch: asyncio.Task[None] | None = None
     """Waits for the engine to exit unasked while it runs (`Runner.gone`)."""
     stopping: asyncio.Future[None] | None = None
@@ -84,6 +86,8 @@ class Launched:
     def enter(self, to: InstanceState, now: float) -> None:
         """Take state ``to`` (`Transitions.move`): a stop's future is made as it begins, and
         done as it ends."""
+        if self.state is InstanceState.READY:
+            self.served_s += now - self.since
         if to is not InstanceState.STOPPING:
             self.stop_over()
         elif self.stopping is None:

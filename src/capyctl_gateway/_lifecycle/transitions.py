@@ -18,6 +18,7 @@ from .._clock import stamp
 from .._deployments.settle import Settlement
 from .._errors import DeploymentStoppedError, EngineControlError, StartFailedError
 from .._log import event
+from .crash import count_failure
 from .states import HOLDING, AbandonedError, DeploymentLife, InstanceState, Launched
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class Transitions:
                 answered = await runner.start(reason)
         except EngineControlError as exc:
             lc.failure = exc.message
-            lc.crashes, lc.crashed_at = lc.crashes + 1, stamp()  # its next start waits
+            count_failure(lc, stamp())  # its next start waits
             lc.unconfirmed = lc.unconfirmed or exc.lingers  # its memory stays counted
             self.move(lc, InstanceState.FAILED, exc.message)
             raise
@@ -87,7 +88,7 @@ class Transitions:
         except EngineControlError as exc:
             await self.stop_one(lc, f"could not wake: {exc}")
             lc.failure = f"could not wake: {exc}"
-            lc.crashes, lc.crashed_at = lc.crashes + 1, stamp()  # as a failed start: a backoff
+            count_failure(lc, stamp())  # as a failed start: its next try backs off
             self.move(lc, InstanceState.FAILED, lc.failure)
             raise StartFailedError(f"the engine did not wake: {exc}") from None
         self._ready(lc, _on(lc, "woke"))

@@ -112,6 +112,7 @@ async def test_an_operators_stop_during_a_spares_wake_stops_everything(
     else:
         assert (0.1, 409) in answers and one.spare.inst.ledger.charged == 0
     assert [lc.state for lc in life.launched] == [InstanceState.STOPPED] * 2
+    assert not any(lc.rested for lc in life.launched)  # no spare apart: all rest
     assert life.spare is None and life.waking is None and lifecycle.budget.held() == 0
 
 
@@ -166,18 +167,23 @@ def _lines(caplog: pytest.LogCaptureFixture, n: int) -> bool:
     return len(spares(caplog)) == n
 
 
+def with_b(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with a deployment b of one instance, and a budget that holds a's ready instance,
+    its parked spare and b: none left to wake the spare while b is up."""
+    b = dict(cfg["deployments"][0], name="b", served_model=served("b"))
+    b["instances"] = [{"launch": {"command": [*ENGINE, "--served", served("b")]}}]
+    b["lifecycle"] = {}
+    cfg["deployments"].append(b)
+    cfg["resources"]["memory_budget"] = "4608MiB"
+    return cfg
+
+
 async def test_a_spare_waits_where_the_budget_has_no_room_for_it(
     make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Once a's spare rested, deployment b took the memory it gave back: a request that would
     wake the spare goes to the ready instance, and nothing is switched out for the spare."""
-    cfg = config()
-    b = dict(cfg["deployments"][0], name="b", served_model=served("b"))
-    b["instances"] = [{"launch": {"command": [*ENGINE, "--served", served("b")]}}]
-    b["lifecycle"] = {}
-    cfg["deployments"].append(b)
-    cfg["resources"]["memory_budget"] = "4608MiB"  # a's ready one and its parked spare, and b
-    async with one_rests(make_gateway, caplog, cfg) as one:
+    async with one_rests(make_gateway, caplog, with_b(config())) as one:
         r = await one.c.post("/v1/chat/completions", json=said("take:0.1", "b"))
         assert r.status_code == 200, r.text
         async with anyio.create_task_group() as tg:
@@ -252,3 +258,29 @@ async def test_a_request_that_waited_while_the_spare_parked_wakes_it_once_parked
     whys = [s["why"] for s in spares(caplog)]
     assert whys[-1] == f"woke instance {spare.inst.index}: no ready one takes requests", whys
     assert spare.state is InstanceState.READY and 1.5 <= took <= 2.5, took
+
+
+async def test_an_operators_stop_answers_a_request_waiting_for_an_instance_at_once(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ready instance stops taking requests and the budget has no room for the spare, so a
+    request holds its slot waiting for an instance; an operator stops the deployment: the
+    request gets 409 deployment_stopped at once (its drain of 1 s at most), not 503 at its
+    120 s deadline."""
+    cfg = with_b(config(drain_timeout="1s"))
+    answers: list[tuple[int, float]] = []
+    async with one_rests(make_gateway, caplog, cfg) as one:
+        r = await one.c.post("/v1/chat/completions", json=said("take:0.1", "b"))
+        assert r.status_code == 200, r.text
+        one.ready.inst.set_open(reachable=False, why="its host's session was lost (the test)")
+
+        async def ask() -> None:
+            began = anyio.current_time()
+            r = await one.c.post("/v1/chat/completions", json=said("take:0.1", "a"))
+            answers.append((r.status_code, anyio.current_time() - began))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            await eventually(lambda: one.life.route.waiters.waiting == 1)
+            await operator_stop(one.gw.gateway.fleet.lifecycle, "a", known=True)
+    assert len(answers) == 1 and answers[0][0] == 409 and answers[0][1] <= 1.5, answers
