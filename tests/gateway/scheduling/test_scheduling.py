@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import pytest
 from rich.console import Console
@@ -61,6 +62,14 @@ async def send(c: httpx.AsyncClient, name: str, take: float) -> None:
     assert r.status_code == 200, r.text
 
 
+async def stream(tg: anyio.abc.TaskGroup, c: httpx.AsyncClient, name: str, count: int) -> None:
+    """A steady stream for ``name``: ``count`` requests of 1 s, one every 0.5 s (its own pace,
+    not synchronisation), each a task of ``tg``."""
+    for _ in range(count):
+        tg.start_soon(send, c, name, 1)
+        await anyio.sleep(0.5)
+
+
 async def agent(c: httpx.AsyncClient, name: str, turns: int, waits: list[float]) -> None:
     """A closed-loop client: its next request as soon as the last is answered."""
     for _ in range(turns):
@@ -97,13 +106,7 @@ async def test_a_trickle_is_switched_in_at_the_fairness_bound_however_busy_the_o
     gw = await make_gateway(config("a", "b", max_switch_wait="5s", switch_patience=100))
     waited: list[float] = []
     async with gw.client(timeout=300) as c, anyio.create_task_group() as tg:
-
-        async def stream() -> None:
-            for _ in range(40):
-                tg.start_soon(send, c, "a", 1)
-                await anyio.sleep(0.5)  # the stream's own pace, not synchronisation
-
-        tg.start_soon(stream)
+        tg.start_soon(stream, tg, c, "a", 40)
         await anyio.sleep(6)  # a has been in, busy, for a while
         await agent(c, "b", 1, waited)
     (w,) = waited
@@ -124,13 +127,7 @@ async def test_a_busy_deployment_goes_once_a_request_waited_its_patience(
         await agent(c, "b", 1, [])
         await agent(c, "a", 1, [])  # both starts measured now; a is in
         async with anyio.create_task_group() as tg:
-
-            async def stream() -> None:
-                for _ in range(30):
-                    tg.start_soon(send, c, "a", 1)
-                    await anyio.sleep(0.5)
-
-            tg.start_soon(stream)
+            tg.start_soon(stream, tg, c, "a", 30)
             await anyio.sleep(2)
             await agent(c, "b", 1, waited)
             tg.cancel_scope.cancel()

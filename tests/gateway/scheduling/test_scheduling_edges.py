@@ -14,7 +14,7 @@ from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS
 from tests.gateway.fake_runner import Script
 from tests.gateway.lifecycle.test_lifecycle import launched
 from tests.gateway.lifecycle.test_lifecycle_races import said, served
-from tests.gateway.scheduling.test_scheduling import GiB, MakeGateway, config, send
+from tests.gateway.scheduling.test_scheduling import GiB, MakeGateway, config, send, stream
 
 pytestmark = pytest.mark.anyio
 workers = WORKERS
@@ -95,13 +95,7 @@ async def test_a_start_whose_requests_all_left_switches_nothing_out(
     async with gw.client(timeout=300) as c:
         await send(c, "a", 0.1)
         async with anyio.create_task_group() as tg:
-
-            async def stream() -> None:
-                for _ in range(24):
-                    tg.start_soon(send, c, "a", 1)
-                    await anyio.sleep(0.5)
-
-            tg.start_soon(stream)
+            tg.start_soon(stream, tg, c, "a", 24)
             await anyio.sleep(1)
             with anyio.move_on_after(1) as hung:
                 await c.post("/v1/chat/completions", json=said("take:0.1", "b"))
