@@ -8,6 +8,7 @@ Never imports the HTTP surface or the relay.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 
 from .._config import ConfigError, GatewayConfig, Instance
 from .._engines import facts
@@ -72,10 +73,10 @@ def build_routes(
                 engine_key=key,
                 ledger=ledger,
                 waiters=waiters,
+                runner_of=partial(_runner, runner_for, inst),
                 launch=inst.launch,
                 timed=inst.launch is not None and d.lifecycle.spare_idle_timeout is not None,
             )
-            built.attach(runner_for(built, inst))
             instances.append(built)
         queue = DeploymentQueue(
             admission,
@@ -88,6 +89,14 @@ def build_routes(
         if d.routing.policy == "prefix" and len(instances) > 1:
             route.prefixes = PrefixIndex(d.routing.prefix_entries)
     return routes
+
+
+def _runner(
+    runner_for: Callable[[EngineInstance, Instance], Runner],
+    configured: Instance,
+    built: EngineInstance,
+) -> Runner:
+    return runner_for(built, configured)
 
 
 def _holdup(instances: list[EngineInstance]) -> Callable[[], str | None]:

@@ -19,7 +19,7 @@ import itertools
 import math
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from urllib.parse import urlsplit
 
 from yarl import URL
@@ -89,11 +89,12 @@ class EngineInstance:
     engine_key: str | None = field(repr=False)
     ledger: InstanceLedger
     waiters: Waiters = field(repr=False)
+    runner_of: InitVar[Callable[[EngineInstance], Runner]]
+    """Makes its runner, given the instance whole but for it (`__post_init__`)."""
     launch: Launch | None = None
     """How the gateway runs it; None for an engine someone else runs."""
     runner: Runner = field(init=False, repr=False)
-    """Where its engine runs (made once, with the routes, for the instance once it is built:
-    `attach`)."""
+    """Where its engine runs: made by ``runner_of`` as the instance is built, never replaced."""
     host: str = field(init=False, default="")
     machine: str = field(init=False, default=THIS_MACHINE)
     """The machine the engine runs on, as the router line names it: its host's name, this
@@ -118,13 +119,12 @@ class EngineInstance:
     """What its engine's warm cache restored when it last started (``1 prefix restored, 9333
     tokens``), until a request is placed on it: the router line of that request says so."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, runner_of: Callable[[EngineInstance], Runner]) -> None:
         self.where = f"deployment {self.deployment}, instance {self.index}"
         self.admitting = self.launch is None
-
-    def attach(self, runner: Runner) -> None:
-        """Give the built instance the runner made for it (once, with the routes)."""
-        self.runner = runner
+        # The runner and its instance are a pair made in one step: the runner addresses the
+        # instance (`bind`, `set_open`), the instance reads its engine through the runner.
+        runner = self.runner = runner_of(self)
         self.host = runner.site.machine or ""
         self.machine = machine_of(runner.site.machine, None)
         if runner.site.reported is not None:
