@@ -211,6 +211,57 @@ def test_nobody_asks_a_runner_where_it_runs(path: Path) -> None:
     assert not _reads_a_runners_host_or_type(path), path.relative_to(ROOT)
 
 
+WIRING = {"runner", "holdup", "api"}
+"""What issue 43 found set after construction (an instance's runner, a queue's holdup, a
+cluster's API): each object is built whole, so these are set by their own object as it is
+made, never afterwards and never from outside."""
+
+
+def _wired_after_construction(path: Path) -> list[str]:
+    """Assignments in ``path`` to one of `WIRING` other than ``self.<name>`` directly in an
+    ``__init__`` or ``__post_init__`` (a function nested in one is not it)."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, built: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                visit(child, getattr(child, "name", "") in ("__init__", "__post_init__"))
+                continue
+            if isinstance(child, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                for target in (t for tg in targets for t in ast.walk(tg)):
+                    if isinstance(target, ast.Attribute) and target.attr in WIRING:
+                        own = isinstance(target.value, ast.Name) and target.value.id == "self"
+                        if not (built and own):
+                            found.append(f"{child.lineno}: {ast.unparse(target)}")
+            visit(child, built)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), built=False)
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_wiring_is_set_as_its_object_is_built(path: Path) -> None:
+    assert not _wired_after_construction(path), (
+        path.relative_to(ROOT),
+        _wired_after_construction(path),
+    )
+
+
+def test_the_wiring_check_finds_a_late_assignment(tmp_path: Path) -> None:
+    """The check above, on the kind of code it was written against (``attach``, e7050c8 to
+    a87e141)."""
+    late = tmp_path / "late.py"
+    late.write_text(
+        "class I:\n"
+        "    def __init__(self):\n        self.runner = None\n"
+        "    def attach(self, r):\n        self.runner = r\n"
+        "def build(q, h):\n    q.holdup = h\n",
+        encoding="utf-8",
+    )
+    assert _wired_after_construction(late) == ["5: self.runner", "7: q.holdup"]
+
+
 MAX_MODULE_LINES = 300
 MAX_CLASS_LINES = 120
 # "module:Class" -> its own cap, for the classes that run once per engine read: their per-read
