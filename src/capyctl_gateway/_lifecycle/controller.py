@@ -119,7 +119,7 @@ class Lifecycle:
                 await asyncio.shield(life.closing)
             if life.ready:
                 return  # a closing that failed: it serves on
-            await self._bring_up(life, why)
+            await life.starts.again_while_abandoned(lambda: self._bring_up(life, why))
         except GatewayError as exc:
             _refuse_waiters(life, exc)
             raise
@@ -140,7 +140,7 @@ class Lifecycle:
             return  # no request waits for it any more
         try:
             await _backoff(life, todo)
-        except (GatewayError, AbandonedError) as exc:  # what was reserved is free again
+        except (GatewayError, AbandonedError) as exc:  # reserved is free again; undone: again
             for lc in [*todo, *parked]:
                 self.budget.note(lc)
             refused = life.refusal()
@@ -258,10 +258,13 @@ def _startable(life: DeploymentLife) -> list[Launched]:
     return [lc for lc in todo if all(lc is not b for b, _ in blocked)]
 
 
-def _failed(name: str, results: Sequence[object]) -> GatewayError:
+def _failed(name: str, results: Sequence[object]) -> GatewayError | AbandonedError:
     """What the activation of deployment ``name`` failed with: each start's failure in
     ``results``. Where no engine ran (a pod the cluster refused or could not be asked for),
-    its reason is the message; else the engine's last words are in the log."""
+    its reason is the message; else the engine's last words are in the log. A start that an
+    operator's stop abandoned, where no stop holds now (a start came since): AbandonedError."""
+    if any(isinstance(r, DeploymentStoppedError) for r in results):
+        return AbandonedError()  # `Starts.again_while_abandoned` starts it again
     failures = [r for r in results if isinstance(r, EngineControlError)]
     first = failures[0] if failures else None
     detail = first.message if first is not None else "no instance became ready"

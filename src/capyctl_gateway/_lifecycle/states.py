@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -129,6 +129,17 @@ class Starts:
             if scope.expired():
                 raise AbandonedError from None
             raise
+
+    @staticmethod
+    async def again_while_abandoned(bring_up: Callable[[], Awaitable[None]]) -> None:
+        """Run ``bring_up`` (an activation's starts) again each time it ends in AbandonedError:
+        an operator's stop abandoned its starts, and an operator's start came after that stop
+        (the operator's last word: the deployment starts)."""
+        while True:
+            try:
+                return await bring_up()
+            except AbandonedError:
+                continue
 
     def abandon(self) -> int:
         """End every start under way now; how many there were."""

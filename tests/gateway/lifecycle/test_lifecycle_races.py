@@ -453,3 +453,41 @@ async def test_a_refusal_whose_exit_is_never_seen_is_answered_as_any_other(
         took = stamp() - began
     assert (r.status_code, r.json()["code"]) == (502, "engine_error"), r.text
     assert EXIT_SEEN_S <= took < EXIT_SEEN_S + 2
+
+
+async def test_a_start_that_comes_after_the_stop_that_abandoned_a_start_starts_it(
+    make_gateway: MakeGateway,
+) -> None:
+    """An operator starts a; a stop abandons that start, and another start comes before the
+    activation has seen the abandonment (issue 43's first clean run with four test workers: the
+    prefix routing model's start got 500 activation_failed, as did the first, and a stayed
+    stopped). The later start is the operator's last word: a starts and serves."""
+    from capyctl_gateway._lifecycle.operator import operator_start, operator_stop
+
+    gw = await make_gateway({"deployments": [launched("a", served=served("a"))]})
+    assert gw.fakes is not None
+    gw.fakes.scripts["a"] = Script(start_s=5.0)
+    lifecycle = gw.gateway.fleet.lifecycle
+    starting = asyncio.Event()
+
+    def seen(lc: Any) -> None:
+        if lc.state == "starting":
+            starting.set()
+
+    lifecycle.engines.observers.append(seen)
+    first = asyncio.ensure_future(operator_start(lifecycle, "a", known=True))
+    with anyio.fail_after(30):
+        await starting.wait()
+    # In this order, each up to its first wait: the stop abandons the start, the start undoes
+    # the stop and joins the activation under way.
+    stop = asyncio.ensure_future(operator_stop(lifecycle, "a", known=True))
+    again = asyncio.ensure_future(operator_start(lifecycle, "a", known=True))
+    with anyio.fail_after(60):
+        outcomes = await asyncio.gather(first, stop, again, return_exceptions=True)
+    assert list(outcomes) == [None, None, None], outcomes
+    life = lifecycle.lives["a"]
+    assert life.state == "ready" and not life.operator_stopped
+    assert gw.fakes.starts["a/0"] == 1  # the abandoned start never came up; the second did
+    async with gw.client(timeout=60) as c:
+        r = await c.post("/v1/chat/completions", json=chat("a"))
+    assert r.status_code == 200, r.text
