@@ -164,6 +164,7 @@ async def test_document_refuses_a_bad_request_id(gateway: Gw) -> None:
     assert "x-request-id" not in r.headers
 
 
+@pytest.mark.timeout(180)  # generating the cases is CPU-bound: 10-20 s, beside other tests more
 async def test_gateway_conforms_to_its_document(engine: FakeEngine, gateway: Gw) -> None:
     usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     metrics = {"queue_time_ms": 0.5, "time_to_first_token_ms": 2.0, "mean_itl_ms": 1.0}
