@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 
 from ._config import Instance
@@ -72,13 +73,14 @@ async def open_rooms(opened: Opened, kinds: Mapping[str, RunnerKind] = KINDS) ->
 
 def runner_for(
     rooms: Mapping[str, Room], kinds: Mapping[str, RunnerKind] = KINDS
-) -> Callable[[EngineInstance, Instance], Runner]:
-    """What `build_routes` calls for each built instance: its kind's room makes its runner."""
+) -> Callable[[Instance], Callable[[EngineInstance], Runner]]:
+    """What `build_routes` asks for each configured instance: what makes its runner (its
+    kind's room, given the instance as it is built)."""
 
-    def make(inst: EngineInstance, configured: Instance) -> Runner:
-        return rooms[kind_of(configured, kinds)].runner(inst, configured)
+    def of(configured: Instance) -> Callable[[EngineInstance], Runner]:
+        return partial(rooms[kind_of(configured, kinds)].runner, configured=configured)
 
-    return make
+    return of
 
 
 def host_links(rooms: Mapping[str, Room]) -> dict[str, HostLink]:

@@ -8,7 +8,6 @@ Never imports the HTTP surface or the relay.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from functools import partial
 
 from .._config import ConfigError, GatewayConfig, Instance
 from .._engines import facts
@@ -45,11 +44,11 @@ def build_routes(
     config: GatewayConfig,
     env: Mapping[str, str],
     settlement: Settlement,
-    runner_for: Callable[[EngineInstance, Instance], Runner],
+    runner_for: Callable[[Instance], Callable[[EngineInstance], Runner]],
     ids: Mapping[str, str],
 ) -> dict[str, Route]:
-    """One route per deployment, each instance with the runner ``runner_for`` makes for it
-    (given the built instance and its configuration) and the deployment's short ID from
+    """One route per deployment, each instance with the runner that what ``runner_for`` gives
+    for its configuration makes as the instance is built, and the deployment's short ID from
     ``ids``; raises ConfigError for an engine key that is not set."""
     admission = Admission(config.queue.max_waiting_total)
     routes: dict[str, Route] = {}
@@ -73,7 +72,7 @@ def build_routes(
                 engine_key=key,
                 ledger=ledger,
                 waiters=waiters,
-                runner_of=partial(_runner, runner_for, inst),
+                runner_of=runner_for(inst),
                 launch=inst.launch,
                 timed=inst.launch is not None and d.lifecycle.spare_idle_timeout is not None,
             )
@@ -89,14 +88,6 @@ def build_routes(
         if d.routing.policy == "prefix" and len(instances) > 1:
             route.prefixes = PrefixIndex(d.routing.prefix_entries)
     return routes
-
-
-def _runner(
-    runner_for: Callable[[EngineInstance, Instance], Runner],
-    configured: Instance,
-    built: EngineInstance,
-) -> Runner:
-    return runner_for(built, configured)
 
 
 def _holdup(instances: list[EngineInstance]) -> Callable[[], str | None]:

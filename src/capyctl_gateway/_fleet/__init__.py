@@ -205,7 +205,7 @@ def _log_dir(engine_logs: Path | None, state_dir: Path | None) -> Path:
 
 
 def _routes(
-    opened: Opened, runner: Callable[[EngineInstance, Instance], Runner]
+    opened: Opened, runner: Callable[[Instance], Callable[[EngineInstance], Runner]]
 ) -> dict[str, Route]:
     """The routes with a runner per instance, under the deployment IDs the store keeps (new
     ones without a store), watched by the startup checks and settlement."""
