@@ -74,6 +74,8 @@ most 254, and the engine's copy is written by it (a test holds orjson to this fi
 
 _LONG_DIGITS = re.compile(rb"\d{20}|-\d{19}")
 """Digits enough for an integer orjson would read as a float (outside -2^63 .. 2^64-1)."""
+_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
+_NINETEEN = b"0" * 19
 _INT_RANGE = range(-(2**63), 2**64)
 _TOKENS = (b",", b":", b"[", b"{")
 
@@ -92,6 +94,15 @@ def _tokens_within(raw: bytes, limit: int) -> None:
                 f"the body holds more than limits.max_json_tokens ({limit}) of , : [ {{ "
                 "(its JSON values, and these characters in its strings)"
             )
+
+
+def _long_digits(raw: bytes) -> bool:
+    """Whether ``raw`` holds what `_LONG_DIGITS` finds. The expression tries every position
+    (about 14 ns a byte: 1.4 us for a short chat request, 170 us for a 10 KiB prompt), so a
+    run of 19 digits is looked for first, every digit made a zero and the run found as a
+    substring (two C passes, under 1 ns a byte, and one copy of the body, bounded as the body
+    is); only a body with such a run is searched."""
+    return raw.translate(_AS_ZEROS).find(_NINETEEN) >= 0 and _LONG_DIGITS.search(raw) is not None
 
 
 def _out_of_range(body: Any) -> bool:
@@ -113,7 +124,7 @@ def _exact_integers(raw: bytes, body: Any) -> None:
     """Refuse an integer the engine would not receive exactly: orjson reads one outside
     -2^63 .. 2^64-1 as a float, and the engine would get another number than the one sent.
     Looked for in three steps, each run only where the one before found something: a run of
-    digits anywhere (one C pass: `_LONG_DIGITS`, the caller's), a float that large in what
+    digits anywhere (`_long_digits`, the caller's), a float that large in what
     orjson read (a walk of its values, bounded by ``max_json_tokens``), the standard library's
     parse of the integers (as bounded)."""
     if not _out_of_range(body):
@@ -152,7 +163,7 @@ def resolve(
         raise invalid(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
-    if _LONG_DIGITS.search(raw) is not None:
+    if _long_digits(raw):
         _exact_integers(raw, body)
     model = body.get("model")
     if not isinstance(model, str) or not model:

@@ -107,7 +107,7 @@ class BlockReader:
                     v.text_chunks(len(run), seen_text, now)
                     out += (out_open, (out_close + out_open).join(run), out_close)
                     run, seen_text = [], False
-                if part.startswith(_DATA) and b"\n" not in part:
+                if part.startswith(_DATA) and part.find(b"\n") < 0:  # not `in` (sse.py)
                     if part == _DONE_EVENT:
                         self.decoder.feed_events(rest[i + 1 :])  # read, not verified
                         return out, True
@@ -156,7 +156,7 @@ class BlockReader:
                     v.text_chunks(len(texts), seen_text, now)
                     into.add_texts(t.key, texts, t.extra)
                     texts, seen_text = [], False
-                if part.startswith(_DATA) and b"\n" not in part:
+                if part.startswith(_DATA) and part.find(b"\n") < 0:
                     if part == _DONE_EVENT:
                         self.decoder.feed_events(rest[i + 1 :])  # read, not verified
                         return True

@@ -377,3 +377,19 @@ def test_a_refusal_quotes_little_of_what_was_sent(surface: Surface, body: dict[s
         run_checks(surface, encode(body))
     assert refused.value.status in (400, 404)
     assert len(refused.value.message) < 300, refused.value.message[:100]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.binary(max_size=80)
+    | st.lists(
+        st.text(alphabet="0123456789", min_size=15, max_size=23) | st.sampled_from(["-", " ", "x"]),
+        max_size=6,
+    ).map(lambda parts: "".join(parts).encode())
+)
+def test_the_quick_look_for_long_digits_finds_what_the_expression_finds(raw: bytes) -> None:
+    """`_long_digits` looks for a run of 19 digits before it runs `_LONG_DIGITS`: what it
+    answers is the expression's, on any bytes (runs of 18 to 21 digits, signs, other bytes)."""
+    from capyctl_gateway._http.validate import _LONG_DIGITS, _long_digits
+
+    assert _long_digits(raw) == (_LONG_DIGITS.search(raw) is not None)
