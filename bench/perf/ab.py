@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from ._loads import Load, Target, run_sse, run_wrk, wrk_path
 from ._procs import Proc, ProcessSet, free_port
-from .run import start_engine, start_gateway
+from .run import _terminate, start_engine, start_gateway
 
 __all__ = ["main"]
 
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             Load(name, n, 64, stream, args.duration, 0.5, delay_ms=2.0)
             for name, n, stream in (("p16", 16, True), ("p128", 128, True), ("n128", 128, False))
         ]
+    # Stopped by a signal, it stops what it started (the gateways and the engine) as it ends.
+    old = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         engine, port = start_engine(procs)
         url = f"http://127.0.0.1:{port}"
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         procs.stop_all()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     return 0
 
 
