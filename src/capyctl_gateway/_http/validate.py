@@ -98,10 +98,10 @@ def _tokens_within(raw: bytes, limit: int) -> None:
 
 def _long_digits(raw: bytes) -> bool:
     """Whether ``raw`` holds what `_LONG_DIGITS` finds. The expression tries every position
-    (about 14 ns a byte: 1.4 us for a short chat request, 170 us for a 10 KiB prompt), so a
-    run of 19 digits is looked for first, every digit made a zero and the run found as a
-    substring (two C passes, under 1 ns a byte, and one copy of the body, bounded as the body
-    is); only a body with such a run is searched."""
+    (about 17 ns a byte: 1.5 us for a short chat request, 178 us for a 10 KB prompt), so a
+    run of 19 digits is looked for first: every digit made a zero and the run found as a
+    substring (two C passes, 0.2 us and 6 us for those two, and one copy of the body, bounded
+    as the body is). Only a body with such a run is searched."""
     return raw.translate(_AS_ZEROS).find(_NINETEEN) >= 0 and _LONG_DIGITS.search(raw) is not None
 
 

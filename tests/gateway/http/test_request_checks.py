@@ -28,7 +28,13 @@ from hypothesis import strategies as st
 from capyctl_gateway import GatewayConfig
 from capyctl_gateway._errors import GatewayError
 from capyctl_gateway._http.inference import CHAT, DECISIONS, RESPONSES, Surface
-from capyctl_gateway._http.validate import check_salt, engine_payload, resolve
+from capyctl_gateway._http.validate import (
+    _LONG_DIGITS,
+    _long_digits,
+    check_salt,
+    engine_payload,
+    resolve,
+)
 from capyctl_gateway._routing.prefix import fingerprints
 from tests.gateway.conftest import Gw, deployments
 from tests.gateway.fake_engine import FakeEngine, Reply, vllm_stream
@@ -389,7 +395,6 @@ def test_a_refusal_quotes_little_of_what_was_sent(surface: Surface, body: dict[s
 )
 def test_the_quick_look_for_long_digits_finds_what_the_expression_finds(raw: bytes) -> None:
     """`_long_digits` looks for a run of 19 digits before it runs `_LONG_DIGITS`: what it
-    answers is the expression's, on any bytes (runs of 18 to 21 digits, signs, other bytes)."""
-    from capyctl_gateway._http.validate import _LONG_DIGITS, _long_digits
-
+    answers is the expression's, on any bytes and on runs of digits about that long, signed
+    or not (it fails when the quick look wants 20 digits or 21)."""
     assert _long_digits(raw) == (_LONG_DIGITS.search(raw) is not None)
