@@ -67,7 +67,12 @@ def _state(i: dict[str, Any]) -> str:
     still answers), and whether it is a spare."""
     lifecycle = i.get("lifecycle", i["state"])
     state = i["state"] if lifecycle == i["state"] else f"{i['state']} ({lifecycle})"
-    return state + (", a spare" if i.get("spare") else "")
+    return state + _spare(i)
+
+
+def _spare(i: dict[str, Any]) -> str:
+    """What follows an instance's state where it is a spare (as the console writes it too)."""
+    return ", a spare" if i.get("spare") else ""
 
 
 def _print_instance(console: Console, i: dict[str, Any]) -> None:
@@ -87,9 +92,7 @@ def _print_instance(console: Console, i: dict[str, Any]) -> None:
     if i.get("not_routed"):
         console.print(f"  not routed: {i['not_routed']}", soft_wrap=True)
     if "lifecycle" in i:
-        console.print(
-            f"  {i['lifecycle']}" + (", a spare" if i.get("spare") else ""), soft_wrap=True
-        )
+        console.print(f"  {i['lifecycle']}{_spare(i)}", soft_wrap=True)
     for line in i.get("shown", ()):
         console.print(f"  {line['text']}", soft_wrap=True)
     if "process" in i:
