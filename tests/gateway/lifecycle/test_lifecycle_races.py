@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from capyctl_gateway._clock import stamp
+from capyctl_gateway._errors import GatewayError
 from capyctl_gateway._routing.place import EXIT_SEEN_S
 from tests.eventually import eventually
 from tests.gateway.conftest import FAKES, VIRTUAL_CLOCK, WORKERS, Gw
@@ -488,6 +489,37 @@ async def test_a_start_that_comes_after_the_stop_that_abandoned_a_start_starts_i
     life = lifecycle.lives["a"]
     assert life.state == "ready" and not life.operator_stopped
     assert gw.fakes.starts["a/0"] == 1  # the abandoned start never came up; the second did
+    async with gw.client(timeout=60) as c:
+        r = await c.post("/v1/chat/completions", json=chat("a"))
+    assert r.status_code == 200, r.text
+
+
+async def test_a_start_that_comes_after_the_stop_that_abandoned_a_crash_backoff_starts_it(
+    make_gateway: MakeGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above, with the activation waiting out the crash backoff (two failed starts: 1 s)
+    when the stop abandons it and the start comes. Before, the abandonment escaped the
+    activation as a defect and the later start got 500."""
+    from capyctl_gateway._lifecycle.operator import operator_start, operator_stop
+
+    gw = await make_gateway({"deployments": [launched("a", served=served("a"))]})
+    assert gw.fakes is not None
+    gw.fakes.scripts["a"] = Script(start_fails="no model here")
+    lifecycle = gw.gateway.fleet.lifecycle
+    for _ in range(2):  # tried at once after the first failure; after 1 s after the second
+        with pytest.raises(GatewayError, match="could not be started"):
+            await operator_start(lifecycle, "a", known=True)
+    gw.fakes.scripts["a"] = Script()
+    first = asyncio.ensure_future(operator_start(lifecycle, "a", known=True))
+    with anyio.fail_after(30):
+        await eventually(lambda: "crashed again" in caplog.text)
+    stop = asyncio.ensure_future(operator_stop(lifecycle, "a", known=True))
+    again = asyncio.ensure_future(operator_start(lifecycle, "a", known=True))
+    with anyio.fail_after(60):
+        outcomes = await asyncio.gather(first, stop, again, return_exceptions=True)
+    assert list(outcomes) == [None, None, None], outcomes
+    life = lifecycle.lives["a"]
+    assert life.state == "ready" and not life.operator_stopped
     async with gw.client(timeout=60) as c:
         r = await c.post("/v1/chat/completions", json=chat("a"))
     assert r.status_code == 200, r.text
