@@ -31,6 +31,14 @@ answer to malformed HTTP):
   (`Runner.adopt`, `recast`).
 * ``web.BaseRequest.writer`` and its ``output_size`` (`answer_started`).
 
+Dispatch (every listener's requests, `PlainRoutes`):
+
+* ``web.Server.request_handler``, what each connection's handler calls with a request (the
+  application's ``_handle`` as ``AppRunner`` builds it): `Runner` wraps it.
+* ``web.Request._match_info``, the match info ``Application._handle`` sets and
+  ``Request.match_info``, ``.app`` and the response's prepare hook (its ``on_response_prepare``
+  signal) read: `PlainRoutes` sets the one it kept.
+
 The relay (``_relay/pump.py``, ``_relay/chat.py``: chunk framing, back-pressure, one send):
 
 * ``StreamResponse._payload_writer``, and its ``StreamWriter``'s (``aiohttp.http_writer``)
@@ -48,7 +56,8 @@ The relay (``_relay/pump.py``, ``_relay/chat.py``: chunk framing, back-pressure,
 Checked against aiohttp 3.12.0, 3.12.15, 3.13.0, 3.13.5, 3.14.0 and 3.14.5: the canary passes on
 each, the cancel and pump suites on 3.12.0 and 3.14.0, the gateway's whole suite on 3.14.5. On
 3.10 and 3.11 every name but ``_send_headers_immediately`` has its shape (heads leave alone
-there), hence ``aiohttp>=3.12,<3.15`` in ``pyproject.toml``.
+there), hence ``aiohttp>=3.12,<3.15`` in ``pyproject.toml``. The dispatch's two names were
+checked on 3.12.0 and 3.14.5 (``tests/gateway/http/test_plain_routes.py`` passes on both).
 
 Never imports a module of the gateway: only asyncio and aiohttp.
 """
@@ -56,14 +65,15 @@ Never imports a module of the gateway: only asyncio and aiohttp.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_writer import StreamWriter
 
 __all__ = [
     "HeadWithFirstWrite",
+    "PlainRoutes",
     "Protocol",
     "Runner",
     "Server",
@@ -154,14 +164,66 @@ class Server(web.Server):
 
 
 class Runner(web.AppRunner):
-    """An `aiohttp.web.AppRunner` whose server is `adopt`'s."""
+    """An `aiohttp.web.AppRunner` whose server is `adopt`'s, its requests dispatched by
+    `PlainRoutes`."""
 
     async def _make_server(self) -> web.Server:
-        return self.adopt(await super()._make_server())
+        server = await super()._make_server()
+        server.request_handler = PlainRoutes(self.app, server.request_handler)
+        return self.adopt(server)
 
     def adopt(self, server: web.Server) -> web.Server:
         """The server to serve with, given the plain one aiohttp built (see `recast`)."""
         return server
+
+
+_Handle = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+class PlainRoutes:
+    """A server's request handler: a request for a route with no variable part goes straight
+    to its handler, with the match info aiohttp made for the first request of its method and
+    path; any other request through the application as before (``handle``: its router, and
+    its answer to ``Expect: 100-continue``).
+
+    aiohttp resolves every request afresh: an ``asyncio.get_event_loop()`` (a ``getpid`` system
+    call on Python 3.11), a walk of the router's index, a match info made, the application added
+    to it and frozen. For a plain route all of that comes out the same for each request of that
+    method and path (its resource matches the path by string equality), so the frozen match
+    info is kept and shared: at most one a (route, method), the routes being the bound. Nothing
+    of the gateway writes into a match info, whose mapping is empty for a plain route. An
+    application with middlewares or sub-applications, which may change a request's match info,
+    goes through aiohttp every time."""
+
+    __slots__ = ("_handle", "_kept", "_keeps")
+
+    def __init__(self, app: web.Application, handle: _Handle) -> None:
+        self._handle = handle
+        self._kept: dict[tuple[str, str], web.UrlMappingMatchInfo] = {}
+        self._keeps = not app.middlewares and not any(
+            isinstance(r, web.PrefixedSubAppResource) for r in app.router.resources()
+        )
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        kept = self._kept.get((request.method, request.rel_url.path_safe))
+        if kept is None or hdrs.EXPECT in request.headers:
+            try:
+                return await self._handle(request)
+            finally:
+                self._keep(request)
+        assert isinstance(request, web.Request)  # an application's requests are
+        request._match_info = kept
+        return await kept.handler(request)
+
+    def _keep(self, request: web.BaseRequest) -> None:
+        info = getattr(request, "_match_info", None)
+        if (
+            self._keeps
+            and type(info) is web.UrlMappingMatchInfo  # not an error's (MatchInfoError)
+            and isinstance(info.route.resource, web.PlainResource)
+            and info.route.method == request.method  # not a route for any method
+        ):
+            self._kept[(request.method, request.rel_url.path_safe)] = info
 
 
 def recast(server: web.Server, cls: type[S]) -> S:
