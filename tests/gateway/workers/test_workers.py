@@ -54,6 +54,23 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def holding(pid: int, port: int) -> int:
+    """The established connections to local ``port`` that process ``pid`` holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    held = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()  # local address, state (01: established) and inode
+            local, state, inode = fields[1], fields[3], fields[9]
+            held += state == "01" and int(local.rsplit(":", 1)[1], 16) == port and inode in inodes
+    return held
+
+
 async def stream(port: int, key: str, seconds: float, begun: asyncio.Event) -> str:
     """One streamed request on a connection of its own; what became of it: ``done``,
     ``broken`` (the connection ended mid-stream), or ``error`` (an in-band error event)."""
@@ -158,13 +175,17 @@ async def test_a_killed_workers_answered_streams_settle_as_answered_ones(
     idle report after the cut, as in one process."""
     engine.script = [*vllm_stream(("Hel",))[:2], Hold()]
     gateway, port, mport, state = start(tmp_path, deployments(engine.url))
+    tasks: list[asyncio.Future[None]] = []
     try:
         key = listening(gateway, state)
         begun = [asyncio.Event() for _ in range(8)]
-        tasks = [asyncio.ensure_future(held(port, key, b)) for b in begun]
+        tasks += [asyncio.ensure_future(held(port, key, b)) for b in begun]
         for b in begun:
             await b.wait()  # every stream has its first text
-        os.kill(children(gateway.pid)[0], signal.SIGKILL)
+        # The kernel shares the connections out (SO_REUSEPORT): all 8 may be one worker's.
+        victim = max(children(gateway.pid), key=lambda w: holding(w, port))
+        assert holding(victim, port) > 0
+        os.kill(victim, signal.SIGKILL)
         await eventually(lambda: sum(t.done() for t in tasks) >= 1)
         headers = {"Authorization": f"Bearer {key}"}
         async with httpx.AsyncClient(timeout=60, headers=headers) as m:
@@ -179,10 +200,10 @@ async def test_a_killed_workers_answered_streams_settle_as_answered_ones(
                 return count if not left and count else None
 
             assert await eventually(settled) == sum(t.done() for t in tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
     finally:
+        for t in tasks:
+            t.cancel()  # the survivor's streams, held by the engine, would hold its drain
+        await asyncio.gather(*tasks, return_exceptions=True)
         gateway.send_signal(signal.SIGTERM)
         gateway.wait(timeout=60)
         assert gateway.stderr is not None
