@@ -134,10 +134,20 @@ async def test_a_killed_worker_ends_only_its_streams_settles_them_and_is_replace
         headers = {"Authorization": f"Bearer {key}"}
         async with httpx.AsyncClient(timeout=60, headers=headers) as m:
             status = f"http://127.0.0.1:{mport}/management/v1/deployments/my-model"
-            doc = (await m.get(status)).json()
-            cut = [c for c in doc["instances"][0]["cancelled"] if "worker" in c["reason"]]
-            metrics = (await m.get(f"http://127.0.0.1:{mport}/metrics")).text
-            settled = _sum(metrics, "capyctl_cut_settled_total")
+
+            async def settled_count() -> float:
+                metrics = (await m.get(f"http://127.0.0.1:{mport}/metrics")).text
+                return _sum(metrics, "capyctl_cut_settled_total")
+
+            async def charged() -> tuple[list[Any], Any, float] | None:
+                """The cut requests, the status and the settled count, read while none
+                settled (one may settle between two reads, at the engine's idle report)."""
+                before = await settled_count()
+                doc = (await m.get(status)).json()
+                cut = [c for c in doc["instances"][0]["cancelled"] if "worker" in c["reason"]]
+                return (cut, doc, before) if await settled_count() == before else None
+
+            cut, doc, settled = await eventually(charged)
             # Every stream of the killed worker is charged as a cut request, or already settled.
             assert len(cut) + settled == broken, (cut, settled)
             assert doc["deployment"]["running"] == 0  # no slot was stranded
