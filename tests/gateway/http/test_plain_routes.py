@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capyctl_gateway import _aiohttp as aio
+from tests.eventually import eventually
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE")
@@ -68,8 +70,10 @@ def _app(middleware: bool = False) -> tuple[web.Application, list[object], list[
 
 
 @asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[tuple[int, aio.PlainRoutes]]:
-    runner = aio.Runner(app)
+async def serving(
+    app: web.Application, **settings: Any
+) -> AsyncIterator[tuple[int, aio.PlainRoutes]]:
+    runner = aio.Runner(app, **settings)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -209,3 +213,57 @@ async def test_many_paths_keep_no_more_than_the_plain_routes() -> None:
             await conn.send("POST" if i % 2 else "GET", f"/a/{i}" if i % 3 else "/a")
             await conn.send("GET", f"/m/{i}")
     assert set(routes._kept) == {("POST", "/a"), ("GET", "/a")}
+
+
+@pytest.mark.anyio
+async def test_many_clients_at_once_with_hang_ups_lose_nothing_on_a_kept_route() -> None:
+    """Forty requests at once on a kept route, half of whose clients hang up while their
+    handlers wait, beside requests for other routes: each hung-up handler is cancelled (as the
+    gateway's hang-up detection needs), each other one answered, and every connection usable
+    for its next request."""
+    app = web.Application()
+    running: list[int] = []
+    cancelled: list[int] = []
+    answered: list[int] = []
+    release = asyncio.Event()
+
+    async def waits(request: web.Request) -> web.StreamResponse:
+        n = int(request.query["n"])
+        running.append(n)
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+        answered.append(n)
+        return web.Response(text=f"done {n}")
+
+    async def other(request: web.Request) -> web.StreamResponse:
+        return web.Response(text=f"other {request.match_info['x']}")
+
+    app.router.add_post("/a", waits)
+    app.router.add_get("/m/{x}", other)
+    async with serving(app, handler_cancellation=True) as (port, routes):
+        release.set()
+        async with connected(port) as first:
+            assert (await first.send("POST", "/a?n=-1"))[2] == "done -1"  # kept from now on
+        release.clear()
+        conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(40)]
+        for n, (_, writer) in enumerate(conns):
+            writer.write(f"POST /a?n={n} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+        await eventually(lambda: len(running) == 41)
+        for _, writer in conns[::2]:
+            writer.close()  # the client hangs up while its handler waits
+        async with connected(port) as beside:  # other routes meanwhile
+            for i in range(5):
+                assert (await beside.send("GET", f"/m/{i}"))[2] == f"other {i}"
+                assert (await beside.send("GET", "/nowhere"))[0] == 404
+        await eventually(lambda: sorted(cancelled) == list(range(0, 40, 2)))
+        release.set()
+        for n, (reader, writer) in list(enumerate(conns))[1::2]:
+            conn = Conn(reader, writer)
+            assert (await conn.answer())[2] == f"done {n}"
+            assert (await conn.send("POST", f"/a?n={n + 100}"))[2] == f"done {n + 100}"
+            writer.close()
+        assert sorted(answered) == [-1, *range(1, 40, 2), *range(101, 140, 2)]
+        assert list(routes._kept) == [("POST", "/a")]
